@@ -1,0 +1,57 @@
+"""The ``aqr`` command line: a thin dispatcher over the Python API.
+
+Each sub-command lives in its own module ``aqr.cli_<name>`` exposing ``register(subparsers)``,
+which adds its parser and sets ``func`` (a callable taking the parsed namespace and returning an
+exit code). Modules are imported lazily so a missing optional dependency only breaks its command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name of the command -> module that implements it
+COMMANDS: dict[str, str] = {
+    "calibrate": "aqr.cli_calibrate",
+    "corrupt": "aqr.cli_corrupt",
+    "train": "aqr.cli_train",
+    "evaluate": "aqr.cli_evaluate",
+    "bench": "aqr.cli_bench",
+    "report": "aqr.cli_report",
+    "demo": "aqr.cli_demo",
+    "synth": "aqr.cli_synth",
+    "bench-speed": "aqr.cli_speed",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the top-level parser with every available sub-command registered."""
+    from aqr import __version__
+
+    parser = argparse.ArgumentParser(prog="aqr", description="Test-time adaptation by Adaptive Quantile Recalibration.")
+    parser.add_argument("--version", action="version", version=f"aqr {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name == module_name:  # command not implemented in this version
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
