@@ -1,0 +1,154 @@
+"""Test-time recalibration: the :class:`AQR` wrapper and the :func:`recalibrating` context manager.
+
+On every forward pass, each selected normalization layer's output is mapped, channel by channel,
+from this batch's quantiles onto the stored source quantiles (:func:`aqr.quantile_map`). Nothing is
+learned and nothing persists between batches: the model's parameters and buffers are never changed,
+and hooks exist only while a forward pass (or the context manager) runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from aqr.layers import check_output, select_layers
+from aqr.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, map_rows, to_channel_rows
+from aqr.stats import SOURCE_MOMENTS, NonFiniteActivationError, SourceStats
+
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+@dataclass(frozen=True)
+class AQRConfig:
+    """How batches are recalibrated.
+
+    Attributes:
+        tail: tail strategy (see :func:`aqr.quantile_map`); ``None`` uses the one stored in the stats.
+        layers: ``"all"``, ``"top-half"``, ``"bottom-half"`` of the calibrated layers (forward order),
+            or explicit names; ``None`` uses every calibrated layer.
+        source_moments: ``"affine"`` (the layer's beta/gamma, the paper's choice) or ``"empirical"``
+            (measured source mean/std) for the ``"gaussian"`` and ``"interval"`` tails.
+        gaussian_p: level standing in for p0 (and 1 - p for p100) in the ``"gaussian"`` tail.
+        on_nonfinite: ``"raise"`` (default) stops with an error naming the layer when a batch has
+            NaN/Inf activations; ``"skip"`` leaves that layer's output untouched for that batch.
+    """
+
+    tail: str | None = None
+    layers: str | Sequence[str] | None = None
+    source_moments: str = "affine"
+    gaussian_p: float = DEFAULT_GAUSSIAN_P
+    on_nonfinite: str = "raise"
+
+    def __post_init__(self) -> None:
+        if self.tail is not None and self.tail not in TAILS:
+            raise ValueError(f"unknown tail strategy {self.tail!r}; expected one of {', '.join(TAILS)}")
+        if self.source_moments not in SOURCE_MOMENTS:
+            raise ValueError(f"source_moments must be one of {SOURCE_MOMENTS}, got {self.source_moments!r}")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
+        if not 0.0 < self.gaussian_p < 0.5:
+            raise ValueError(f"gaussian_p must be in (0, 0.5), got {self.gaussian_p}")
+
+
+class _LayerMap:
+    """The recalibration of one layer, with its source tensors cached per device."""
+
+    def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str) -> None:
+        self.info = stats.layers[name].info
+        self.tail = tail
+        self.on_nonfinite = config.on_nonfinite
+        loc, scale = stats.source_moments(name, config.source_moments)
+        self._cpu = (stats.source_quantiles(name, tail), loc, scale)
+        self._cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self.gaussian_p = config.gaussian_p
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if device not in self._cache:
+            self._cache[device] = tuple(t.to(device, torch.float32) for t in self._cpu)
+        return self._cache[device]
+
+    def __call__(self, _module: nn.Module, _inputs: object, output: object) -> torch.Tensor:
+        out = check_output(self.info, output)
+        dim = self.info.channel_dim % out.ndim
+        rows = to_channel_rows(out, dim).float()
+        k = self._cpu[0].shape[1]
+        tq = channel_quantiles(rows, k)
+        # NaN sorts last and +-Inf sit at the ends, so finite knots mean finite activations.
+        if not bool(torch.isfinite(tq[:, 0]).all() and torch.isfinite(tq[:, -1]).all()):
+            if self.on_nonfinite == "skip":
+                return out
+            raise NonFiniteActivationError(
+                f"layer {self.info.name!r} produced NaN or Inf activations on this batch; AQR cannot "
+                "recalibrate them (pass on_nonfinite='skip' to leave such layers untouched)"
+            )
+        sq, loc, scale = self._on(rows.device)
+        y = map_rows(rows, sq, tq, self.tail, loc, scale, self.gaussian_p)
+        shape = list(out.shape)
+        shape.insert(0, shape.pop(dim))
+        return y.reshape(shape).movedim(0, dim).to(out.dtype)
+
+
+def _layer_maps(stats: SourceStats, config: AQRConfig) -> dict[str, _LayerMap]:
+    tail = config.tail or stats.tail
+    infos = [layer.info for layer in stats.layers.values()]
+    chosen = select_layers(infos, "all" if config.layers is None else config.layers, stats.layer_names)
+    return {info.name: _LayerMap(stats, info.name, config, tail) for info in chosen}
+
+
+@contextlib.contextmanager
+def _hooks(model: nn.Module, maps: dict[str, _LayerMap]) -> Iterator[None]:
+    modules = dict(model.named_modules())
+    handles = [modules[name].register_forward_hook(fn) for name, fn in maps.items()]
+    flags = {m: m.training for m in model.modules()}
+    model.eval()  # BatchNorm must not update its running statistics
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in flags.items():
+            m.train(flag)
+
+
+@contextlib.contextmanager
+def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> Iterator[nn.Module]:
+    """Within the block, ``model(x)`` is recalibrated by AQR; afterwards the model is as before.
+
+    ``options`` are the fields of :class:`AQRConfig`. The model runs in eval mode inside the block.
+    """
+    stats.check_model(model)
+    with _hooks(model, _layer_maps(stats, AQRConfig(**options))):  # type: ignore[arg-type]
+        yield model
+
+
+class AQR(nn.Module):
+    """``model`` with every selected normalization output recalibrated on each batch.
+
+    ``AQR(model, stats)(x)`` returns ``model(x)`` computed under :func:`recalibrating`, without
+    gradients. ``self.model`` is the original model, unchanged. Options are the fields of
+    :class:`AQRConfig` (``tail``, ``layers``, ``source_moments``, ``gaussian_p``, ``on_nonfinite``).
+    """
+
+    def __init__(self, model: nn.Module, stats: SourceStats, **options: object) -> None:
+        super().__init__()
+        stats.check_model(model)
+        self.model = model
+        self.stats = stats
+        self.config = AQRConfig(**options)  # type: ignore[arg-type]
+        self._maps = _layer_maps(stats, self.config)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The layers recalibrated, in forward execution order."""
+        return list(self._maps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), _hooks(self.model, self._maps):
+            return self.model(x)
+
+    def extra_repr(self) -> str:
+        return f"layers={len(self._maps)}, tail={self.config.tail or self.stats.tail!r}, K={self.stats.num_quantiles}"

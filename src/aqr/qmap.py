@@ -1,0 +1,239 @@
+"""The AQR quantile map (paper Eq. 1) and its tail strategies, on plain tensors.
+
+Conventions used throughout:
+
+* A quantile tensor has shape ``(C, K)``: ``C`` channels on dim 0, ``K`` knots at the uniform levels
+  ``u_j = j / (K - 1)`` (``K = 101`` gives the percentiles ``p0 .. p100``).
+* Values to map have their channels on ``dim`` (default 0); every other dim is pooled.
+
+The map sends a value ``x`` of channel ``c`` to the source value at the same quantile level:
+``u(x)`` is found by piecewise-linear interpolation of the target knots, the result by
+piecewise-linear interpolation of the source knots at ``u(x)``. Inside ``[p_j^T, p_{j+1}^T)`` this
+is exactly ``p_j^S + (x - p_j^T) / (p_{j+1}^T - p_j^T) * (p_{j+1}^S - p_j^S)``.
+
+Zero-width target intervals (constant channels, repeated quantiles, dead units): a value equal to a
+run of tied knots ``p_a^T = ... = p_b^T`` is sent to the source at the middle level ``(a + b) / 2``,
+so a constant channel maps to the source median; no division by zero occurs. Values outside
+``[p_0^T, p_{K-1}^T]`` (possible only when the target knots come from a subsample) are extrapolated
+with the slope of the edge interval, or clamped to the source edge when that interval has zero width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+Tail = Literal["standard", "average", "none", "clip", "interval", "gaussian"]
+TAILS: tuple[str, ...] = ("standard", "average", "none", "clip", "interval", "gaussian")
+
+# Default probability that stands in for p0 / p100 in the Gaussian tail (the probit of 0 and 1 is
+# infinite). With the same p on both sides the tail map does not depend on it (see `_gaussian_tails`).
+DEFAULT_GAUSSIAN_P = 1e-3
+
+
+def quantile_levels(num_quantiles: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``K`` uniform levels ``0, 1/(K-1), ..., 1`` in float64."""
+    if num_quantiles < 3:
+        raise ValueError(f"num_quantiles must be >= 3 (p0, at least one inner knot, p100), got {num_quantiles}")
+    return torch.linspace(0.0, 1.0, num_quantiles, dtype=torch.float64, device=device)
+
+
+def sorted_quantiles(sorted_values: torch.Tensor, num_quantiles: int) -> torch.Tensor:
+    """Quantiles of each row of an already sorted ``(C, M)`` tensor, linear interpolation ("type 7").
+
+    Matches ``numpy.quantile(..., method="linear")``; returns ``(C, K)`` in the input dtype.
+    """
+    m = sorted_values.shape[-1]
+    if m == 0:
+        raise ValueError("cannot compute quantiles of an empty channel")
+    pos = quantile_levels(num_quantiles, sorted_values.device) * (m - 1)
+    lo = pos.floor().long().clamp_(0, m - 1)
+    hi = (lo + 1).clamp_(max=m - 1)
+    frac = (pos - lo.to(pos.dtype)).to(sorted_values.dtype)
+    a = sorted_values[..., lo]
+    b = sorted_values[..., hi]
+    return a + (b - a) * frac
+
+
+def channel_quantiles(x: torch.Tensor, num_quantiles: int, dim: int = 0) -> torch.Tensor:
+    """Exact per-channel quantiles ``(C, K)`` of ``x`` with channels on ``dim`` (float32 or wider)."""
+    flat = to_channel_rows(x, dim)
+    if not flat.dtype.is_floating_point or flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    return sorted_quantiles(torch.sort(flat, dim=1).values, num_quantiles)
+
+
+def to_channel_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """View/copy ``x`` as ``(C, M)`` with the channel dim first."""
+    if x.ndim == 0:
+        raise ValueError("expected a tensor with a channel dimension, got a scalar")
+    return x.movedim(dim, 0).reshape(x.shape[dim], -1)
+
+
+def _interp_levels(x: torch.Tensor, target_q: torch.Tensor) -> torch.Tensor:
+    """Fractional knot index ``u`` in ``[0, K-1]`` (extrapolated outside) of each value of ``x`` (C, M)."""
+    k = target_q.shape[1]
+    hi = torch.searchsorted(target_q, x, right=True)  # number of knots <= x, in [0, K]
+    j = (hi - 1).clamp_(0, k - 2)
+    lo_knot = target_q.gather(1, j)
+    width = target_q.gather(1, j + 1) - lo_knot
+    # Inside the range width > 0 by construction (lo_knot <= x < next knot). At the edges, where x
+    # falls outside, a zero width means "clamp"; guard the division and zero the slope instead.
+    safe = torch.where(width > 0, width, torch.ones_like(width))
+    t = torch.where(width > 0, (x - lo_knot) / safe, (x > lo_knot).to(x.dtype))
+    u = j.to(x.dtype) + t
+    # A value equal to a knot may sit in a run of tied knots p_a = ... = p_b: use the middle level.
+    tie = (hi > 0) & (x == target_q.gather(1, (hi - 1).clamp_(min=0)))
+    if bool(tie.any()):
+        run_start = torch.searchsorted(target_q, target_q)  # first index of each knot's value
+        rows, cols = tie.nonzero(as_tuple=True)
+        last = hi[rows, cols] - 1
+        u[rows, cols] = (run_start[rows, last] + last).to(x.dtype) / 2
+    return u
+
+
+def _eval_levels(u: torch.Tensor, source_q: torch.Tensor) -> torch.Tensor:
+    """Piecewise-linear interpolation of the source knots at fractional indices ``u`` (linear beyond)."""
+    k = source_q.shape[1]
+    i = u.floor().long().clamp_(0, k - 2)
+    frac = u - i.to(u.dtype)
+    a = source_q.gather(1, i)
+    return a + (source_q.gather(1, i + 1) - a) * frac
+
+
+def _probit(p: float) -> float:
+    return math.sqrt(2.0) * torch.erfinv(torch.tensor(2.0 * p - 1.0, dtype=torch.float64)).item()
+
+
+def quantile_map(
+    x: torch.Tensor,
+    source_q: torch.Tensor,
+    target_q: torch.Tensor | None = None,
+    tail: Tail = "standard",
+    *,
+    dim: int = 0,
+    source_loc: torch.Tensor | None = None,
+    source_scale: torch.Tensor | None = None,
+    gaussian_p: float = DEFAULT_GAUSSIAN_P,
+) -> torch.Tensor:
+    """Map ``x`` (channels on ``dim``) from the target quantiles onto the source quantiles.
+
+    Args:
+        x: values to recalibrate; channel ``c`` is ``x.select(dim, c)``.
+        source_q: ``(C, K)`` source knots (non-decreasing along K).
+        target_q: ``(C, K)`` knots of ``x`` itself; computed exactly from ``x`` when ``None``.
+        tail: how the two edge intervals ``[p0, p1)`` and ``[p_{K-2}, p_{K-1}]`` are treated:
+
+            * ``"standard"``/``"average"``: Eq. 1 everywhere. They differ only in the *source*
+              ``p0``/``p100`` the caller passes (empirical extremes vs. averaged small-sample
+              extremes, see :class:`aqr.SourceStats`).
+            * ``"none"`` ("Not Calibrated", paper Eq. 5): values below ``p1^T`` or at/above
+              ``p_{K-2}^T`` are returned unchanged.
+            * ``"clip"`` (paper Eq. 6, literally): such values are set to ``p1^T`` / ``p_{K-2}^T``
+              (the *target* knots, as printed in the paper).
+            * ``"interval"`` (paper Eq. 7): ``(x - p0^T) / std(X) * gamma + p0^S`` below ``p1^T`` and
+              ``(x - p_{K-2}^T) / std(X) * gamma + p_{K-2}^S`` above, ``X`` the channel's values in
+              this batch and ``gamma = source_scale``.
+            * ``"gaussian"`` (paper App., Eq. 8): the edge intervals use Gaussian quantile functions
+              ``Q^S(p) = source_loc + source_scale * probit(p)`` and ``Q^T(p) = mean(X) + std(X) *
+              probit(p)``, with ``p = gaussian_p`` standing in for ``p0`` and ``1 - gaussian_p`` for
+              ``p100`` (their probits are infinite). The lower tail is anchored at ``Q^S(p0)``, the
+              upper one at the empirical ``p_{K-2}^S``, exactly as the paper prints it. Because both
+              sides use the same ``p``, the result does not depend on ``gaussian_p``: the lower
+              tail is ``source_loc + (x - mean) * source_scale / std`` and the upper one
+              ``p_{K-2}^S + (x - Q^T(u_{K-2})) * source_scale / std``.
+        source_loc, source_scale: ``(C,)`` Gaussian/affine description of the source channel
+            (the normalization layer's ``beta``/``gamma`` in the paper); needed by ``"interval"``
+            (scale) and ``"gaussian"`` (both).
+        gaussian_p: the level used for ``p0`` (and ``1 - gaussian_p`` for ``p100``) by ``"gaussian"``.
+
+    Returns:
+        A tensor shaped like ``x``, in ``x``'s dtype (computed in float32 or wider).
+    """
+    if tail not in TAILS:
+        raise ValueError(f"unknown tail strategy {tail!r}; expected one of {', '.join(TAILS)}")
+    if source_q.ndim != 2:
+        raise ValueError(f"source_q must be (channels, quantiles), got shape {tuple(source_q.shape)}")
+    c, k = source_q.shape
+    if x.ndim == 0 or x.shape[dim] != c:
+        raise ValueError(f"x has {x.shape[dim] if x.ndim else 0} channels on dim {dim}, source_q has {c}")
+    if k < 3:
+        raise ValueError(f"need at least 3 quantiles (p0, an inner knot, p100), got {k}")
+    out_dtype = x.dtype
+    work = torch.promote_types(x.dtype, torch.float32)
+    rows = to_channel_rows(x, dim).to(work)
+    sq = source_q.to(device=rows.device, dtype=work)
+    tq = channel_quantiles(rows, k) if target_q is None else target_q.to(device=rows.device, dtype=work)
+    if tq.shape != (c, k):
+        raise ValueError(f"target_q has shape {tuple(tq.shape)}, expected {(c, k)}")
+
+    y = map_rows(rows, sq, tq, tail, source_loc, source_scale, gaussian_p)
+    shape = list(x.shape)
+    shape.insert(0, shape.pop(dim))
+    return y.reshape(shape).movedim(0, dim).to(out_dtype)
+
+
+def map_rows(
+    rows: torch.Tensor,
+    source_q: torch.Tensor,
+    target_q: torch.Tensor,
+    tail: str = "standard",
+    source_loc: torch.Tensor | None = None,
+    source_scale: torch.Tensor | None = None,
+    gaussian_p: float = DEFAULT_GAUSSIAN_P,
+) -> torch.Tensor:
+    """:func:`quantile_map` on ``(C, M)`` rows with ``(C, K)`` knots, all of one float dtype and device."""
+    rows, target_q = rows.contiguous(), target_q.contiguous()
+    y = _eval_levels(_interp_levels(rows, target_q), source_q)
+    if tail in ("none", "clip", "interval", "gaussian"):
+        y = _apply_tail(rows, y, source_q, target_q, tail, source_loc, source_scale, gaussian_p)
+    return y
+
+
+def _apply_tail(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    sq: torch.Tensor,
+    tq: torch.Tensor,
+    tail: str,
+    source_loc: torch.Tensor | None,
+    source_scale: torch.Tensor | None,
+    gaussian_p: float,
+) -> torch.Tensor:
+    k = tq.shape[1]
+    low = x < tq[:, 1:2]
+    high = x >= tq[:, k - 2 : k - 1]
+    if tail == "none":
+        return torch.where(low | high, x, y)
+    if tail == "clip":
+        y = torch.where(low, tq[:, 1:2].expand_as(x), y)
+        return torch.where(high, tq[:, k - 2 : k - 1].expand_as(x), y)
+
+    scale = _per_channel(source_scale, "source_scale", tail, sq)
+    mean = x.mean(dim=1, keepdim=True)
+    std = x.std(dim=1, correction=0, keepdim=True)
+    std = torch.where(std > 0, std, torch.ones_like(std))  # constant channel: no spread to rescale
+    if tail == "interval":
+        y = torch.where(low, (x - tq[:, :1]) / std * scale + sq[:, :1], y)
+        return torch.where(high, (x - tq[:, k - 2 : k - 1]) / std * scale + sq[:, k - 2 : k - 1], y)
+
+    loc = _per_channel(source_loc, "source_loc", tail, sq)
+    z0, z1 = _probit(gaussian_p), _probit(1.0 / (k - 1))
+    z99, z100 = _probit((k - 2) / (k - 1)), _probit(1.0 - gaussian_p)
+    lo_t0, lo_t1 = mean + std * z0, mean + std * z1
+    lo_s0, lo_s1 = loc + scale * z0, loc + scale * z1
+    y = torch.where(low, (x - lo_t0) / (lo_t1 - lo_t0) * (lo_s1 - lo_s0) + lo_s0, y)
+    hi_t0, hi_t1 = mean + std * z99, mean + std * z100
+    hi_s0, hi_s1 = loc + scale * z99, loc + scale * z100
+    return torch.where(high, (x - hi_t0) / (hi_t1 - hi_t0) * (hi_s1 - hi_s0) + sq[:, k - 2 : k - 1], y)
+
+
+def _per_channel(v: torch.Tensor | None, name: str, tail: str, like: torch.Tensor) -> torch.Tensor:
+    if v is None:
+        raise ValueError(f'tail="{tail}" needs {name} (one value per channel)')
+    v = torch.as_tensor(v).to(device=like.device, dtype=like.dtype).reshape(-1, 1)
+    if v.shape[0] != like.shape[0]:
+        raise ValueError(f"{name} has {v.shape[0]} values, expected one per channel ({like.shape[0]})")
+    return v

@@ -1,0 +1,170 @@
+"""The AQR wrapper on whole models: recalibration, no side effects, errors."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import aqr
+from models_tiny import bn_cnn, gn_cnn, images, tiny_vit
+
+
+def loader(x, batch=32):
+    for i in range(0, len(x), batch):
+        yield x[i : i + batch], torch.zeros(len(x[i : i + batch]), dtype=torch.long)
+
+
+class Probe(nn.Module):
+    """A norm layer whose output is returned, to see exactly what AQR does to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3, affine=False)  # eval mode: running mean 0, var 1 -> identity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+def test_recalibrates_a_nonaffine_shift_back_to_the_source():
+    g = torch.Generator().manual_seed(0)
+    model = Probe().eval()
+    stats = aqr.calibrate(model, [torch.randn(20_000, 3, generator=g) for _ in range(5)], tail="standard")
+    clean = torch.randn(50_000, 3, generator=g)
+    adapted = aqr.AQR(model, stats)(torch.exp(clean))
+    assert float(((adapted - clean) ** 2).mean()) < 0.01
+    shifted = torch.exp(clean)
+    affine = (shifted - shifted.mean(0)) / shifted.std(0)
+    assert float(((affine - clean) ** 2).mean()) > 0.2
+
+
+@pytest.mark.parametrize("make", [bn_cnn, gn_cnn, tiny_vit])
+def test_source_batches_pass_nearly_unchanged(make):
+    model = make()
+    x = images(512, seed=1)
+    stats = aqr.calibrate(model, loader(images(2048, seed=2)))
+    with torch.no_grad():
+        plain = model.eval()(x)
+    adapted = aqr.AQR(model, stats)(x)
+    agree = (plain.argmax(1) == adapted.argmax(1)).float().mean()
+    assert agree > 0.9
+    assert (adapted - plain).abs().mean() < 0.1 * plain.abs().mean() + 1e-3
+
+
+@pytest.mark.parametrize("make", [bn_cnn, gn_cnn, tiny_vit])
+def test_adaptation_undoes_a_brightness_shift(make):
+    model = make()
+    stats = aqr.calibrate(model, loader(images(2048, seed=2)))
+    x = images(512, seed=1)
+    shifted = x * 0.4  # darker images: a shift every layer sees
+    with torch.no_grad():
+        clean = model.eval()(x)
+        plain_err = (model(shifted) - clean).abs().mean()
+    adapted_err = (aqr.AQR(model, stats)(shifted) - clean).abs().mean()
+    assert adapted_err < 0.3 * plain_err
+
+
+def test_model_is_exactly_as_before_after_use():
+    model = bn_cnn().train()
+    stats = aqr.calibrate(model, loader(images(64)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = images(16, seed=5)
+    adapted = aqr.AQR(model, stats)
+    assert adapted.model is model
+    out = adapted(x)
+    assert not out.requires_grad
+    assert model.training and all(m.training for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not any(m._forward_hooks for m in model.modules())
+    reference = bn_cnn()
+    reference.load_state_dict(before)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), reference.eval()(x))
+
+
+def test_context_manager_matches_wrapper_and_cleans_up():
+    model = gn_cnn()
+    stats = aqr.calibrate(model, loader(images(64)))
+    x = images(16, seed=5)
+    with torch.no_grad():
+        plain = model.eval()(x)
+        with aqr.recalibrating(model, stats) as m:
+            inside = m(x)
+        after = model(x)
+    torch.testing.assert_close(inside, aqr.AQR(model, stats)(x))
+    assert not torch.allclose(inside, plain)
+    torch.testing.assert_close(after, plain)
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_layer_subset_and_options():
+    model = tiny_vit(depth=2)
+    stats = aqr.calibrate(model, loader(images(64)))
+    assert aqr.AQR(model, stats, layers="top-half").layer_names == stats.layer_names[3:]
+    assert aqr.AQR(model, stats, layers=["norm"]).layer_names == ["norm"]
+    x = images(16, seed=5)
+    outs = {t: aqr.AQR(model, stats, tail=t)(x) for t in aqr.TAILS}
+    for t, out in outs.items():
+        assert torch.isfinite(out).all(), t
+    assert not torch.allclose(outs["average"], outs["standard"])
+    assert not torch.allclose(outs["none"], outs["clip"])
+    with pytest.raises(ValueError, match="unknown tail"):
+        aqr.AQR(model, stats, tail="bogus")
+    with pytest.raises(aqr.LayerError, match="not a normalization layer"):
+        aqr.AQR(model, stats, layers=["head"])
+    with pytest.raises(TypeError):
+        aqr.AQR(model, stats, nonsense=1)
+
+
+def test_stats_subset_then_layer_halves_are_of_that_subset():
+    model = tiny_vit(depth=2)
+    stats = aqr.calibrate(model, loader(images(32)), layers="top-half")
+    assert aqr.AQR(model, stats).layer_names == stats.layer_names
+    assert aqr.AQR(model, stats, layers="top-half").layer_names == stats.layer_names[1:]
+
+
+def test_nan_activations_raise_naming_the_layer_or_are_skipped():
+    model = bn_cnn()
+    stats = aqr.calibrate(model, loader(images(64)))
+    x = images(8)
+    x[0, :, 2, 2] = float("nan")
+    with pytest.raises(aqr.NonFiniteActivationError, match="layer '1'"):
+        aqr.AQR(model, stats)(x)
+    out = aqr.AQR(model, stats, on_nonfinite="skip")(x)
+    with torch.no_grad():
+        assert torch.equal(out.isnan(), model.eval()(x).isnan())
+    x[0, :, 2, 2] = float("inf")
+    with pytest.raises(aqr.NonFiniteActivationError):
+        aqr.AQR(model, stats)(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_activations(dtype):
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3))
+    source = torch.randn(256, 6)
+    stats = aqr.calibrate(model, [source])
+    low = copy.deepcopy(model).to(dtype)
+    x = torch.randn(64, 6).to(dtype)
+    out = aqr.AQR(low, stats)(x)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    ref = aqr.AQR(model, stats)(x.float())
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.1)
+
+
+def test_saved_stats_drive_the_same_adaptation(tmp_path):
+    model = gn_cnn()
+    stats = aqr.calibrate(model, loader(images(64)))
+    back = aqr.SourceStats.load(stats.save(tmp_path / "m.aqr.safetensors"))
+    x = images(16, seed=9)
+    torch.testing.assert_close(aqr.AQR(model, stats)(x), aqr.AQR(model, back)(x))
+
+
+def test_batches_are_independent():
+    model = bn_cnn()
+    stats = aqr.calibrate(model, loader(images(64)))
+    adapted = aqr.AQR(model, stats)
+    a, b = images(16, seed=1), images(16, seed=2)
+    first = adapted(a)
+    adapted(b * 0.1)
+    torch.testing.assert_close(adapted(a), first)

@@ -1,0 +1,245 @@
+"""Source statistics: calibration, bounded sampling, tails, files and model checks."""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import aqr
+from aqr.stats import _average_sample_tails, _Collector
+from aqr.layers import LayerInfo
+from models_tiny import bn_cnn, gn_cnn, images, tiny_vit
+
+
+def loader(x, batch=16, labels=True):
+    for i in range(0, len(x), batch):
+        xb = x[i : i + batch]
+        yield (xb, torch.zeros(len(xb), dtype=torch.long)) if labels else xb
+
+
+def outputs_of(model, name, x):
+    store = []
+    h = dict(model.named_modules())[name].register_forward_hook(lambda m, i, o: store.append(o.detach()))
+    with torch.no_grad():
+        model.eval()(x)
+    h.remove()
+    return torch.cat(store)
+
+
+def test_calibrate_records_every_norm_layer_with_exact_moments_and_extremes():
+    model, x = bn_cnn(), images(64)
+    stats = aqr.calibrate(model, loader(x), num_quantiles=11)
+    assert stats.layer_names == ["1", "4"]
+    out = outputs_of(model, "1", x).transpose(0, 1).reshape(8, -1)
+    layer = stats.layers["1"]
+    assert layer.quantiles.shape == (8, 11)
+    assert layer.num_values == out.shape[1] == layer.sample_size
+    torch.testing.assert_close(layer.quantiles[:, 0], out.amin(1))
+    torch.testing.assert_close(layer.quantiles[:, -1], out.amax(1))
+    torch.testing.assert_close(layer.quantiles[:, 1:-1], aqr.channel_quantiles(out, 11)[:, 1:-1])
+    torch.testing.assert_close(layer.mean, out.mean(1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.std, out.std(1, correction=0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.affine_weight, model[1].weight.detach())
+
+
+def test_plain_tensor_batches_work_and_calibration_is_deterministic():
+    model, x = gn_cnn(), images(40)
+    a = aqr.calibrate(model, loader(x, labels=False), max_samples=500, seed=3)
+    b = aqr.calibrate(model, loader(x, labels=False), max_samples=500, seed=3)
+    c = aqr.calibrate(model, loader(x, labels=False), max_samples=500, seed=4)
+    for name in a.layer_names:
+        assert torch.equal(a.layers[name].quantiles, b.layers[name].quantiles)
+        assert torch.equal(a.layers[name].tail_low, b.layers[name].tail_low)
+    assert not torch.equal(a.layers["1"].quantiles, c.layers["1"].quantiles)
+
+
+def test_sample_is_bounded_and_within_the_dkw_bound():
+    info = LayerInfo("x", "BatchNorm1d", 3, 1)
+    col = _Collector(info, max_samples=5_000, generator_seed=0)
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(1000, 3, generator=g) ** 3 for _ in range(100)]  # 100k values / channel
+    for chunk in chunks:
+        col.update(chunk)
+        assert col.values.shape[1] <= 5_000
+    stats = col.finish(nn.BatchNorm1d(3), 101, 100, 1000)
+    assert stats.sample_size == 5_000 and stats.num_values == 100_000
+    full = torch.cat(chunks).T.contiguous()
+    eps = aqr.dkw_epsilon(5_000, delta=1e-3)
+    levels = torch.linspace(0, 1, 101)
+    for c in range(3):
+        cdf = torch.searchsorted(torch.sort(full[c]).values, stats.quantiles[c, 1:-1].contiguous()) / full.shape[1]
+        assert (cdf - levels[1:-1]).abs().max() <= eps + 1e-3
+    # the kept values are a uniform sample: their mean matches the full mean
+    assert abs(float(col.values.mean() - full.mean())) < 0.2
+
+
+def test_average_sample_tails_match_the_expected_min_and_max():
+    u = torch.sort(torch.rand(2, 200_000, generator=torch.Generator().manual_seed(0)), dim=1).values
+    low, high = _average_sample_tails(u, tail_batch=100, tail_repeats=1000, seed=0)
+    # uniform(0,1): E[min of 100] = 1/101, E[max] = 100/101; sd of the mean over 1000 draws ~3e-4
+    assert torch.allclose(low, torch.full((2,), 1 / 101), atol=2e-3)
+    assert torch.allclose(high, torch.full((2,), 100 / 101), atol=2e-3)
+
+
+def test_average_tails_sit_inside_the_empirical_extremes():
+    model, x = bn_cnn(), images(64)
+    stats = aqr.calibrate(model, loader(x))
+    for name in stats.layer_names:
+        layer = stats.layers[name]
+        q = stats.source_quantiles(name, "average")
+        assert (layer.quantiles[:, 0] <= q[:, 0]).all() and (q[:, 0] <= q[:, 1]).all()
+        assert (layer.quantiles[:, -1] >= q[:, -1]).all() and (q[:, -1] >= q[:, -2]).all()
+        assert (layer.quantiles[:, 0] < layer.tail_low).any()
+        assert torch.equal(stats.source_quantiles(name, "standard"), layer.quantiles)
+
+
+def test_layer_selection_halves_follow_execution_order():
+    model, x = tiny_vit(depth=2), images(8)
+    full = aqr.calibrate(model, loader(x), layers="all")
+    # registration order == execution order here: stem_norm, 2 x (norm1, norm2), norm
+    assert full.layer_names == ["stem_norm", "blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2", "norm"]
+    top = aqr.calibrate(model, loader(x), layers="top-half")
+    bottom = aqr.calibrate(model, loader(x), layers="bottom-half")
+    assert top.layer_names == full.layer_names[3:]
+    assert bottom.layer_names == full.layer_names[:3]
+    some = aqr.calibrate(model, loader(x), layers=["norm", "blocks.0.norm1"])
+    assert sorted(some.layer_names) == ["blocks.0.norm1", "norm"]
+
+
+def test_layernorm_channels_are_last_and_layernorm2d_channels_first():
+    model, x = tiny_vit(dim=16), images(8)
+    stats = aqr.calibrate(model, loader(x))
+    assert stats.layers["stem_norm"].info.channel_dim == 1
+    assert stats.layers["norm"].info.channel_dim == -1
+    tokens = outputs_of(model, "blocks.0.norm2", x).reshape(-1, 16).T
+    torch.testing.assert_close(stats.layers["blocks.0.norm2"].quantiles[:, 50], aqr.channel_quantiles(tokens, 101)[:, 50])
+
+
+def test_bad_layers_and_models_get_clear_errors():
+    with pytest.raises(aqr.LayerError, match="'0' is a Conv2d"):
+        aqr.calibrate(bn_cnn(), loader(images(8)), layers=["0"])
+    with pytest.raises(aqr.LayerError, match="not a normalization layer of this model"):
+        aqr.calibrate(bn_cnn(), loader(images(8)), layers=["nope"])
+    with pytest.raises(aqr.LayerError, match="unknown layer selection"):
+        aqr.calibrate(bn_cnn(), loader(images(8)), layers="middle")
+    with pytest.raises(aqr.LayerError, match="no BatchNorm"):
+        aqr.calibrate(nn.Linear(3, 2), [torch.zeros(2, 3)])
+    two_dim = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm([2, 4]))
+    with pytest.raises(aqr.LayerError, match="'1': LayerNorm over 2 dims"):
+        aqr.calibrate(two_dim, [torch.zeros(3, 2, 4)])
+    with pytest.raises(ValueError, match="no batch"):
+        aqr.calibrate(bn_cnn(), [])
+
+
+def test_nan_during_calibration_names_the_layer():
+    x = images(8)
+    x[0, 0, 0, 0] = float("nan")
+    with pytest.raises(aqr.NonFiniteActivationError, match="layer '1'"):
+        aqr.calibrate(bn_cnn(), loader(x))
+
+
+def test_calibration_leaves_the_model_untouched():
+    model = bn_cnn().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    aqr.calibrate(model, loader(images(32)))
+    assert model.training and all(m.training for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+# ---- files ---------------------------------------------------------------------------------------
+def test_round_trip_keeps_everything(tmp_path):
+    model = tiny_vit()
+    stats = aqr.calibrate(model, loader(images(16)), num_quantiles=21, tail="gaussian", max_samples=300, seed=7)
+    path = stats.save(tmp_path / "s.aqr.safetensors")
+    back = aqr.SourceStats.load(path)
+    assert back.layer_names == stats.layer_names
+    assert (back.num_quantiles, back.tail, back.max_samples, back.seed) == (21, "gaussian", 300, 7)
+    assert back.model_layers == stats.model_layers
+    for name, layer in stats.layers.items():
+        other = back.layers[name]
+        assert other.info == layer.info and other.num_values == layer.num_values
+        for key in ("quantiles", "tail_low", "tail_high", "mean", "std", "affine_weight", "affine_bias"):
+            assert torch.equal(getattr(other, key), getattr(layer, key)), (name, key)
+    back.check_model(model)
+
+
+def test_file_is_safetensors_with_metadata(tmp_path):
+    from safetensors import safe_open
+
+    path = aqr.calibrate(bn_cnn(), loader(images(16))).save(tmp_path / "s.safetensors")
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["aqr"])
+    assert meta["format_version"] == 1 and meta["num_quantiles"] == 101 and meta["aqr_version"] == aqr.__version__
+    assert [layer["channels"] for layer in meta["layers"]] == [8, 8]
+    assert meta["tail"] == "average" and meta["tail_batch"] == 100 and meta["tail_repeats"] == 1000
+    assert len(meta["model_fingerprint"]) == 16
+
+
+def test_truncated_and_foreign_files_raise(tmp_path):
+    from safetensors.torch import save_file
+
+    path = aqr.calibrate(bn_cnn(), loader(images(16))).save(tmp_path / "s.safetensors")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(aqr.StatsError, match="truncated or corrupted"):
+        aqr.SourceStats.load(cut)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x80\x04\x95 this is a pickle, not statistics")
+    with pytest.raises(aqr.StatsError, match="truncated or corrupted"):
+        aqr.SourceStats.load(junk)
+    other = tmp_path / "other.safetensors"
+    save_file({"w": torch.zeros(2)}, str(other))
+    with pytest.raises(aqr.StatsError, match="not AQR statistics"):
+        aqr.SourceStats.load(other)
+    with pytest.raises(FileNotFoundError, match="no statistics file"):
+        aqr.SourceStats.load(tmp_path / "missing.safetensors")
+
+
+def test_stats_of_another_model_name_the_first_mismatch():
+    stats = aqr.calibrate(bn_cnn(), loader(images(16)))
+    wider = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.BatchNorm2d(16))
+    with pytest.raises(aqr.StatsError, match="'4' \\(BatchNorm2d, 16 channels\\)"):
+        aqr.AQR(wider, stats)
+    with pytest.raises(aqr.StatsError, match="'1' \\(GroupNorm, 8 channels\\)"):
+        aqr.AQR(gn_cnn(), stats)
+    shorter = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    with pytest.raises(aqr.StatsError, match="2 normalization layers, this model has 1"):
+        aqr.AQR(shorter, stats)
+
+
+def test_same_architecture_other_weights_warns():
+    stats = aqr.calibrate(bn_cnn(seed=0), loader(images(16)))
+    with pytest.warns(UserWarning, match="weights differ"):
+        aqr.AQR(bn_cnn(seed=1), stats)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        aqr.AQR(bn_cnn(seed=0), stats)
+
+
+def test_edited_metadata_is_rejected(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = aqr.calibrate(bn_cnn(), loader(images(16))).save(tmp_path / "s.safetensors")
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["aqr"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta["model_layers"][0]["channels"] = 9
+    save_file(tensors, str(path), metadata={"aqr": json.dumps(meta)})
+    with pytest.raises(aqr.StatsError, match="fingerprint"):
+        aqr.SourceStats.load(path)
+    meta["model_layers"][0]["channels"] = 8
+    meta["layers"][0]["channels"] = 9
+    save_file(tensors, str(path), metadata={"aqr": json.dumps(meta)})
+    with pytest.raises(aqr.StatsError, match="shape"):
+        aqr.SourceStats.load(path)
+
+
+def test_dkw_epsilon_value():
+    assert aqr.dkw_epsilon(100_000) == pytest.approx(np.sqrt(np.log(40) / 200_000))
