@@ -1,6 +1,7 @@
 """The AQR wrapper on whole models: recalibration, no side effects, errors."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -8,6 +9,13 @@ from torch import nn
 
 import aqr
 from models_tiny import bn_cnn, gn_cnn, images, tiny_vit
+
+
+@functools.lru_cache(maxsize=None)
+def calibrated(make, n=1024):
+    """One model and its statistics per factory, shared by the tests of this file (read-only)."""
+    model = make()
+    return model, aqr.calibrate(model, loader(images(n, seed=2), batch=256))
 
 
 def loader(x, batch=32):
@@ -40,9 +48,8 @@ def test_recalibrates_a_nonaffine_shift_back_to_the_source():
 
 @pytest.mark.parametrize("make", [bn_cnn, gn_cnn, tiny_vit])
 def test_source_batches_pass_nearly_unchanged(make):
-    model = make()
+    model, stats = calibrated(make)
     x = images(512, seed=1)
-    stats = aqr.calibrate(model, loader(images(2048, seed=2)))
     with torch.no_grad():
         plain = model.eval()(x)
     adapted = aqr.AQR(model, stats)(x)
@@ -53,8 +60,7 @@ def test_source_batches_pass_nearly_unchanged(make):
 
 @pytest.mark.parametrize("make", [bn_cnn, gn_cnn, tiny_vit])
 def test_adaptation_undoes_a_brightness_shift(make):
-    model = make()
-    stats = aqr.calibrate(model, loader(images(2048, seed=2)))
+    model, stats = calibrated(make)
     x = images(512, seed=1)
     shifted = x * 0.4  # darker images: a shift every layer sees
     with torch.no_grad():
@@ -168,3 +174,41 @@ def test_batches_are_independent():
     first = adapted(a)
     adapted(b * 0.1)
     torch.testing.assert_close(adapted(a), first)
+
+
+# ---- fast path versus exact path ------------------------------------------------------------------
+@pytest.mark.parametrize("make", [bn_cnn, gn_cnn, tiny_vit])
+@pytest.mark.parametrize("tail", aqr.TAILS)
+def test_fast_path_agrees_with_exact(make, tail):
+    model, stats = calibrated(make)
+    x = images(256, seed=1) * 0.5
+    exact = aqr.AQR(model, stats, tail=tail, mode="exact")(x)
+    fast = aqr.AQR(model, stats, tail=tail, compile=False)(x)
+    assert (fast.argmax(1) == exact.argmax(1)).float().mean() > 0.95
+    assert (fast - exact).abs().mean() < 0.05 * exact.abs().mean() + 1e-3
+
+
+def test_fast_path_subsamples_and_compiled_kernel_matches_eager():
+    model = bn_cnn()
+    stats = aqr.calibrate(model, loader(images(256, seed=2)))
+    x = images(64, seed=1) * 0.5
+    eager = aqr.AQR(model, stats, target_samples=512, compile=False)(x)
+    compiled = aqr.AQR(model, stats, target_samples=512, compile=True)(x)
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+    exact = aqr.AQR(model, stats, mode="exact")(x)
+    assert (eager.argmax(1) == exact.argmax(1)).float().mean() > 0.9
+
+
+def test_fast_path_maps_a_constant_channel_to_the_source_median():
+    model = Probe().eval()
+    stats = aqr.calibrate(model, [torch.randn(4096, 3)], tail="standard")
+    out = aqr.AQR(model, stats, compile=False)(torch.full((100, 3), 2.0))
+    torch.testing.assert_close(out, stats.layers["norm"].quantiles[:, 50].expand(100, 3))
+
+
+def test_bad_fast_options():
+    stats = aqr.calibrate(Probe().eval(), [torch.randn(64, 3)])
+    with pytest.raises(ValueError, match="mode"):
+        aqr.AQR(Probe().eval(), stats, mode="turbo")
+    with pytest.raises(ValueError, match="target_samples"):
+        aqr.AQR(Probe().eval(), stats, target_samples=1)

@@ -92,11 +92,11 @@ def test_map_is_monotone(seed, k, scale, shift):
     assert (y.diff(dim=1) >= -1e-5).all()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.sampled_from([2000, 20000]))
 def test_same_distribution_is_nearly_identity_inside(seed, n):
     g = torch.Generator().manual_seed(seed)
-    source = torch.randn(3, 200_000, generator=g) * 2 + 1
+    source = torch.randn(3, 100_000, generator=g) * 2 + 1
     sq = aqr.channel_quantiles(source, 101)
     x = torch.randn(3, n, generator=g) * 2 + 1
     y = aqr.quantile_map(x, sq)

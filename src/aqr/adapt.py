@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from aqr.fastmap import SubsetCache, as_acb, lookup_map
 from aqr.layers import check_output, select_layers
 from aqr.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, map_rows, to_channel_rows
 from aqr.stats import SOURCE_MOMENTS, NonFiniteActivationError, SourceStats
 
 NONFINITE_POLICIES = ("raise", "skip")
+MODES = ("fast", "exact")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,12 @@ class AQRConfig:
         gaussian_p: level standing in for p0 (and 1 - p for p100) in the ``"gaussian"`` tail.
         on_nonfinite: ``"raise"`` (default) stops with an error naming the layer when a batch has
             NaN/Inf activations; ``"skip"`` leaves that layer's output untouched for that batch.
+        mode: ``"fast"`` (default): target quantiles from at most ``target_samples`` positions and a
+            fused lookup-table map on a ``grid``-cell table (see :mod:`aqr.fastmap`); ``"exact"``:
+            quantiles of every value and the exact piecewise-linear map of Eq. 1.
+        target_samples: positions per layer used for the target quantiles in fast mode.
+        grid: cells of the lookup table between the first and last inner knots in fast mode.
+        compile: fuse the fast kernel with ``torch.compile`` (falls back to eager with a warning).
     """
 
     tail: str | None = None
@@ -42,6 +50,10 @@ class AQRConfig:
     source_moments: str = "affine"
     gaussian_p: float = DEFAULT_GAUSSIAN_P
     on_nonfinite: str = "raise"
+    mode: str = "fast"
+    target_samples: int = 32_768
+    grid: int = 1024
+    compile: bool = True
 
     def __post_init__(self) -> None:
         if self.tail is not None and self.tail not in TAILS:
@@ -50,6 +62,10 @@ class AQRConfig:
             raise ValueError(f"source_moments must be one of {SOURCE_MOMENTS}, got {self.source_moments!r}")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.target_samples < 16 or self.grid < 1:
+            raise ValueError("target_samples must be >= 16 and grid >= 1")
         if not 0.0 < self.gaussian_p < 0.5:
             raise ValueError(f"gaussian_p must be in (0, 0.5), got {self.gaussian_p}")
 
@@ -64,7 +80,8 @@ class _LayerMap:
         loc, scale = stats.source_moments(name, config.source_moments)
         self._cpu = (stats.source_quantiles(name, tail), loc, scale)
         self._cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
-        self.gaussian_p = config.gaussian_p
+        self.config = config
+        self.subsets = SubsetCache(config.target_samples)
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         if device not in self._cache:
@@ -73,23 +90,32 @@ class _LayerMap:
 
     def __call__(self, _module: nn.Module, _inputs: object, output: object) -> torch.Tensor:
         out = check_output(self.info, output)
+        sq, loc, scale = self._on(out.device)
+        if self.config.mode == "fast":
+            x = as_acb(out, self.info.channel_dim)
+            y, finite = lookup_map(
+                x, self.subsets.rows(x), sq, self.tail, loc, scale,
+                self.config.gaussian_p, self.config.grid, self.config.compile,
+            )
+            return y.reshape(out.shape) if finite else self._nonfinite(out)
         dim = self.info.channel_dim % out.ndim
         rows = to_channel_rows(out, dim).float()
-        k = self._cpu[0].shape[1]
-        tq = channel_quantiles(rows, k)
-        # NaN sorts last and +-Inf sit at the ends, so finite knots mean finite activations.
+        tq = channel_quantiles(rows, sq.shape[1])
+        # NaN sorts last and +-Inf sit at the ends, so finite end knots mean finite activations.
         if not bool(torch.isfinite(tq[:, 0]).all() and torch.isfinite(tq[:, -1]).all()):
-            if self.on_nonfinite == "skip":
-                return out
-            raise NonFiniteActivationError(
-                f"layer {self.info.name!r} produced NaN or Inf activations on this batch; AQR cannot "
-                "recalibrate them (pass on_nonfinite='skip' to leave such layers untouched)"
-            )
-        sq, loc, scale = self._on(rows.device)
-        y = map_rows(rows, sq, tq, self.tail, loc, scale, self.gaussian_p)
+            return self._nonfinite(out)
+        y = map_rows(rows, sq, tq, self.tail, loc, scale, self.config.gaussian_p)
         shape = list(out.shape)
         shape.insert(0, shape.pop(dim))
         return y.reshape(shape).movedim(0, dim).to(out.dtype)
+
+    def _nonfinite(self, out: torch.Tensor) -> torch.Tensor:
+        if self.on_nonfinite == "skip":
+            return out
+        raise NonFiniteActivationError(
+            f"layer {self.info.name!r} produced NaN or Inf activations on this batch; AQR cannot "
+            "recalibrate them (pass on_nonfinite='skip' to leave such layers untouched)"
+        )
 
 
 def _layer_maps(stats: SourceStats, config: AQRConfig) -> dict[str, _LayerMap]:
@@ -130,7 +156,8 @@ class AQR(nn.Module):
 
     ``AQR(model, stats)(x)`` returns ``model(x)`` computed under :func:`recalibrating`, without
     gradients. ``self.model`` is the original model, unchanged. Options are the fields of
-    :class:`AQRConfig` (``tail``, ``layers``, ``source_moments``, ``gaussian_p``, ``on_nonfinite``).
+    :class:`AQRConfig` (``tail``, ``layers``, ``source_moments``, ``gaussian_p``, ``on_nonfinite``,
+    ``mode``, ``target_samples``, ``grid``, ``compile``).
     """
 
     def __init__(self, model: nn.Module, stats: SourceStats, **options: object) -> None:

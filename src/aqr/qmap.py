@@ -192,6 +192,54 @@ def map_rows(
     return y
 
 
+def tail_lines(
+    sq: torch.Tensor,
+    tq: torch.Tensor,
+    tail: str,
+    mean: torch.Tensor | None = None,
+    std: torch.Tensor | None = None,
+    source_loc: torch.Tensor | None = None,
+    source_scale: torch.Tensor | None = None,
+    gaussian_p: float = DEFAULT_GAUSSIAN_P,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every tail strategy is affine on each edge region: ``(a_lo, b_lo, a_hi, b_hi)``, each ``(C, 1)``.
+
+    Below ``p1^T`` the map is ``a_lo * x + b_lo``; at or above ``p_{K-2}^T`` it is ``a_hi * x + b_hi``.
+    ``mean``/``std`` (``(C, 1)``) are the batch moments of the channel, needed by the parametric tails.
+    """
+    k = tq.shape[1]
+    t0, t1, t98, t99 = tq[:, :1], tq[:, 1:2], tq[:, k - 2 : k - 1], tq[:, k - 1 :]
+    s0, s1, s98, s99 = sq[:, :1], sq[:, 1:2], sq[:, k - 2 : k - 1], sq[:, k - 1 :]
+    if tail in ("standard", "average"):  # Eq. 1 on the edge intervals, extended linearly beyond
+        a_lo = _slope(s1 - s0, t1 - t0)
+        a_hi = _slope(s99 - s98, t99 - t98)
+        return a_lo, s0 - a_lo * t0, a_hi, s98 - a_hi * t98
+    if tail == "none":
+        one, zero = torch.ones_like(t0), torch.zeros_like(t0)
+        return one, zero, one, zero
+    if tail == "clip":
+        zero = torch.zeros_like(t0)
+        return zero, t1, zero, t98
+    if mean is None or std is None:
+        raise ValueError(f'tail="{tail}" needs the batch mean and std of each channel')
+    std = torch.where(std > 0, std, torch.ones_like(std))  # constant channel: no spread to rescale
+    scale = _per_channel(source_scale, "source_scale", tail, sq)
+    if tail == "interval":
+        a = scale / std
+        return a, s0 - a * t0, a, s98 - a * t98
+    loc = _per_channel(source_loc, "source_loc", tail, sq)
+    z0, z1 = _probit(gaussian_p), _probit(1.0 / (k - 1))
+    z98, z99 = _probit((k - 2) / (k - 1)), _probit(1.0 - gaussian_p)
+    # Q^T(p) = mean + std z(p), Q^S(p) = loc + scale z(p); lower anchored at Q^S(p0), upper at p_{K-2}^S
+    a_lo = (scale * (z1 - z0)) / (std * (z1 - z0))
+    a_hi = (scale * (z99 - z98)) / (std * (z99 - z98))
+    return a_lo, (loc + scale * z0) - a_lo * (mean + std * z0), a_hi, s98 - a_hi * (mean + std * z98)
+
+
+def _slope(rise: torch.Tensor, run: torch.Tensor) -> torch.Tensor:
+    return torch.where(run > 0, rise / torch.where(run > 0, run, torch.ones_like(run)), torch.zeros_like(run))
+
+
 def _apply_tail(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -203,31 +251,13 @@ def _apply_tail(
     gaussian_p: float,
 ) -> torch.Tensor:
     k = tq.shape[1]
-    low = x < tq[:, 1:2]
-    high = x >= tq[:, k - 2 : k - 1]
-    if tail == "none":
-        return torch.where(low | high, x, y)
-    if tail == "clip":
-        y = torch.where(low, tq[:, 1:2].expand_as(x), y)
-        return torch.where(high, tq[:, k - 2 : k - 1].expand_as(x), y)
-
-    scale = _per_channel(source_scale, "source_scale", tail, sq)
-    mean = x.mean(dim=1, keepdim=True)
-    std = x.std(dim=1, correction=0, keepdim=True)
-    std = torch.where(std > 0, std, torch.ones_like(std))  # constant channel: no spread to rescale
-    if tail == "interval":
-        y = torch.where(low, (x - tq[:, :1]) / std * scale + sq[:, :1], y)
-        return torch.where(high, (x - tq[:, k - 2 : k - 1]) / std * scale + sq[:, k - 2 : k - 1], y)
-
-    loc = _per_channel(source_loc, "source_loc", tail, sq)
-    z0, z1 = _probit(gaussian_p), _probit(1.0 / (k - 1))
-    z99, z100 = _probit((k - 2) / (k - 1)), _probit(1.0 - gaussian_p)
-    lo_t0, lo_t1 = mean + std * z0, mean + std * z1
-    lo_s0, lo_s1 = loc + scale * z0, loc + scale * z1
-    y = torch.where(low, (x - lo_t0) / (lo_t1 - lo_t0) * (lo_s1 - lo_s0) + lo_s0, y)
-    hi_t0, hi_t1 = mean + std * z99, mean + std * z100
-    hi_s0, hi_s1 = loc + scale * z99, loc + scale * z100
-    return torch.where(high, (x - hi_t0) / (hi_t1 - hi_t0) * (hi_s1 - hi_s0) + sq[:, k - 2 : k - 1], y)
+    mean = std = None
+    if tail in ("interval", "gaussian"):
+        mean = x.mean(dim=1, keepdim=True)
+        std = x.std(dim=1, correction=0, keepdim=True)
+    a_lo, b_lo, a_hi, b_hi = tail_lines(sq, tq, tail, mean, std, source_loc, source_scale, gaussian_p)
+    y = torch.where(x < tq[:, 1:2], a_lo * x + b_lo, y)
+    return torch.where(x >= tq[:, k - 2 : k - 1], a_hi * x + b_hi, y)
 
 
 def _per_channel(v: torch.Tensor | None, name: str, tail: str, like: torch.Tensor) -> torch.Tensor:
