@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from .aqr_method import AQRConfig, AQRMethod
+from .aqr_method import AQRMethod, AQRMethodConfig
 from .base import NotApplicable, ProtocolConfig, TTAMethod, softmax_entropy
 from .sar import FREEZE_PRESETS, SAR, SARConfig
 from .source import Source
@@ -54,8 +54,8 @@ def create(name: str, model: nn.Module, **options: Any) -> TTAMethod:
 
 
 __all__ = [
-    "AQRConfig",
     "AQRMethod",
+    "AQRMethodConfig",
     "FREEZE_PRESETS",
     "METHODS",
     "NotApplicable",

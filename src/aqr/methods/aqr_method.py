@@ -18,8 +18,9 @@ from .base import TTAMethod
 
 
 @dataclass(frozen=True)
-class AQRConfig:
-    """``stats``: the ``aqr.SourceStats`` from ``aqr.calibrate``; ``options``: keyword options
+class AQRMethodConfig:
+    """Options of the ``"aqr"`` method (not ``aqr.adapt.AQRConfig``): ``stats``, the
+    ``aqr.SourceStats`` from ``aqr.calibrate``; ``options``, keyword options
     passed unchanged to ``aqr.AQR``."""
 
     stats: Any = None
@@ -30,14 +31,14 @@ class AQRMethod(TTAMethod):
     """Quantile recalibration against fixed source statistics; no weights are updated."""
 
     name = "aqr"
-    Config = AQRConfig
+    Config = AQRMethodConfig
 
     @classmethod
-    def from_options(cls, **options: Any) -> AQRConfig:
+    def from_options(cls, **options: Any) -> AQRMethodConfig:
         if options.get("stats") is None:
             raise TypeError("the 'aqr' method needs stats= (from aqr.calibrate)")
         stats = options.pop("stats")
-        return AQRConfig(stats=stats, options=options)
+        return AQRMethodConfig(stats=stats, options=options)
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         from aqr.adapt import AQR  # lazy: the core may be absent or still being written
