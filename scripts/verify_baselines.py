@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aqr.methods import NotApplicable, create
+from aqr.methods import NotApplicable, create, softmax_entropy
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -102,12 +102,14 @@ def to_tensor(x_uint8: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(x_uint8).permute(0, 3, 1, 2).float().div_(255.0)
 
 
-def evaluate(method: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> float:
-    correct = 0
+def predict(method: nn.Module, x: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, float]:
+    """Predicted classes for ``x`` fed in order in batches, and the mean softmax entropy."""
+    preds, entropy = [], 0.0
     for i in range(0, len(x), batch_size):
         logits = method(x[i : i + batch_size])
-        correct += (logits.argmax(1) == y[i : i + batch_size]).sum().item()
-    return 100.0 * correct / len(x)
+        preds.append(logits.argmax(1))
+        entropy += softmax_entropy(logits).sum().item()
+    return torch.cat(preds), entropy / len(x)
 
 
 def main() -> None:
@@ -130,10 +132,11 @@ def main() -> None:
     x_noisy = to_tensor(gaussian_noise_sev5(data["x"][lo:hi], args.seed))
 
     t0 = time.perf_counter()
-    clean_acc = evaluate(create("source", model), x_clean, y, args.batch_size)
+    clean_acc = 100.0 * (predict(create("source", model), x_clean, args.batch_size)[0] == y).float().mean().item()
     print(f"clean source accuracy (images {lo}-{hi - 1}): {clean_acc:.2f}%  [{time.perf_counter() - t0:.1f}s]")
     print(f"gaussian_noise sev 5, {args.n} images, batch {args.batch_size}, {args.protocol}:")
 
+    ttn_preds = None
     for name in args.methods.split(","):
         options: dict = {"protocol": args.protocol}
         t0 = time.perf_counter()
@@ -152,9 +155,17 @@ def main() -> None:
         except NotApplicable as err:
             print(f"  {name:6s}  n/a ({err})")
             continue
-        acc = evaluate(method, x_noisy, y, args.batch_size)
-        extra = f"  recoveries={method.recoveries}" if hasattr(method, "recoveries") else ""
-        print(f"  {name:6s} {acc:6.2f}%   {time.perf_counter() - t0:6.1f}s{extra}", flush=True)
+        preds, entropy = predict(method, x_noisy, args.batch_size)
+        seconds = time.perf_counter() - t0
+        acc = 100.0 * (preds == y).float().mean().item()
+        extra = ""
+        if name == "ttn":
+            ttn_preds = preds
+        elif ttn_preds is not None:
+            extra += f"  differs from TTN on {(preds != ttn_preds).sum().item()} images"
+        if hasattr(method, "recoveries"):
+            extra += f"  recoveries={method.recoveries}"
+        print(f"  {name:6s} {acc:6.2f}%  {seconds:6.1f}s  mean entropy {entropy:.4f}{extra}", flush=True)
 
 
 if __name__ == "__main__":

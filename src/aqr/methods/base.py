@@ -45,6 +45,8 @@ class ProtocolConfig:
     Attributes:
         protocol: ``"episodic"`` (reset before every batch) or ``"online"`` (never reset).
         steps: adaptation steps per batch for weight-updating methods (ignored by the others).
+            The paper's "episodic (2 steps)" is ``steps=1``: one adaptation step, then the
+            scored forward pass.
         seed: seeds the torch RNG seen by the model during ``forward`` (inside ``fork_rng``, so
             the caller's global RNG is neither read nor advanced). Batch ``k`` after the last reset
             sees ``seed + k``; in episodic mode that is always ``seed``. The methods themselves
@@ -168,8 +170,11 @@ class TTAMethod(nn.Module):
         if self.protocol.seed is None:
             yield
             return
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        if device.type == "cpu":
+            fork = torch.random.fork_rng(devices=[])
+        else:
+            fork = torch.random.fork_rng(devices=[device], device_type=device.type)
+        with fork:
             torch.manual_seed(self.protocol.seed + self._batches_since_reset)
             yield
 
