@@ -333,8 +333,7 @@ def test_sar_recovery_resets_the_model() -> None:
     never(x)
     never(images(seed=3))
     assert never.recoveries == 0 and not same_state(start, state_of(never.model))
-    first = mean_entropy(create("sar", net, protocol="online", lr=0.05, e0=10.0, recovery_threshold=0.0).model(x))
-    assert never.ema is not None and 0 < never.ema < 10 * first + 1
+    assert never.ema is not None and never.ema > 0
 
 
 def test_sar_episodic_clears_the_ema_every_batch() -> None:
