@@ -410,3 +410,17 @@ def test_aqr_behind_the_same_interface() -> None:
     assert torch.equal(create("aqr", net, stats=stats, protocol="online")(x), out)
     m.reset()
     assert same_state(before, state_of(net))
+
+
+def test_sam_perturbs_by_rho_along_the_gradient_and_steps_from_the_original_point() -> None:
+    from aqr.methods.sam import SAM
+
+    a, b = nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.tensor([3.0]))
+    sam = SAM(torch.optim.SGD([a, b], lr=0.5), rho=0.05)
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])  # joint norm 5
+    sam.perturb()
+    assert torch.allclose(a, torch.tensor([1.03, 2.0])) and torch.allclose(b, torch.tensor([3.04]))
+    assert a.grad is None
+    a.grad, b.grad = torch.tensor([1.0, 1.0]), torch.tensor([2.0])  # gradient at the perturbed point
+    sam.unperturb_and_step()
+    assert torch.equal(a.detach(), torch.tensor([0.5, 1.5])) and torch.equal(b.detach(), torch.tensor([2.0]))
