@@ -1,0 +1,172 @@
+"""Check the baselines on a real third-party model: akamaster ResNet-20 on CIFAR-10 + Gaussian noise.
+
+Protocol (see ../shared/data/README.md): test images 5000-9999 of the lossless CIFAR-10 test set,
+corrupted like CIFAR-10-C gaussian_noise severity 5 (x/255 + N(0, 0.10), clipped to [0, 1], stored
+as uint8 by truncation like the released arrays; fixed seed), batches of 128 in order, every method
+episodic. AQR (when ``aqr.adapt`` is importable) calibrates on the clean images 0-4999.
+
+The ResNet-20 architecture is inlined here (He et al. 2016 CIFAR variant as in
+github.com/akamaster/pytorch_resnet_cifar10, BSD-2-Clause) so this script does not depend on
+``aqr.models``.
+
+    PYTHONPATH=src python scripts/verify_baselines.py [--data ../shared/data] [--n 5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aqr.methods import NotApplicable, create, softmax_entropy
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, in_planes: int, planes: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.pad = planes // 4 if (stride != 1 or in_planes != planes) else None
+
+    def shortcut(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad is None:
+            return x
+        return F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, self.pad, self.pad))  # option A
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet20(nn.Module):
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        stages, in_planes = [], 16
+        for planes, stride in ((16, 1), (32, 2), (64, 2)):
+            blocks = []
+            for i in range(3):
+                blocks.append(BasicBlock(in_planes, planes, stride if i == 0 else 1))
+                in_planes = planes
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3 = stages
+        self.linear = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.layer3(self.layer2(self.layer1(out)))
+        out = F.adaptive_avg_pool2d(out, 1).flatten(1)
+        return self.linear(out)
+
+
+class Normalize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(MEAN).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(STD).view(1, 3, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+def load_model(path: Path) -> nn.Module:
+    """ResNet-20 with the akamaster weights, taking inputs in [0, 1]."""
+    ckpt = torch.load(path, weights_only=True, map_location="cpu")
+    net = ResNet20()
+    net.load_state_dict({k.removeprefix("module."): v for k, v in ckpt["state_dict"].items()})
+    return nn.Sequential(Normalize(), net).eval()
+
+
+def gaussian_noise_sev5(x_uint8: np.ndarray, seed: int) -> np.ndarray:
+    """CIFAR-10-C gaussian_noise at severity 5 (sigma 0.10), quantised to uint8."""
+    rng = np.random.default_rng(seed)
+    x = x_uint8.astype(np.float64) / 255.0
+    x = np.clip(x + rng.normal(scale=0.10, size=x.shape), 0.0, 1.0) * 255.0
+    return x.astype(np.uint8)
+
+
+def to_tensor(x_uint8: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(x_uint8).permute(0, 3, 1, 2).float().div_(255.0)
+
+
+def predict(method: nn.Module, x: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, float]:
+    """Predicted classes for ``x`` fed in order in batches, and the mean softmax entropy."""
+    preds, entropy = [], 0.0
+    for i in range(0, len(x), batch_size):
+        logits = method(x[i : i + batch_size])
+        preds.append(logits.argmax(1))
+        entropy += softmax_entropy(logits).sum().item()
+    return torch.cat(preds), entropy / len(x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/data")
+    parser.add_argument("--n", type=int, default=5000, help="test images used, from index 5000")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0, help="noise seed")
+    parser.add_argument("--methods", default="source,ttn,tent,sar,aqr")
+    parser.add_argument("--protocol", default="episodic", choices=("episodic", "online"))
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    data = np.load(args.data / "cifar10_test.npz")
+    model = load_model(args.data / "checkpoints/akamaster/resnet20-12fca82f.th")
+    lo, hi = 5000, 5000 + args.n
+    y = torch.from_numpy(data["y"][lo:hi]).long()
+    x_clean = to_tensor(data["x"][lo:hi])
+    x_noisy = to_tensor(gaussian_noise_sev5(data["x"][lo:hi], args.seed))
+
+    t0 = time.perf_counter()
+    clean_acc = 100.0 * (predict(create("source", model), x_clean, args.batch_size)[0] == y).float().mean().item()
+    print(f"clean source accuracy (images {lo}-{hi - 1}): {clean_acc:.2f}%  [{time.perf_counter() - t0:.1f}s]")
+    print(f"gaussian_noise sev 5, {args.n} images, batch {args.batch_size}, {args.protocol}:")
+
+    ttn_preds = None
+    for name in args.methods.split(","):
+        options: dict = {"protocol": args.protocol}
+        t0 = time.perf_counter()
+        if name == "aqr":
+            if importlib.util.find_spec("aqr.adapt") is None:
+                print(f"  {name:6s}  skipped (aqr.adapt not available)")
+                continue
+            from aqr.stats import calibrate
+
+            clean_src = to_tensor(data["x"][:5000])
+            options["stats"] = calibrate(model, [clean_src[i : i + 500] for i in range(0, 5000, 500)])
+            print(f"  (aqr calibration on clean 0-4999: {time.perf_counter() - t0:.1f}s)")
+            t0 = time.perf_counter()
+        try:
+            method = create(name, model, **options)
+        except NotApplicable as err:
+            print(f"  {name:6s}  n/a ({err})")
+            continue
+        preds, entropy = predict(method, x_noisy, args.batch_size)
+        seconds = time.perf_counter() - t0
+        acc = 100.0 * (preds == y).float().mean().item()
+        extra = ""
+        if name == "ttn":
+            ttn_preds = preds
+        elif ttn_preds is not None:
+            extra += f"  differs from TTN on {(preds != ttn_preds).sum().item()} images"
+        if hasattr(method, "recoveries"):
+            extra += f"  recoveries={method.recoveries}"
+        print(f"  {name:6s} {acc:6.2f}%  {seconds:6.1f}s  mean entropy {entropy:.4f}{extra}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Test-time adaptation methods behind one interface: source, TTN, TENT, SAR and AQR.
+
+>>> method = create("tent", model)              # episodic, the AQR paper's protocol
+>>> logits = method(x)                          # scored logits for batch x
+>>> method = create("sar", model, protocol="online", lr=1e-3)
+>>> method = create("aqr", model, stats=stats)  # stats from aqr.calibrate
+
+``create`` deep-copies ``model``; the user's model is never modified. Options are the fields of
+:class:`ProtocolConfig` (``protocol``, ``steps``, ``seed``) plus the method's own config dataclass
+(``TentConfig``, ``SARConfig``; AQR forwards everything except ``stats`` to ``aqr.AQR``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from torch import nn
+
+from .aqr_method import AQRMethod, AQRMethodConfig
+from .base import NotApplicable, ProtocolConfig, TTAMethod, softmax_entropy
+from .sar import FREEZE_PRESETS, SAR, SARConfig
+from .source import Source
+from .tent import Tent, TentConfig, default_lr, infer_arch
+from .ttn import TTN
+
+METHODS: Mapping[str, type[TTAMethod]] = MappingProxyType(
+    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod)}
+)
+
+_PROTOCOL_KEYS = frozenset(f.name for f in fields(ProtocolConfig))
+
+
+def available() -> list[str]:
+    """Names accepted by :func:`create`, in a fixed order."""
+    return list(METHODS)
+
+
+def create(name: str, model: nn.Module, **options: Any) -> TTAMethod:
+    """Build method ``name`` around a private copy of ``model``.
+
+    Returns an ``nn.Module`` whose ``forward(x)`` gives the scored logits and whose ``reset()``
+    restores the original state. Raises ``KeyError`` for an unknown name, ``TypeError`` for an
+    unknown option and :class:`NotApplicable` when the method cannot run on this model.
+    """
+    try:
+        cls = METHODS[name]
+    except KeyError:
+        raise KeyError(f"unknown method {name!r}; available: {', '.join(METHODS)}") from None
+    protocol = ProtocolConfig(**{k: v for k, v in options.items() if k in _PROTOCOL_KEYS})
+    config = cls.from_options(**{k: v for k, v in options.items() if k not in _PROTOCOL_KEYS})
+    return cls(model, config, protocol)
+
+
+__all__ = [
+    "AQRMethod",
+    "AQRMethodConfig",
+    "FREEZE_PRESETS",
+    "METHODS",
+    "NotApplicable",
+    "ProtocolConfig",
+    "SAR",
+    "SARConfig",
+    "Source",
+    "TTAMethod",
+    "TTN",
+    "Tent",
+    "TentConfig",
+    "available",
+    "create",
+    "default_lr",
+    "infer_arch",
+    "softmax_entropy",
+]

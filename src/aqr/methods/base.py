@@ -1,0 +1,187 @@
+"""The test-time adaptation protocol, in one place.
+
+A method is an ``nn.Module`` that owns a private deep copy of the user's model (the user's model is
+never modified) and returns, from ``forward(x)``, the logits that are scored. Subclasses only say how
+to configure their copy, which optimizer (if any) adapts it, and what one adaptation step does;
+:class:`TTAMethod` decides when to reset, how many steps to take and which forward pass is returned.
+
+Protocols (``ProtocolConfig.protocol``):
+
+``"episodic"`` (default; the AQR paper's setting)
+    Every batch starts from the original weights and optimizer state (``reset()`` runs first).
+    Weight-updating methods take ``steps`` adaptation steps on the batch, then a separate forward
+    pass under ``no_grad`` produces the scored logits. Nothing carries over between batches.
+``"online"`` (continual adaptation, as in the official TENT/SAR code)
+    Never reset. Each batch takes ``steps`` adaptation steps and the scored logits are those of the
+    forward pass that computed the (last) loss, i.e. predictions made *before* that update.
+
+Stateless methods (source, TTN, AQR) behave identically under both protocols.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator
+
+import torch
+from torch import nn
+
+PROTOCOLS = ("episodic", "online")
+
+
+class NotApplicable(Exception):
+    """The method cannot be applied to this model (e.g. TTN on a model without BatchNorm).
+
+    Benchmarks catch this and record the cell as "n/a".
+    """
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """When a method resets and how often it adapts.
+
+    Attributes:
+        protocol: ``"episodic"`` (reset before every batch) or ``"online"`` (never reset).
+        steps: adaptation steps per batch for weight-updating methods (ignored by the others).
+            The paper's "episodic (2 steps)" is ``steps=1``: one adaptation step, then the
+            scored forward pass.
+        seed: seeds the torch RNG seen by the model during ``forward`` (inside ``fork_rng``, so
+            the caller's global RNG is neither read nor advanced). Batch ``k`` after the last reset
+            sees ``seed + k``; in episodic mode that is always ``seed``. The methods themselves
+            draw no random numbers and keep the model in eval mode (no dropout), so on CPU the
+            outputs are deterministic anyway; the seed makes any randomness inside a user's model
+            reproducible too. ``None`` leaves the global RNG alone.
+    """
+
+    protocol: str = "episodic"
+    steps: int = 1
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+    @property
+    def episodic(self) -> bool:
+        return self.protocol == "episodic"
+
+
+def softmax_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Per-sample Shannon entropy (nats) of ``softmax(logits)`` over dim 1; shape ``(N,)``."""
+    return -(logits.softmax(1) * logits.log_softmax(1)).sum(1)
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """Configuration of a method that has no options."""
+
+
+class TTAMethod(nn.Module):
+    """Base class: wraps a private copy of ``model`` and runs the protocol.
+
+    Subclasses set ``name`` and ``Config`` (a dataclass) and override the hooks
+    :meth:`configure_model`, :meth:`build_optimizer` and, if they update weights, :meth:`adapt`.
+    """
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type] = NoOptions
+
+    def __init__(self, model: nn.Module, config: Any = None, protocol: ProtocolConfig | None = None) -> None:
+        super().__init__()
+        self.config = config if config is not None else self.Config()
+        self.protocol = protocol if protocol is not None else ProtocolConfig()
+        self.model = self.configure_model(copy.deepcopy(model))
+        self.optimizer = self.build_optimizer()
+        self._initial_state = self._snapshot() if self.optimizer is not None else None
+        self._batches_since_reset = 0
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_options(cls, **options: Any) -> Any:
+        """Build this method's config from keyword options (unknown keys raise ``TypeError``)."""
+        return cls.Config(**options)
+
+    # ---- hooks --------------------------------------------------------------------------
+    def configure_model(self, model: nn.Module) -> nn.Module:
+        """Prepare the private copy (modes, requires_grad, norm layers); return the module to use."""
+        return model.eval().requires_grad_(False)
+
+    def build_optimizer(self) -> Any:
+        """Return the optimizer that adapts ``self.model``, or ``None`` for stateless methods."""
+        return None
+
+    def adapt(self, x: torch.Tensor) -> torch.Tensor:
+        """One adaptation step on ``x``; return the logits of the forward that computed the loss."""
+        raise NotImplementedError
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the current (possibly adapted) model, without gradients or updates."""
+        with torch.no_grad():
+            return self.model(x)
+
+    def reset_extra_state(self) -> None:
+        """Reset method-specific state beyond weights and optimizer (e.g. SAR's loss EMA)."""
+
+    # ---- protocol -----------------------------------------------------------------------
+    @property
+    def updates_weights(self) -> bool:
+        return self.optimizer is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the scored logits for batch ``x`` (detached), adapting first if the method does."""
+        if self.protocol.episodic:
+            self.reset()
+        with self._seeded(x.device):
+            if not self.updates_weights:
+                logits = self.predict(x)
+            else:
+                for _ in range(self.protocol.steps):
+                    with torch.enable_grad():
+                        logits = self.adapt(x)
+                if self.protocol.episodic:
+                    logits = self.predict(x)
+        self._batches_since_reset += 1
+        return logits.detach()
+
+    def reset(self) -> None:
+        """Restore the original weights, buffers and optimizer state, and clear extra state."""
+        self.restore_initial_state()
+        self._batches_since_reset = 0
+
+    def restore_initial_state(self) -> None:
+        """Weights, buffers, optimizer state and extra state back to what they were at creation."""
+        if self._initial_state is not None:
+            model_state, optim_state = self._initial_state
+            self.model.load_state_dict(model_state, strict=True)
+            # deep copy: optimizers adopt the given tensors and update them in place
+            self.optimizer.load_state_dict(copy.deepcopy(optim_state))
+        self.reset_extra_state()
+
+    def _snapshot(self) -> tuple[dict, dict]:
+        model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return model_state, copy.deepcopy(self.optimizer.state_dict())
+
+    @contextlib.contextmanager
+    def _seeded(self, device: torch.device) -> Iterator[None]:
+        if self.protocol.seed is None:
+            yield
+            return
+        if device.type == "cpu":
+            fork = torch.random.fork_rng(devices=[])
+        else:
+            fork = torch.random.fork_rng(devices=[device], device_type=device.type)
+        with fork:
+            torch.manual_seed(self.protocol.seed + self._batches_since_reset)
+            yield
+
+    def train(self, mode: bool = True) -> "TTAMethod":
+        """Only flips this wrapper's flag: the wrapped model's modes are fixed by the method."""
+        self.training = mode
+        return self
+
+    def extra_repr(self) -> str:
+        return f"protocol={self.protocol.protocol}, steps={self.protocol.steps}, config={self.config}"

@@ -1,0 +1,47 @@
+"""Normalization-layer helpers shared by TTN, TENT and SAR."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+#: Layers whose affine parameters TENT/SAR adapt (subclasses included, e.g. timm's LayerNorm2d).
+NORM_LAYERS: tuple[type[nn.Module], ...] = (_BatchNorm, nn.GroupNorm, nn.LayerNorm)
+
+
+def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    """All BatchNorm layers (1d/2d/3d/sync) of ``model`` with their qualified names."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def use_batch_statistics(model: nn.Module) -> int:
+    """Make every BatchNorm layer of ``model`` normalize with the statistics of the current batch.
+
+    In any mode, each BN layer then uses the batch mean and the biased batch variance with its own
+    ``eps`` (exactly ``F.batch_norm(training=True)``), and has no running statistics to read or
+    update (``track_running_stats=False``, ``running_mean = running_var = None``). Modifies
+    ``model`` in place; meant for a private copy. Returns how many layers were changed.
+    """
+    layers = batchnorm_layers(model)
+    for _, m in layers:
+        m.track_running_stats = False
+        m.running_mean = None
+        m.running_var = None
+        m.num_batches_tracked = None
+    return len(layers)
+
+
+def norm_affine_parameters(model: nn.Module, skip: frozenset[str] = frozenset()) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` for the affine weight/bias of every BN/GN/LN layer not named in ``skip``.
+
+    Layers built without affine parameters contribute nothing. Order is ``named_modules`` order.
+    """
+    found = []
+    for name, m in model.named_modules():
+        if name in skip or not isinstance(m, NORM_LAYERS):
+            continue
+        for pname in ("weight", "bias"):
+            p = getattr(m, pname, None)
+            if isinstance(p, nn.Parameter):
+                found.append((f"{name}.{pname}" if name else pname, p))
+    return found
