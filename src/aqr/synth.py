@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aqr.qmap import channel_quantiles, quantile_map
+from aqr.qmap import channel_quantiles, quantile_map, sorted_quantiles
 from aqr.stats import dkw_epsilon
 
 # ---------------------------------------------------------------------------------------------
@@ -650,13 +650,22 @@ class RatesResult:
         }
 
 
-def aqr_mse(source: torch.Tensor, clean: torch.Tensor, intervals: int) -> torch.Tensor:
+def aqr_mse(
+    source: torch.Tensor, clean: torch.Tensor, intervals: int, *, source_sorted: bool = False, clean_sorted: bool = False
+) -> torch.Tensor:
     """Per-row MSE of AQR with ``intervals + 1`` knots on ``(R, n)`` rows (one row per replicate).
 
     ``source`` gives the source knots, ``clean`` the test batch before the corruption; the batch is
     corrupted by :func:`rates_corruption`, mapped with its own knots, and compared to ``clean``.
+    ``*_sorted=True`` promises rows sorted ascending: the knots are then read off without re-sorting
+    (:func:`aqr.qmap.sorted_quantiles`, the function :func:`aqr.channel_quantiles` itself ends with),
+    which gives the same numbers as sorting again.
     """
-    mapped = aqr_correct(rates_corruption(clean), source, intervals + 1, dim=0)
+    k = intervals + 1
+    target = rates_corruption(clean)  # strictly increasing: sorted stays sorted
+    source_q = sorted_quantiles(source, k) if source_sorted else channel_quantiles(source, k)
+    target_q = sorted_quantiles(target, k) if clean_sorted else None  # None: the batch's own knots
+    mapped = quantile_map(target, source_q, target_q, tail="standard")
     return ((mapped - clean) ** 2).mean(dim=1)
 
 
@@ -703,14 +712,16 @@ def run_rates(config: RatesConfig) -> RatesResult:
     mse_k, mse_ns, mse_nt = [], [], []
     for r in range(cfg.repeats):
         g = _generator(cfg.seed * 1000 + r)
-        big_source = dens.sample((1, cfg.n_large), g)
-        big_clean = dens.sample((1, cfg.n_large), g)
-        mse_k.append([float(aqr_mse(big_source, big_clean, k)) for k in cfg.intervals])
-        small_source = dens.sample((1, max(cfg.ns)), g)
+        # the large samples are used whole, so they are sorted once (the MSE does not depend on order)
+        big_source = torch.sort(dens.sample((1, cfg.n_large), g), dim=1).values
+        big_clean = torch.sort(dens.sample((1, cfg.n_large), g), dim=1).values
+        big = {"source_sorted": True, "clean_sorted": True}
+        mse_k.append([float(aqr_mse(big_source, big_clean, k, **big)) for k in cfg.intervals])
+        small_source = dens.sample((1, max(cfg.ns)), g)  # prefixes of these are the smaller samples
         small_clean = dens.sample((1, max(cfg.ns)), g)
         kl = cfg.intervals_large
-        mse_ns.append([float(aqr_mse(small_source[:, :n], big_clean, kl)) for n in cfg.ns])
-        mse_nt.append([float(aqr_mse(big_source, small_clean[:, :n], kl)) for n in cfg.ns])
+        mse_ns.append([float(aqr_mse(small_source[:, :n], big_clean, kl, clean_sorted=True)) for n in cfg.ns])
+        mse_nt.append([float(aqr_mse(big_source, small_clean[:, :n], kl, source_sorted=True)) for n in cfg.ns])
 
     def sweep(name, x, mse, bounds, fixed) -> Sweep:
         return Sweep(name, [float(v) for v in x], mse, bounds, replicate_slope(x, np.asarray(mse)), fixed)
@@ -764,7 +775,10 @@ def plot_rates(result: RatesResult, path: str | Path) -> Path:
     axes[1].set_xlabel("$n_S$")
     panel(axes[2], s["n_target"], f"AQR, K={result.config.intervals_large}, n_S={result.config.n_large:.0e}", "tab:brown")
     axes[2].set_xlabel("$n_T$")
+    from matplotlib.ticker import NullFormatter
+
     for ax in axes:
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_ylabel("MSE vs clean")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
