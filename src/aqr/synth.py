@@ -2,7 +2,7 @@
 
 Three experiments, each a pure ``run_*`` function (config dataclass in, result dataclass out, every
 random draw from a ``torch.Generator`` seeded by the config) and a ``plot_*`` function that writes a
-PNG with matplotlib's Agg backend:
+PNG with matplotlib's Agg canvas (no pyplot, so no global figure state):
 
 * :func:`run_shapes` -- paper Fig. 1: a multi-modal source, a non-affine monotone shift, and the
   Wasserstein-1 distance to the source of the shifted, TTN-corrected and AQR-corrected values.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def replicate_slope(x: Sequence[float], ys: np.ndarray) -> Slope:
     return Slope(mean, mean - half, mean + half, f"mean of {r} per-seed OLS slopes, 95% t-interval")
 
 
-def jsonable(obj):
+def jsonable(obj: Any) -> Any:
     """``obj`` with tuples as lists and non-finite floats as the strings ``"inf"``, ``"-inf"``, ``"nan"``.
 
     The result serialises to strict JSON (no ``Infinity`` / ``NaN`` tokens).
@@ -118,13 +119,14 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed))
 
 
-def _agg_pyplot():
-    import matplotlib
+def _figure(ncols: int, figsize: tuple[float, float], **kwargs):
+    """A figure and its axes drawn by the Agg canvas, without pyplot (no global figure state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, ncols, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,9 +211,8 @@ def plot_shapes(result: ShapesResult, path: str | Path) -> Path:
     """Kernel density plots: source vs shifted (left), source vs TTN and AQR corrections (right)."""
     from scipy.stats import gaussian_kde
 
-    plt = _agg_pyplot()
     v = result.values
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = _figure(2, (11, 4))
     styles = {
         "source": ("source (clean)", "black", "-"),
         "shifted": (f"shifted exp(0.6x), W1={result.w1_shifted:.3f}", "tab:gray", "--"),
@@ -232,14 +233,13 @@ def plot_shapes(result: ShapesResult, path: str | Path) -> Path:
     axes[0].set_title("source and non-affine monotone shift")
     axes[1].set_title("corrections (W1 to the clean values)")
     fig.tight_layout()
-    return _save(fig, path, plt)
+    return _save(fig, path)
 
 
-def _save(fig, path: str | Path, plt) -> Path:
+def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -432,10 +432,11 @@ def _errors(h_hat: torch.Tensor, h_clean: torch.Tensor, y_clean: torch.Tensor, n
 
 def plot_mlp(result: MLPResult, path: str | Path) -> Path:
     """Hidden-layer MSE (solid) and output MSE (dashed) against ``n`` for each ``K``, and TTN."""
-    plt = _agg_pyplot()
+    from matplotlib import colormaps
+
     ns = list(result.config.ns)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    colors = plt.cm.Blues(np.linspace(0.45, 0.95, len(result.config.num_quantiles)))
+    fig, axes = _figure(2, (11, 4.2), sharey=True)
+    colors = colormaps["Blues"](np.linspace(0.45, 0.95, len(result.config.num_quantiles)))
     for ax, scen in zip(axes, ("mixed", "affine")):
         for color, kq in zip(colors, result.config.num_quantiles):
             cells = [result.cell(scen, n, kq) for n in ns]
@@ -452,7 +453,7 @@ def plot_mlp(result: MLPResult, path: str | Path) -> Path:
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle("One-hidden-layer leaky-ReLU MLP: AQR vs TTN on corrupted hidden units")
     fig.tight_layout()
-    return _save(fig, path, plt)
+    return _save(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -752,9 +753,8 @@ def run_rates(config: RatesConfig) -> RatesResult:
 
 def plot_rates(result: RatesResult, path: str | Path) -> Path:
     """Three log-log panels (MSE vs ``K``, vs ``n_S``, vs ``n_T``) with the theorem's bound and slopes."""
-    plt = _agg_pyplot()
     s = result.sweeps
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    fig, axes = _figure(3, (15, 4.3))
 
     def panel(ax, sw: Sweep, label: str, color: str) -> None:
         mse = np.asarray(sw.mse)
@@ -788,4 +788,4 @@ def plot_rates(result: RatesResult, path: str | Path) -> Path:
         f"f_min={d.f_min:.2f}, L={d.lipschitz:.2f}, delta={result.config.delta:g}; band = min..max over seeds"
     )
     fig.tight_layout()
-    return _save(fig, path, plt)
+    return _save(fig, path)
