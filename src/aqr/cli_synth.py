@@ -12,8 +12,12 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from aqr.synth import MLPResult, RatesResult, ShapesResult
 
 DEFAULT_OUT = Path("docs/results/synthetic")
 
@@ -72,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary_shapes(r) -> str:
+def _summary_shapes(r: ShapesResult) -> str:
     c = r.config
     return (
         f"shapes: n_source={c.n_source} n_target={c.n_target} K={c.num_quantiles} seed={c.seed}\n"
@@ -80,7 +84,7 @@ def _summary_shapes(r) -> str:
     )
 
 
-def _summary_mlp(r) -> str:
+def _summary_mlp(r: MLPResult) -> str:
     lines = ["| scenario | n | K | MSE AQR | MSE TTN | output MSE AQR | output MSE TTN |", "|---|---|---|---|---|---|---|"]
     for c in r.cells:
         lines.append(
@@ -96,7 +100,7 @@ def _summary_mlp(r) -> str:
     return "\n".join(lines)
 
 
-def _summary_rates(r) -> str:
+def _summary_rates(r: RatesResult) -> str:
     d = r.config.density
     lines = [f"rates: f(x) = 1 - {d.a:g} cos(2 pi {d.modes} x) on [0,1], f_min={d.f_min:g}, L={d.lipschitz:.4f}, "
              f"k(h)=exp(2h), delta={r.config.delta:g}, repeats={r.config.repeats}, seed={r.config.seed}"]
