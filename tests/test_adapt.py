@@ -183,9 +183,14 @@ def test_fast_path_agrees_with_exact(make, tail):
     model, stats = calibrated(make)
     x = images(256, seed=1) * 0.5
     exact = aqr.AQR(model, stats, tail=tail, mode="exact")(x)
+    # every position sampled: only the lookup grid differs from the exact map
+    full = aqr.AQR(model, stats, tail=tail, compile=False, target_samples=10**6)(x)
+    assert (full.argmax(1) == exact.argmax(1)).float().mean() > 0.95
+    assert (full - exact).abs().mean() < 0.02 * exact.abs().mean() + 1e-4
+    # default subsample: the target quantiles are estimates too
     fast = aqr.AQR(model, stats, tail=tail, compile=False)(x)
-    assert (fast.argmax(1) == exact.argmax(1)).float().mean() > 0.95
-    assert (fast - exact).abs().mean() < 0.05 * exact.abs().mean() + 1e-3
+    assert (fast.argmax(1) == exact.argmax(1)).float().mean() > 0.9
+    assert (fast - exact).abs().mean() < 0.1 * exact.abs().mean() + 1e-3
 
 
 def test_fast_path_subsamples_and_compiled_kernel_matches_eager():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ class AQRConfig:
     gaussian_p: float = DEFAULT_GAUSSIAN_P
     on_nonfinite: str = "raise"
     mode: str = "fast"
-    target_samples: int = 32_768
+    target_samples: int = 8_192
     grid: int = 1024
     compile: bool = True
 
@@ -175,7 +175,15 @@ class AQR(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad(), _hooks(self.model, self._maps):
-            return self.model(x)
+            out = self.model(x)
+        if self.config.mode == "fast" and self.config.on_nonfinite == "raise" and isinstance(out, torch.Tensor):
+            # The fast path checks only the sampled positions of each layer; NaN/Inf elsewhere
+            # reaches the output. Re-run exactly to name the first layer that produced it.
+            if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(x).all()):
+                exact = {name: _LayerMap(self.stats, name, replace(self.config, mode="exact"), m.tail) for name, m in self._maps.items()}
+                with torch.no_grad(), _hooks(self.model, exact):
+                    self.model(x)
+        return out
 
     def extra_repr(self) -> str:
         return f"layers={len(self._maps)}, tail={self.config.tail or self.stats.tail!r}, K={self.stats.num_quantiles}"

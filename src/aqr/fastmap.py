@@ -5,8 +5,8 @@ map itself (a binary search and several gathers per value, on a transposed copy)
 
 1. Target quantiles come from a fixed random subset of at most ``target_samples`` positions per
    layer (the same positions for every channel, drawn once per tensor shape with a fixed seed, so a
-   batch's result never depends on earlier batches). By DKW, 32,768 values keep the sample CDF
-   within 0.0075 of the batch CDF with probability 0.95.
+   batch's result never depends on earlier batches). By DKW, 8,192 values keep the sample CDF
+   within 0.015 of the batch CDF with probability 0.95.
 2. The map is piecewise linear. Between the first and last inner knots it is tabulated on a uniform
    grid of ``grid`` cells per channel (the exact map at the grid points); outside, every tail
    strategy is affine (:func:`aqr.qmap.tail_lines`). One fused elementwise kernel (``torch.compile``
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from aqr.qmap import _eval_levels, _interp_levels, sorted_quantiles, tail_lines
+from aqr.qmap import _eval_levels, _interp_levels, sort_rows, sorted_quantiles, tail_lines
 
 _SUBSET_SEED = 0x5EED
 
@@ -32,32 +32,28 @@ _SUBSET_SEED = 0x5EED
 def _lookup_kernel(
     x: torch.Tensor,
     lo: torch.Tensor,
-    hi: torch.Tensor,
     inv: torch.Tensor,
-    table: torch.Tensor,
+    slope: torch.Tensor,
+    icpt: torch.Tensor,
     base: torch.Tensor,
-    a_lo: torch.Tensor,
-    b_lo: torch.Tensor,
-    a_hi: torch.Tensor,
-    b_hi: torch.Tensor,
     cells: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Evaluate the tabulated map on ``x`` (A, C, B) with per-channel ``(1, C, 1)`` parameters."""
+) -> torch.Tensor:
+    """``slope[cell] * x + icpt[cell]`` on ``x`` (A, C, B); ``(1, C, 1)`` per-channel ``lo``/``inv``/``base``.
+
+    Cell 0 is the lower tail line, cells 1..cells the grid, cell cells+1 the upper tail line.
+    """
     xf = x.float()
-    t = (xf - lo) * inv
-    i = t.floor().clamp(0, cells - 1)
-    frac = t - i
-    idx = (i.long() + base).clamp(0, table.numel() - 2)  # NaN -> garbage int: keep the index in range
-    left = table[idx]
-    inner = left + frac * (table[idx + 1] - left)
-    y = torch.where(xf < lo, a_lo * xf + b_lo, torch.where(xf > hi, a_hi * xf + b_hi, inner))
-    return y.to(x.dtype), torch.isfinite(xf).all()
+    # NaN would convert to an arbitrary integer: send it to cell 0 (its output stays NaN).
+    t = torch.nan_to_num((xf - lo) * inv + 1.0, nan=0.0).clamp(0, cells + 1)
+    cell = t.to(torch.int32) + base  # int32 indices gather markedly faster than int64 here
+    y = slope[cell] * xf + icpt[cell]
+    return y.to(x.dtype)
 
 
-_COMPILED: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}  # the compiled kernel, shared by all layers
 
 
-def _kernel(compile: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def _kernel(compile: bool) -> Callable[..., torch.Tensor]:
     if not compile:
         return _lookup_kernel
     if "kernel" not in _COMPILED:
@@ -96,7 +92,7 @@ class SubsetCache:
         picked = self._cache[key]
         if picked is None:
             return x.transpose(0, 1).reshape(c, -1).float()
-        return x[picked[0], :, picked[1]].t().float()  # advanced indexing gives (S, C)
+        return x[picked[0], :, picked[1]].t().float().contiguous()  # indexing gives (S, C)
 
 
 def lookup_map(
@@ -110,9 +106,9 @@ def lookup_map(
     cells: int,
     compile: bool,
 ) -> tuple[torch.Tensor, bool]:
-    """Map ``x`` (A, C, B) using target knots estimated from ``sample`` (C, S); also says if x is finite."""
+    """Map ``x`` (A, C, B) using target knots estimated from ``sample`` (C, S); also says if the sample is finite."""
     k = sq.shape[1]
-    ordered = torch.sort(sample, dim=1).values
+    ordered = sort_rows(sample)
     tq = sorted_quantiles(ordered, k)
     mean = std = None
     if tail in ("interval", "gaussian"):
@@ -120,27 +116,24 @@ def lookup_map(
         std = sample.std(dim=1, correction=0, keepdim=True)
     a_lo, b_lo, a_hi, b_hi = tail_lines(sq, tq, tail, mean, std, loc, scale, gaussian_p)
     lo, hi = tq[:, 1:2], tq[:, k - 2 : k - 1]
-    steps = torch.linspace(0.0, 1.0, cells + 1, device=x.device)
-    grid = lo + (hi - lo) * steps  # (C, cells + 1)
-    table = _eval_levels(_interp_levels(grid.contiguous(), tq.contiguous()), sq)
-    width = hi - lo
-    inv = torch.where(width > 0, cells / torch.where(width > 0, width, torch.ones_like(width)), torch.zeros_like(width))
+    width = (hi - lo) / cells
+    grid = lo + width * torch.arange(cells + 1, device=x.device, dtype=lo.dtype)  # (C, cells + 1)
+    values = _eval_levels(_interp_levels(grid.contiguous(), tq.contiguous()), sq)
+    inv = torch.where(width > 0, 1.0 / torch.where(width > 0, width, torch.ones_like(width)), torch.zeros_like(width))
+    cell_slope = (values[:, 1:] - values[:, :-1]) * inv
+    cell_icpt = values[:, :-1] - cell_slope * grid[:, :-1]
+    slope = torch.cat([a_lo, cell_slope, a_hi], dim=1)  # (C, cells + 2)
+    icpt = torch.cat([b_lo, cell_icpt, b_hi], dim=1)
     c = sq.shape[0]
-    base = (torch.arange(c, device=x.device) * (cells + 1)).view(1, c, 1)
-
-    def per_channel(v: torch.Tensor) -> torch.Tensor:
-        return v.reshape(1, c, 1).float()
-
+    base = (torch.arange(c, device=x.device, dtype=torch.int32) * (cells + 2)).view(1, c, 1)
+    args = (x, lo.reshape(1, c, 1), inv.reshape(1, c, 1), slope.reshape(-1), icpt.reshape(-1), base, cells)
     try:
-        y, finite = _kernel(compile)(
-            x, per_channel(lo), per_channel(hi), per_channel(inv), table.reshape(-1).float(), base,
-            per_channel(a_lo), per_channel(b_lo), per_channel(a_hi), per_channel(b_hi), cells,
-        )
+        y = _kernel(compile)(*args)
     except Exception as err:  # no C++ compiler, unsupported backend...: run the same code eagerly
         if not compile:
             raise
         warnings.warn(f"torch.compile failed ({type(err).__name__}: {err}); AQR runs its kernel eagerly", stacklevel=2)
         _COMPILED["kernel"] = _lookup_kernel
         return lookup_map(x, sample, sq, tail, loc, scale, gaussian_p, cells, False)
-    finite_knots = bool(torch.isfinite(tq[:, 0]).all() and torch.isfinite(tq[:, -1]).all())
-    return y, bool(finite) and finite_knots
+    # Only the sampled positions are checked here; AQR checks the logits for the rest.
+    return y, bool(torch.isfinite(tq[:, 0]).all() and torch.isfinite(tq[:, -1]).all())

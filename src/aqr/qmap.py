@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+import numpy as np
 import torch
 
 Tail = Literal["standard", "average", "none", "clip", "interval", "gaussian"]
@@ -57,12 +58,23 @@ def sorted_quantiles(sorted_values: torch.Tensor, num_quantiles: int) -> torch.T
     return a + (b - a) * frac
 
 
+def sort_rows(x: torch.Tensor) -> torch.Tensor:
+    """Sort each row of a 2-D float tensor ascending.
+
+    On CPU this goes through numpy, whose SIMD sort is an order of magnitude faster than
+    ``torch.sort`` (8 ms vs 125 ms for 16 x 32,768 float32 values on a 2-core machine).
+    """
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+        return torch.from_numpy(np.sort(x.numpy(), axis=-1))
+    return torch.sort(x, dim=-1).values
+
+
 def channel_quantiles(x: torch.Tensor, num_quantiles: int, dim: int = 0) -> torch.Tensor:
     """Exact per-channel quantiles ``(C, K)`` of ``x`` with channels on ``dim`` (float32 or wider)."""
     flat = to_channel_rows(x, dim)
     if not flat.dtype.is_floating_point or flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.float()
-    return sorted_quantiles(torch.sort(flat, dim=1).values, num_quantiles)
+    return sorted_quantiles(sort_rows(flat), num_quantiles)
 
 
 def to_channel_rows(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from aqr.layers import (
     norm_layers,
     select_layers,
 )
-from aqr.qmap import TAILS, sorted_quantiles, to_channel_rows
+from aqr.qmap import TAILS, sort_rows, sorted_quantiles, to_channel_rows
 
 FORMAT = "aqr-source-stats"
 FORMAT_VERSION = 1
@@ -360,7 +360,7 @@ class _Collector:
     ) -> LayerStats:
         if self.values is None:
             raise LayerError(f"layer {self.info.name!r} was never called during calibration")
-        ordered = torch.sort(self.values, dim=1).values
+        ordered = sort_rows(self.values)
         q = sorted_quantiles(ordered, num_quantiles)
         q[:, 0], q[:, -1] = self.min, self.max
         low, high = _average_sample_tails(ordered, tail_batch, tail_repeats, self.seed)

@@ -1,0 +1,181 @@
+"""Per-batch cost of each adaptation method, as a ratio to the unadapted forward pass.
+
+Everything is measured in one process, side by side: for each model and batch size, every method
+runs ``--warmup`` batches (torch.compile happens there) and then ``--repeats`` timed batches; the
+table reports the median wall time per batch and its ratio to the plain forward of the same model
+and batch size. A second part measures AQR's calibration on ``--calib-images`` source images: wall
+time against one plain forward pass over the same images, and peak resident memory of a fresh
+process doing only that calibration against one doing only the forward pass.
+
+    python benchmarks/speed.py                     # all models, batch 128 and 512
+    python benchmarks/speed.py --quick             # ResNet-20, batch 128, fewer repeats
+    python benchmarks/speed.py --json out.json     # also write the numbers
+
+Timings need a quiet machine: other processes inflate every row, but ratios within one run stay
+comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import aqr
+from aqr import methods, models
+
+SHARED = Path(os.environ.get("AQR_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+AKAMASTER = SHARED / "checkpoints" / "akamaster" / "resnet20-12fca82f.th"
+MODELS = {
+    "resnet20-bn": lambda: models.load("resnet20", checkpoint=AKAMASTER) if AKAMASTER.is_file() else models.create("resnet20"),
+    "resnet20-gn": lambda: models.create("resnet20", norm="gn"),
+    "vit": lambda: models.create("vit"),
+}
+METHODS = ["source", "ttn", "aqr", "aqr-exact", "tent", "sar"]
+
+
+def images(n: int, seed: int = 0) -> torch.Tensor:
+    """Source-like images: the clean CIFAR-10 test set when available, else uniform noise."""
+    path = SHARED / "cifar10_test.npz"
+    if path.is_file():
+        import numpy as np
+
+        x = np.load(path)["x"][:n]
+        return torch.from_numpy(x).permute(0, 3, 1, 2).float().div(255)
+    return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def timed(fn, x: torch.Tensor, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn(x)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: int):
+    if method == "aqr":
+        return methods.create("aqr", model, stats=stats)
+    if method == "aqr-exact":
+        return methods.create("aqr", model, stats=stats, mode="exact")
+    if method in ("tent", "sar"):
+        arch = "vit" if "vit" in type(model.model).__name__.lower() else "cnn"
+        return methods.create(method, model, arch=arch, batch_size=batch)
+    return methods.create(method, model)
+
+
+def per_batch(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    source = images(args.calib_images if not args.quick else 1000)
+    for name in args.models:
+        model = MODELS[name]().eval()
+        stats = aqr.calibrate(model, source.split(500))
+        for batch in args.batch_sizes:
+            x = images(batch, seed=1)
+            x = (x + 0.1 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2))).clamp(0, 1)
+            base = None
+            for method in args.methods:
+                try:
+                    runner = build(method, model, stats, batch)
+                except methods.NotApplicable:
+                    rows.append({"model": name, "batch": batch, "method": method, "seconds": None, "ratio": None})
+                    continue
+                with torch.no_grad() if method not in ("tent", "sar") else torch.enable_grad():
+                    seconds = timed(runner, x, args.warmup, args.repeats)
+                if method == "source":
+                    base = seconds
+                rows.append({"model": name, "batch": batch, "method": method, "seconds": seconds,
+                             "ratio": seconds / base if base else None})
+                print(f"{name:12s} batch {batch:4d} {method:10s} {seconds * 1e3:9.1f} ms  x{rows[-1]['ratio'] or 0:.2f}",
+                      flush=True)
+    return rows
+
+
+def _peak_rss_child(task: str, n: int, queue: mp.Queue) -> None:
+    torch.set_num_threads(int(os.environ.get("AQR_BENCH_THREADS", torch.get_num_threads())))
+    model = MODELS["resnet20-bn"]().eval()
+    x = images(n)
+    start = time.perf_counter()
+    if task == "forward":
+        with torch.no_grad():
+            for xb in x.split(500):
+                model(xb)
+    else:
+        aqr.calibrate(model, x.split(500))
+    seconds = time.perf_counter() - start
+    queue.put({"seconds": seconds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+def calibration(args: argparse.Namespace) -> dict:
+    ctx = mp.get_context("spawn")
+    out = {}
+    for task in ("forward", "calibrate"):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_peak_rss_child, args=(task, args.calib_images, queue))
+        proc.start()
+        out[task] = queue.get()
+        proc.join()
+    out["time_ratio"] = out["calibrate"]["seconds"] / out["forward"]["seconds"]
+    print(f"calibration on {args.calib_images} images (ResNet-20): {out['calibrate']['seconds']:.1f} s vs forward "
+          f"{out['forward']['seconds']:.1f} s (x{out['time_ratio']:.2f}); peak RSS {out['calibrate']['peak_rss_mb']:.0f} MB "
+          f"vs {out['forward']['peak_rss_mb']:.0f} MB", flush=True)
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | batch | " + " | ".join(METHODS) + " |", "|---|---|" + "---|" * len(METHODS)]
+    keys = sorted({(r["model"], r["batch"]) for r in rows}, key=lambda k: (list(MODELS).index(k[0]), k[1]))
+    for model, batch in keys:
+        cells = []
+        for method in METHODS:
+            r = next((r for r in rows if (r["model"], r["batch"], r["method"]) == (model, batch, method)), None)
+            if r is None:
+                cells.append("")
+            elif r["seconds"] is None:
+                cells.append("n/a")
+            else:
+                cells.append(f"{r['seconds'] * 1e3:.0f} ms (x{r['ratio']:.2f})")
+        lines.append(f"| {model} | {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[128, 512])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--calib-images", type=int, default=10_000)
+    parser.add_argument("--skip-calibration", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="ResNet-20, batch 128, 3 repeats, 2,000 calibration images")
+    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.batch_sizes, args.repeats, args.warmup, args.calib_images = ["resnet20-bn"], [128], 3, 2, 2000
+    print(f"torch {torch.__version__}, aqr {aqr.__version__}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads, python {sys.version.split()[0]}", flush=True)
+    rows = per_batch(args)
+    result = {"rows": rows, "torch": torch.__version__, "aqr": aqr.__version__, "threads": torch.get_num_threads()}
+    if not args.skip_calibration:
+        result["calibration"] = calibration(args)
+    print()
+    print(markdown(rows))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
