@@ -52,15 +52,28 @@ def _lookup_kernel(
     return y.to(x.dtype)
 
 
-_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}  # the compiled kernel, shared by all layers
+_COMPILED: dict[Callable[..., object], Callable[..., object]] = {}  # compiled kernels, shared by all layers
 
 
-def _kernel(compile: bool) -> Callable[..., torch.Tensor]:
-    if not compile:
-        return _lookup_kernel
-    if "kernel" not in _COMPILED:
-        _COMPILED["kernel"] = torch.compile(_lookup_kernel, dynamic=True)
-    return _COMPILED["kernel"]
+def compiled(fn: Callable[..., object], enabled: bool = True) -> Callable[..., object]:
+    """``torch.compile(fn)`` once per process; ``fn`` itself when disabled or after a failed compile."""
+    if not enabled:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
+def run_compiled(fn: Callable[..., object], enabled: bool, *args: object) -> object:
+    """Call the compiled ``fn``; if compiling fails (no C++ compiler...), warn once and run it eagerly."""
+    try:
+        return compiled(fn, enabled)(*args)
+    except Exception as err:
+        if not enabled or _COMPILED.get(fn) is fn:
+            raise
+        warnings.warn(f"torch.compile failed ({type(err).__name__}: {err}); aqr runs {fn.__name__} eagerly", stacklevel=3)
+        _COMPILED[fn] = fn
+        return fn(*args)
 
 
 def as_acb(out: torch.Tensor, channel_dim: int) -> torch.Tensor:
@@ -150,13 +163,6 @@ def lookup_map(
     c = sq.shape[0]
     base = (torch.arange(c, device=x.device, dtype=torch.int32) * (cells + 2)).view(1, c, 1)
     args = (x, lo.reshape(1, c, 1), inv.reshape(1, c, 1), slope.reshape(-1), icpt.reshape(-1), base, cells)
-    try:
-        y = _kernel(compile)(*args)
-    except Exception as err:  # no C++ compiler, unsupported backend...: run the same code eagerly
-        if not compile:
-            raise
-        warnings.warn(f"torch.compile failed ({type(err).__name__}: {err}); AQR runs its kernel eagerly", stacklevel=2)
-        _COMPILED["kernel"] = _lookup_kernel
-        return lookup_map(x, sample, sq, tail, loc, scale, gaussian_p, cells, False)
+    y = run_compiled(_lookup_kernel, compile, *args)
     # Only the sampled positions are checked here; AQR checks the logits for the rest.
     return y, bool(torch.isfinite(tq[:, 0]).all() and torch.isfinite(tq[:, -1]).all())

@@ -37,7 +37,8 @@ from aqr.layers import (
     norm_layers,
     select_layers,
 )
-from aqr.qmap import TAILS, sort_rows, sorted_quantiles, to_channel_rows
+from aqr.fastmap import as_acb, run_compiled
+from aqr.qmap import TAILS, sort_rows, sorted_quantiles
 
 FORMAT = "aqr-source-stats"
 FORMAT_VERSION = 1
@@ -296,11 +297,18 @@ def same_weights(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-2, atol=1e-4))
 
 
+def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel population variance, mean, min and max of ``x`` (A, C, B), in one fused pass."""
+    var, mean = torch.var_mean(x, dim=(0, 2), correction=0)
+    return var, mean, x.amin(dim=(0, 2)), x.amax(dim=(0, 2))
+
+
 class _Collector:
     """Streaming per-channel statistics of one layer: moments, extremes and a bottom-k sample."""
 
-    def __init__(self, info: LayerInfo, max_samples: int, generator_seed: int) -> None:
+    def __init__(self, info: LayerInfo, max_samples: int, generator_seed: int, compile: bool = False) -> None:
         self.info = info
+        self.compile = compile
         self.max_samples = max_samples
         self.seed = generator_seed
         self.generator: torch.Generator | None = None
@@ -313,18 +321,23 @@ class _Collector:
         self.keys: torch.Tensor | None = None  # (k,) their random keys
 
     def update(self, output: torch.Tensor) -> None:
-        rows = to_channel_rows(output.detach(), self.info.channel_dim).float()
-        if not bool(torch.isfinite(rows).all()):
+        # Work on the (A, C, B) view of the output: reductions over dims (0, 2) and a gather of
+        # the sampled positions avoid a transposed copy of every value.
+        x = as_acb(output.detach(), self.info.channel_dim)
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
+        a, _, b = x.shape
+        n = a * b
+        if n == 0:
+            return
+        b_var, b_mean, b_min, b_max = run_compiled(_moments, self.compile, x)
+        # NaN propagates into the mean, min and max and +-Inf into min/max: no separate scan needed.
+        if not bool(torch.isfinite(torch.stack([b_mean, b_min, b_max])).all()):
             raise NonFiniteActivationError(
                 f"layer {self.info.name!r} produced NaN or Inf activations during calibration; "
                 "check the source data and the model"
             )
-        n = rows.shape[1]
-        if n == 0:
-            return
-        b_mean = rows.mean(dim=1).double()
-        b_m2 = rows.var(dim=1, correction=0).double() * n
-        b_min, b_max = rows.amin(dim=1), rows.amax(dim=1)
+        b_mean, b_m2 = b_mean.double(), b_var.double() * n
         if self.mean is None:
             self.mean, self.m2, self.min, self.max = b_mean, b_m2, b_min, b_max
         else:  # Chan et al. parallel update, in float64
@@ -335,25 +348,32 @@ class _Collector:
             self.min = torch.minimum(self.min, b_min)
             self.max = torch.maximum(self.max, b_max)
         self.count += n
-        self._sample(rows)
+        self._sample(x)
 
-    def _sample(self, rows: torch.Tensor) -> None:
-        if self.generator is None or self.generator.device != rows.device:
-            self.generator = torch.Generator(device=rows.device).manual_seed(self.seed)
-        keys = torch.rand(rows.shape[1], generator=self.generator, device=rows.device)
-        if self.values is not None and self.values.shape[1] >= self.max_samples:
-            # Only keys below the current k-th smallest can enter the sample.
-            keep = keys < self.keys.max()
-            if not bool(keep.any()):
-                return
-            idx = keep.nonzero().squeeze(1)
-            rows, keys = rows[:, idx], keys[idx]
-        values = rows if self.values is None else torch.cat([self.values, rows], dim=1)
-        keys = keys if self.keys is None else torch.cat([self.keys, keys])
-        if keys.numel() > self.max_samples:
-            keys, idx = torch.topk(keys, self.max_samples, largest=False, sorted=False)
-            values = values[:, idx]
-        self.values, self.keys = values, keys
+    def _sample(self, x: torch.Tensor) -> None:
+        a, c, b = x.shape
+        if self.generator is None or self.generator.device != x.device:
+            self.generator = torch.Generator(device=x.device).manual_seed(self.seed)
+        keys = torch.rand(a * b, generator=self.generator, device=x.device)
+        pos = torch.arange(a * b, device=x.device)
+        old = 0 if self.keys is None else self.keys.numel()
+        if old >= self.max_samples:  # only keys below the current k-th smallest can enter
+            pos = (keys < self.keys.max()).nonzero().squeeze(1)
+            keys = keys[pos]
+        if old + keys.numel() > self.max_samples:
+            # Decide on the keys first, then gather only the values of the winners.
+            merged = keys if self.keys is None else torch.cat([self.keys, keys])
+            merged, idx = torch.topk(merged, self.max_samples, largest=False, sorted=False)
+            kept_old, new = idx[idx < old], idx[idx >= old] - old
+            pos = pos[new]
+            rows = x[pos // b, :, pos % b].t()
+            values = rows if self.values is None else torch.cat([self.values[:, kept_old], rows], dim=1)
+            keys = merged if self.keys is None else torch.cat([self.keys[kept_old], keys[new]])
+        else:
+            rows = x[pos // b, :, pos % b].t()
+            values = rows if self.values is None else torch.cat([self.values, rows], dim=1)
+            keys = keys if self.keys is None else torch.cat([self.keys, keys])
+        self.values, self.keys = values.contiguous(), keys
 
     def finish(
         self, module: nn.Module, num_quantiles: int, tail_batch: int, tail_repeats: int
@@ -423,6 +443,7 @@ def calibrate(
     seed: int = 0,
     device: torch.device | str | None = None,
     progress: bool = False,
+    compile: bool = True,
 ) -> SourceStats:
     """Run ``model`` over ``source`` once and return the statistics AQR needs.
 
@@ -440,6 +461,7 @@ def calibrate(
         seed: seeds the sample and the tail draws; same seed and data give identical statistics.
         device: run on this device (default: where the model's parameters are).
         progress: show a progress bar.
+        compile: fuse the per-batch moments with ``torch.compile`` (eager fallback with a warning).
     """
     if tail not in TAILS:
         raise ValueError(f"unknown tail strategy {tail!r}; expected one of {', '.join(TAILS)}")
@@ -475,7 +497,7 @@ def calibrate(
                 order = execution_order(model, all_infos, x)
                 chosen = select_layers(all_infos, layers, order)
                 for i, info in enumerate(chosen):
-                    collectors[info.name] = _Collector(info, max_samples, seed * 1_000_003 + i)
+                    collectors[info.name] = _Collector(info, max_samples, seed * 1_000_003 + i, compile)
 
                     def hook(_m: nn.Module, _i: object, out: object, c: _Collector = collectors[info.name]) -> None:
                         c.update(check_output(c.info, out))
