@@ -1,0 +1,57 @@
+"""``aqr train``: train a source model on an npz and write an aqr checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``train`` sub-command."""
+    p = subparsers.add_parser("train", help="train a source model (CPU-friendly, resumable)",
+                              description="Supervised training on an npz (x uint8 NHWC, y labels).")
+    p.add_argument("--model", required=True, help="architecture name (see aqr.models.available())")
+    p.add_argument("--norm", default=None, help="normalization layers: bn, gn, ln, none (default: the model's)")
+    p.add_argument("--model-kwargs", default="{}", type=json.loads,
+                   help='JSON dict of architecture options, e.g. \'{"width": 32, "groups": 8}\'')
+    p.add_argument("--data", required=True, help="training npz")
+    p.add_argument("--test", default=None, help="test npz, evaluated after every epoch")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--min-lr", type=float, default=0.0)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--nesterov", action="store_true")
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--warmup-epochs", type=float, default=1.0)
+    p.add_argument("--label-smoothing", type=float, default=0.0)
+    p.add_argument("--no-augment", action="store_true", help="disable random crop + flip")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--limit-train", type=int, default=None, help="use only the first N training images")
+    p.add_argument("--out", default=None, help="final small checkpoint (aqr format)")
+    p.add_argument("--work-dir", default=None, help="folder for the resumable per-epoch state (last.pt)")
+    p.add_argument("--resume", action="store_true", help="continue from <work-dir>/last.pt")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build a TrainConfig from ``args`` and train; returns 0."""
+    from aqr.train import TrainConfig, train
+
+    if not isinstance(args.model_kwargs, dict):
+        raise SystemExit("--model-kwargs must be a JSON object")
+    cfg = TrainConfig(model=args.model, data=args.data, test=args.test, norm=args.norm,
+                      model_kwargs=args.model_kwargs, epochs=args.epochs, batch_size=args.batch_size,
+                      optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, momentum=args.momentum,
+                      nesterov=args.nesterov, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs,
+                      label_smoothing=args.label_smoothing, augment=not args.no_augment, threads=args.threads,
+                      seed=args.seed, channels_last=args.channels_last, limit_train=args.limit_train,
+                      out=args.out, work_dir=args.work_dir,
+                      command="aqr " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train"] else "")
+    train(cfg, resume=args.resume)
+    return 0
