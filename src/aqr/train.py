@@ -249,7 +249,7 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
             loss_sum += loss.item() * len(yb)
             correct += int((logits.argmax(1) == yb).sum())
             seen += len(yb)
-            bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{100 * correct / seen:.1f}")
+            bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{100 * correct / seen:.1f}", refresh=False)
         bar.close()
         train_seconds = time.perf_counter() - t0
         test_acc = evaluate_accuracy(model, *test, cfg.eval_batch_size, cfg.channels_last) if test else None
