@@ -33,15 +33,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--limit-train", type=int, default=None, help="use only the first N training images")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this many epochs (schedule still planned for --epochs; continue with --resume)")
     p.add_argument("--out", default=None, help="final small checkpoint (aqr format)")
     p.add_argument("--work-dir", default=None, help="folder for the resumable per-epoch state (last.pt)")
     p.add_argument("--resume", action="store_true", help="continue from <work-dir>/last.pt")
+    p.add_argument("--export", action="store_true",
+                   help="only write --out from <work-dir>/last.pt (e.g. of an unfinished run) and exit")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Build a TrainConfig from ``args`` and train; returns 0."""
-    from aqr.train import TrainConfig, train
+    from aqr.train import TrainConfig, export_state, train
+
+    if args.export:
+        if not (args.work_dir and args.out):
+            raise SystemExit("--export needs --work-dir and --out")
+        path = export_state(args.work_dir, args.out)
+        print(f"wrote {path}")
+        return 0
 
     if not isinstance(args.model_kwargs, dict):
         raise SystemExit("--model-kwargs must be a JSON object")
@@ -51,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
                       nesterov=args.nesterov, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs,
                       label_smoothing=args.label_smoothing, augment=not args.no_augment, threads=args.threads,
                       seed=args.seed, channels_last=args.channels_last, limit_train=args.limit_train,
+                      stop_after=args.stop_after,
                       out=args.out, work_dir=args.work_dir,
                       command="aqr " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train"] else "")
     train(cfg, resume=args.resume)

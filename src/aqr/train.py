@@ -55,7 +55,8 @@ class TrainConfig:
     eval_batch_size: int = 1000
     out: str | None = None
     work_dir: str | None = None
-    limit_train: int | None = None  # use only the first N training images (quick checks)
+    limit_train: int | None = None  # use a seeded random subset of N training images (quick checks)
+    stop_after: int | None = None  # stop (resumably) once this many epochs are done, schedule unchanged
     command: str = ""
 
 
@@ -223,7 +224,8 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
 
     data_hash = sha256_file(cfg.data)
     interactive = hasattr(log, "isatty") and log.isatty()
-    for epoch in range(start_epoch, cfg.epochs):
+    last_epoch = cfg.epochs if cfg.stop_after is None else min(cfg.epochs, cfg.stop_after)
+    for epoch in range(start_epoch, last_epoch):
         model.train()
         t0 = time.perf_counter()
         order = torch.randperm(n, generator=gen)
@@ -263,19 +265,52 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
             atomic_save({"format": "aqr-train-state", "config": asdict(cfg), "epoch": epoch + 1,
                          "history": history, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": scheduler.state_dict(), "generator": gen.get_state(),
-                         "torch_rng": torch.get_rng_state(), "data_sha256": data_hash}, state_file)
+                         "torch_rng": torch.get_rng_state(), "data_sha256": data_hash,
+                         "num_classes": num_classes}, state_file)
 
     model.eval()
     final_acc = history[-1]["test_acc"] if history else None
+    out = None
     if cfg.out:
-        meta = {"data": os.path.basename(cfg.data), "data_sha256": data_hash,
-                "test": os.path.basename(cfg.test) if cfg.test else None,
-                "test_sha256": sha256_file(cfg.test) if cfg.test else None,
-                "epochs": len(history), "seed": cfg.seed, "clean_accuracy": final_acc,
-                "command": cfg.command, "train_config": asdict(cfg), "history": history,
-                "aqr_version": aqr.__version__, "torch_version": torch.__version__}
-        path = save_checkpoint(cfg.out, model, model_config(cfg, num_classes), meta)
-        if path.stat().st_size > MAX_ZOO_BYTES:
-            path = save_checkpoint(cfg.out, model, model_config(cfg, num_classes), meta, half=True)
-        print(f"saved {path} ({path.stat().st_size / 1e6:.2f} MB), clean accuracy {final_acc}", file=log, flush=True)
-    return {"model": model, "history": history, "test_acc": final_acc, "out": cfg.out}
+        out = write_final(cfg.out, model, cfg, num_classes, history, data_hash)
+        print(f"saved {out} ({out.stat().st_size / 1e6:.2f} MB), clean accuracy {final_acc}", file=log, flush=True)
+    return {"model": model, "history": history, "test_acc": final_acc, "out": out}
+
+
+def write_final(out: str | os.PathLike[str], model: nn.Module, cfg: TrainConfig, num_classes: int,
+                history: list[dict[str, Any]], data_hash: str) -> Path:
+    """Write the small aqr checkpoint (weights + config + provenance meta), in fp16 if fp32 exceeds 5 MB.
+
+    ``meta["partial"]`` is True when fewer than ``cfg.epochs`` epochs were trained.
+    """
+    final_acc = history[-1]["test_acc"] if history else None
+    meta = {"data": os.path.basename(cfg.data), "data_sha256": data_hash,
+            "test": os.path.basename(cfg.test) if cfg.test else None,
+            "test_sha256": sha256_file(cfg.test) if cfg.test else None,
+            "epochs": len(history), "scheduled_epochs": cfg.epochs, "partial": len(history) < cfg.epochs,
+            "seed": cfg.seed, "clean_accuracy": final_acc, "command": cfg.command,
+            "train_config": asdict(cfg), "history": history,
+            "aqr_version": aqr.__version__, "torch_version": str(torch.__version__)}
+    config = model_config(cfg, num_classes)
+    path = save_checkpoint(out, model, config, meta)
+    if path.stat().st_size > MAX_ZOO_BYTES:
+        path = save_checkpoint(out, model, config, meta, half=True)
+    return path
+
+
+def export_state(work_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write the small aqr checkpoint from a run's resumable state (``<work_dir>/last.pt``), e.g. of an unfinished run."""
+    state_file = resume_path(work_dir)
+    state = read_file(state_file)
+    if not isinstance(state, dict) or state.get("format") != "aqr-train-state":
+        raise CheckpointError(f"{state_file} is not an aqr training state")
+    cfg = TrainConfig(**state["config"])
+    num_classes = state.get("num_classes")
+    if num_classes is None:  # states written before num_classes was stored
+        num_classes = int(load_npz(cfg.data)[1].max()) + 1
+        if cfg.test:
+            num_classes = max(num_classes, int(load_npz(cfg.test)[1].max()) + 1)
+    model = create(cfg.model, num_classes=int(num_classes), norm=cfg.norm, **cfg.model_kwargs)
+    model.load_state_dict(state["model"])
+    data_hash = state.get("data_sha256") or sha256_file(cfg.data)
+    return write_final(out, model.eval(), cfg, int(num_classes), list(state["history"]), data_hash)

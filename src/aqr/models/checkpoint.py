@@ -11,6 +11,7 @@ lists and dicts, so it loads with ``weights_only=True``::
 
 from __future__ import annotations
 
+import numbers
 import os
 import tempfile
 from pathlib import Path
@@ -59,6 +60,29 @@ def is_aqr_checkpoint(obj: Any) -> bool:
     return isinstance(obj, dict) and obj.get("format") == FORMAT
 
 
+def plain(value: Any, where: str = "value") -> Any:
+    """Return ``value`` as plain weights-only-loadable data: str subclasses (e.g. ``torch.__version__``)
+    and paths become str, tuples become lists; dict keys must be str. Other objects raise TypeError.
+    """
+    if value is None or isinstance(value, (bool, int, float)) and type(value) in (bool, int, float):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value) if not isinstance(value, str) else str(value)
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)):
+        return [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"{where}: dict keys must be str")
+        return {str(k): plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, numbers.Integral):  # numpy scalars and other number types
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"{where}: {type(value).__name__} cannot be stored in a weights-only checkpoint")
+
+
 def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, config: dict[str, Any],
                     meta: dict[str, Any] | None = None, half: bool = False) -> Path:
     """Write ``model``'s weights with the ``config`` that rebuilds it; ``half`` stores float tensors as fp16.
@@ -70,8 +94,8 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, config: dict
         raise ValueError("checkpoint config needs a 'name'")
     state = {k: (v.detach().half() if half and v.is_floating_point() else v.detach()).cpu().clone()
              for k, v in model.state_dict().items()}
-    obj = {"format": FORMAT, "version": VERSION, "config": dict(config), "state_dict": state,
-           "meta": dict(meta or {})}
+    obj = {"format": FORMAT, "version": VERSION, "config": plain(dict(config), "config"), "state_dict": state,
+           "meta": plain(dict(meta or {}), "meta")}
     return atomic_save(obj, path)
 
 
