@@ -253,3 +253,13 @@ def test_akamaster_resnet20_scores_91_73() -> None:
         x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
     from aqr.train import evaluate_accuracy
     assert evaluate_accuracy(model, x, y, batch_size=500) == pytest.approx(91.73, abs=1e-9)
+
+
+def test_manifest_describes_each_checkpoint(tmp_path: Path) -> None:
+    from aqr.models.zoo import describe, manifest_markdown
+
+    _save_small(tmp_path)
+    info = describe(tmp_path / "resnet20_gn.pt")
+    assert info["epochs"] == 3 and info["config"]["norm"] == "gn"
+    text = manifest_markdown(tmp_path)
+    assert "| resnet20_gn | resnet20 norm=gn" in text and "12.50" in text
