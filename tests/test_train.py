@@ -119,7 +119,7 @@ def test_cli_trains_a_vit_with_adamw(data: tuple[Path, Path], tmp_path: Path) ->
     assert code == 0
     model = models.load(out)
     assert isinstance(model.model, models.registry.ViT)
-    assert main(["train", "--model", "vit", "--data", str(data[0]), "--export", "--work-dir",
+    assert main(["train", "--export", "--work-dir",
                  str(tmp_path / "w"), "--out", str(tmp_path / "again.pt")]) == 0
     assert models.load(tmp_path / "again.pt")(torch.rand(1, 3, 32, 32)).shape == (1, 2)
 

@@ -12,11 +12,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` sub-command."""
     p = subparsers.add_parser("train", help="train a source model (CPU-friendly, resumable)",
                               description="Supervised training on an npz (x uint8 NHWC, y labels).")
-    p.add_argument("--model", required=True, help="architecture name (see aqr.models.available())")
+    p.add_argument("--model", help="architecture name (see aqr.models.available()); required unless --export")
     p.add_argument("--norm", default=None, help="normalization layers: bn, gn, ln, none (default: the model's)")
     p.add_argument("--model-kwargs", default="{}", type=json.loads,
                    help='JSON dict of architecture options, e.g. \'{"width": 32, "groups": 8}\'')
-    p.add_argument("--data", required=True, help="training npz")
+    p.add_argument("--data", help="training npz; required unless --export")
     p.add_argument("--test", default=None, help="test npz, evaluated after every epoch")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=128)
@@ -54,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         return 0
 
+    if not (args.model and args.data):
+        raise SystemExit("aqr train: --model and --data are required")
     if not isinstance(args.model_kwargs, dict):
         raise SystemExit("--model-kwargs must be a JSON object")
     cfg = TrainConfig(model=args.model, data=args.data, test=args.test, norm=args.norm,

@@ -66,4 +66,9 @@ def manifest_markdown(directory: str | os.PathLike[str] | None = None) -> str:
         commands += [f"### {name}", "", f"data: `{info.get('data')}` sha256 `{info.get('data_sha256')}`  ",
                      f"aqr {info.get('aqr_version')}, torch {info.get('torch_version')}", "", "```",
                      str(info.get("command") or "(command not recorded)"), "```", ""]
+        if info.get("partial"):
+            commands += [f"Unfinished: {info.get('epochs')} of {info.get('scheduled_epochs')} scheduled epochs. "
+                         "Continue by re-running the command above with `--resume` (its `--work-dir` holds the "
+                         "resumable state), or refresh this file from that state with "
+                         "`aqr train --export --work-dir <dir> --out <file>`.", ""]
     return "\n".join(lines + ["", "## Commands", ""] + commands)
