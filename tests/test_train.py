@@ -97,9 +97,13 @@ def test_resume_continues_exactly(data: tuple[Path, Path], tmp_path: Path) -> No
         assert torch.equal(a, b)
 
 
-def test_resume_without_state_fails(data: tuple[Path, Path], tmp_path: Path) -> None:
+def test_resume_without_state_or_with_other_data_fails(data: tuple[Path, Path], tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no training state"):
         train(small_config(data, tmp_path, **TINY_VIT), resume=True)
+    train(small_config(data, tmp_path, epochs=2, stop_after=1, out=None, limit_train=32, **TINY_VIT))
+    other = make_npz(tmp_path / "other.npz", 64, 5)
+    with pytest.raises(ValueError, match="not the file"):
+        train(small_config((other, data[1]), tmp_path, epochs=2, out=None, **TINY_VIT), resume=True)
 
 
 def test_groupnorm_resnet_trains(data: tuple[Path, Path], tmp_path: Path) -> None:

@@ -223,6 +223,9 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
         print(f"resumed {state_file} after epoch {start_epoch}", file=log, flush=True)
 
     data_hash = sha256_file(cfg.data)
+    if resume and state.get("data_sha256") not in (None, data_hash):
+        raise ValueError(f"--resume: {cfg.data} (sha256 {data_hash[:12]}...) is not the file the run in "
+                         f"{state_file} trained on (sha256 {str(state['data_sha256'])[:12]}...)")
     interactive = hasattr(log, "isatty") and log.isatty()
     last_epoch = cfg.epochs if cfg.stop_after is None else min(cfg.epochs, cfg.stop_after)
     for epoch in range(start_epoch, last_epoch):
