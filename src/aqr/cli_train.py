@@ -1,0 +1,71 @@
+"""``aqr train``: train a source model on an npz and write an aqr checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``train`` sub-command."""
+    p = subparsers.add_parser("train", help="train a source model (CPU-friendly, resumable)",
+                              description="Supervised training on an npz (x uint8 NHWC, y labels).")
+    p.add_argument("--model", help="architecture name (see aqr.models.available()); required unless --export")
+    p.add_argument("--norm", default=None, help="normalization layers: bn, gn, ln, none (default: the model's)")
+    p.add_argument("--model-kwargs", default="{}", type=json.loads,
+                   help='JSON dict of architecture options, e.g. \'{"width": 32, "groups": 8}\'')
+    p.add_argument("--data", help="training npz; required unless --export")
+    p.add_argument("--test", default=None, help="test npz, evaluated after every epoch")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--min-lr", type=float, default=0.0)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--nesterov", action="store_true")
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--warmup-epochs", type=float, default=1.0)
+    p.add_argument("--label-smoothing", type=float, default=0.0)
+    p.add_argument("--no-augment", action="store_true", help="disable random crop + flip")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--limit-train", type=int, default=None, help="use only the first N training images")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this many epochs (schedule still planned for --epochs; continue with --resume)")
+    p.add_argument("--out", default=None, help="final small checkpoint (aqr format)")
+    p.add_argument("--work-dir", default=None, help="folder for the resumable per-epoch state (last.pt)")
+    p.add_argument("--resume", action="store_true", help="continue from <work-dir>/last.pt")
+    p.add_argument("--export", action="store_true",
+                   help="only write --out from <work-dir>/last.pt (e.g. of an unfinished run) and exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build a TrainConfig from ``args`` and train; returns 0."""
+    from aqr.train import TrainConfig, export_state, train
+
+    if args.export:
+        if not (args.work_dir and args.out):
+            raise SystemExit("--export needs --work-dir and --out")
+        path = export_state(args.work_dir, args.out)
+        print(f"wrote {path}")
+        return 0
+
+    if not (args.model and args.data):
+        raise SystemExit("aqr train: --model and --data are required")
+    if not isinstance(args.model_kwargs, dict):
+        raise SystemExit("--model-kwargs must be a JSON object")
+    cfg = TrainConfig(model=args.model, data=args.data, test=args.test, norm=args.norm,
+                      model_kwargs=args.model_kwargs, epochs=args.epochs, batch_size=args.batch_size,
+                      optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, momentum=args.momentum,
+                      nesterov=args.nesterov, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs,
+                      label_smoothing=args.label_smoothing, augment=not args.no_augment, threads=args.threads,
+                      seed=args.seed, channels_last=args.channels_last, limit_train=args.limit_train,
+                      stop_after=args.stop_after,
+                      out=args.out, work_dir=args.work_dir,
+                      command="aqr " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train"] else "")
+    train(cfg, resume=args.resume)
+    return 0

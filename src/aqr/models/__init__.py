@@ -1,0 +1,80 @@
+"""Models for aqr: CIFAR ResNets (BN/GN/LN), a small ViT, timm/torchvision models, and the zoo.
+
+Every model built or loaded here takes images in [0, 1] (NCHW float) and normalizes them itself.
+
+* :func:`create` builds an architecture by name with random weights.
+* :func:`load` returns a ready model in eval mode from a zoo name, a checkpoint path, a registered
+  name plus a (third-party) checkpoint, or a ``timm:``/``torchvision:`` pretrained name.
+* :func:`available` lists the registered names; :func:`zoo` the committed checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from aqr.models.checkpoint import (CheckpointError, is_aqr_checkpoint, load_weights, read_file,
+                                   save_checkpoint, third_party_state_dict)
+from aqr.models.normalize import Normalize, NormalizedModel, with_normalization
+from aqr.models.registry import EXTERNAL_PREFIXES, available, create
+from aqr.models.zoo import zoo, zoo_dir
+
+__all__ = ["CheckpointError", "Normalize", "NormalizedModel", "available", "create", "load",
+           "from_checkpoint", "save_checkpoint", "with_normalization", "zoo", "zoo_dir"]
+
+
+def from_checkpoint(path: str | os.PathLike[str]) -> NormalizedModel:
+    """Rebuild the model stored in an aqr checkpoint file (its ``config``) and load its weights (eval mode)."""
+    obj = read_file(path)
+    if not is_aqr_checkpoint(obj):
+        raise CheckpointError(f"{path} is not an aqr checkpoint (no 'format': 'aqr-model'); "
+                              "pass it as load(<architecture name>, checkpoint=path) instead")
+    config = obj.get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("name"), str):
+        raise CheckpointError(f"checkpoint {path} has no valid 'config' with a model 'name'")
+    try:
+        model = create(config["name"], num_classes=int(config.get("num_classes", 10)),
+                       norm=config.get("norm"), **dict(config.get("kwargs") or {}))
+    except (KeyError, ValueError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {path}: cannot rebuild model from config {config}: {err}") from err
+    load_weights(model, obj["state_dict"], path)
+    return model.eval()
+
+
+def load(name_or_path: str | os.PathLike[str], checkpoint: str | os.PathLike[str] | None = None,
+         num_classes: int | None = None, norm: str | None = None, **kwargs: Any) -> nn.Module:
+    """Return a model in eval mode that takes [0, 1] images.
+
+    Resolution order for ``name_or_path`` when ``checkpoint`` is None: an existing file (an aqr
+    checkpoint), a zoo name, a ``timm:``/``torchvision:`` name (pretrained weights). With a
+    ``checkpoint``, ``name_or_path`` is an architecture: an aqr checkpoint is loaded whole
+    (architecture must match), any other file is treated as a state dict (``module.`` prefixes
+    stripped) of the bare network. Errors: ``KeyError`` for unknown names, :class:`CheckpointError`
+    (naming the file) for unreadable or mismatching checkpoints.
+    """
+    name = os.fspath(name_or_path)
+    if checkpoint is None:
+        if Path(name).is_file():
+            return from_checkpoint(name)
+        entries = zoo()
+        if name in entries:
+            return from_checkpoint(entries[name])
+        if name.startswith(EXTERNAL_PREFIXES):
+            return create(name, num_classes=num_classes or 1000, pretrained=True, **kwargs).eval()
+        if name in available():
+            raise ValueError(f"{name!r} is an architecture; give checkpoint=<file> to load weights "
+                             "(or use aqr.models.create for random weights)")
+        raise KeyError(f"unknown model {name!r}: not a file, not in the zoo ({', '.join(entries) or 'empty'}) "
+                       f"and not timm:/torchvision:; architectures: {', '.join(available())}")
+    obj = read_file(checkpoint)
+    if is_aqr_checkpoint(obj):
+        model = from_checkpoint(checkpoint)
+        if obj["config"].get("name") != name:
+            raise CheckpointError(f"checkpoint {checkpoint} holds {obj['config'].get('name')!r}, not {name!r}")
+        return model
+    model = create(name, num_classes=num_classes or 10, norm=norm, **kwargs)
+    load_weights(model.model, third_party_state_dict(obj, checkpoint), checkpoint)
+    return model.eval()

@@ -1,0 +1,143 @@
+"""aqr's own checkpoint format and loading of third-party state dicts.
+
+An aqr checkpoint is a ``torch.save``d dict holding only tensors, str, int, float, bool, None,
+lists and dicts, so it loads with ``weights_only=True``::
+
+    {"format": "aqr-model", "version": 1,
+     "config": {"name": str, "num_classes": int, "norm": str | None, "kwargs": dict},
+     "state_dict": {...},   # of the NormalizedModel, so keys start with "normalize." / "model."
+     "meta": {...}}         # provenance: data sha256, epochs, seed, accuracy, command, versions
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+FORMAT = "aqr-model"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file could not be read or does not fit the architecture; the message names the file."""
+
+
+def read_file(path: str | os.PathLike[str]) -> Any:
+    """``torch.load`` with ``weights_only=True`` on CPU; unreadable files raise :class:`CheckpointError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file not found: {path}")
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:  # truncated zip, bad pickle, non-allow-listed type, ...
+        raise CheckpointError(f"cannot read checkpoint {path}: corrupted, truncated or not a "
+                              f"weights-only PyTorch file ({type(err).__name__}: {err})") from err
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` to a temporary file beside ``path`` then rename it, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; give it normal permissions
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def is_aqr_checkpoint(obj: Any) -> bool:
+    """True when ``obj`` (a loaded file) is in aqr's own format."""
+    return isinstance(obj, dict) and obj.get("format") == FORMAT
+
+
+def plain(value: Any, where: str = "value") -> Any:
+    """Return ``value`` as plain weights-only-loadable data: str subclasses (e.g. ``torch.__version__``)
+    and paths become str, tuples become lists; dict keys must be str. Other objects raise TypeError.
+    """
+    if value is None or isinstance(value, (bool, int, float)) and type(value) in (bool, int, float):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value) if not isinstance(value, str) else str(value)
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)):
+        return [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"{where}: dict keys must be str")
+        return {str(k): plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, numbers.Integral):  # numpy scalars and other number types
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"{where}: {type(value).__name__} cannot be stored in a weights-only checkpoint")
+
+
+def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, config: dict[str, Any],
+                    meta: dict[str, Any] | None = None, half: bool = False) -> Path:
+    """Write ``model``'s weights with the ``config`` that rebuilds it; ``half`` stores float tensors as fp16.
+
+    ``config`` must hold ``name`` and may hold ``num_classes``, ``norm`` and ``kwargs`` (all
+    passed back to :func:`aqr.models.create`).
+    """
+    if "name" not in config:
+        raise ValueError("checkpoint config needs a 'name'")
+    state = {k: (v.detach().half() if half and v.is_floating_point() else v.detach()).cpu().clone()
+             for k, v in model.state_dict().items()}
+    obj = {"format": FORMAT, "version": VERSION, "config": plain(dict(config), "config"), "state_dict": state,
+           "meta": plain(dict(meta or {}), "meta")}
+    return atomic_save(obj, path)
+
+
+def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str = "module.") -> dict[str, torch.Tensor]:
+    """Return ``state_dict`` with ``prefix`` removed from every key that starts with it (DataParallel)."""
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
+
+
+def load_weights(module: nn.Module, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str]) -> None:
+    """Strictly load ``state_dict`` into ``module`` (cast to its dtypes); mismatches raise CheckpointError naming ``source``.
+
+    Only BatchNorm ``num_batches_tracked`` counters may be absent (old files); they keep the module's values.
+    """
+    own = module.state_dict()
+    # files from before PyTorch 0.4.1 lack BatchNorm's num_batches_tracked: keep the module's own
+    state_dict = {**{k: v for k, v in own.items() if k.endswith("num_batches_tracked")}, **state_dict}
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    wrong = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
+    if missing or unexpected or wrong:
+        def few(keys: list[str]) -> str:
+            return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+        parts = [f"missing keys: {few(missing)}" if missing else "",
+                 f"unexpected keys: {few(unexpected)}" if unexpected else "",
+                 "shape mismatch: " + few([f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}"
+                                           for k in wrong]) if wrong else ""]
+        raise CheckpointError(f"checkpoint {source} does not fit {type(module).__name__} (wrong architecture?): "
+                              + "; ".join(p for p in parts if p))
+    cast = {k: v.to(own[k].dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    module.load_state_dict(cast, strict=True)
+
+
+def third_party_state_dict(obj: Any, source: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Extract a state dict from a loaded file: ``{"state_dict": ...}``, ``{"model": ...}`` or a bare one; strips ``module.``."""
+    if isinstance(obj, dict):
+        for key in ("state_dict", "model", "model_state_dict"):
+            if isinstance(obj.get(key), dict):
+                obj = obj[key]
+                break
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"checkpoint {source} holds no state dict of tensors")
+    return strip_prefix(obj)
