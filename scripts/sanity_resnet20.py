@@ -13,6 +13,7 @@ per corruption and severity on the generated folder.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -75,7 +76,7 @@ def load_model(path: str) -> ResNet20:
     return model.eval()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def accuracy(model: nn.Module, images: np.ndarray, labels: np.ndarray, batch: int = 1000) -> float:
     mean = torch.tensor(MEAN).view(1, 3, 1, 1)
     std = torch.tensor(STD).view(1, 3, 1, 1)
@@ -94,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cifar-c", required=True)
     p.add_argument("--corruptions", default=",".join(CORRUPTIONS))
     p.add_argument("--severities", default="1,2,3,4,5")
-    p.add_argument("--limit", type=int, default=None, help="first N test images only")
+    p.add_argument("--limit", type=int, default=None, help="first N test images only (corrupted sets)")
+    p.add_argument("--clean-limit", type=int, default=None, help="first N test images only (clean set)")
+    p.add_argument("--cache", default=None, help="JSON file of finished accuracies; reruns skip them")
+    p.add_argument("--wait", action="store_true", help="wait for each corruption to appear in manifest.json")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)
@@ -102,20 +106,33 @@ def main(argv: list[str] | None = None) -> int:
 
     model = load_model(args.checkpoint)
     x, y = load_npz_arrays(args.clean)
-    if args.limit:
-        x, y = x[: args.limit], y[: args.limit]
-    clean = accuracy(model, x, y)
-    print(f"clean accuracy: {clean:.2f} % on {len(x)} images (published 91.73 %)", file=sys.stderr)
+    cache: dict = json.loads(Path(args.cache).read_text()) if args.cache and Path(args.cache).is_file() else {}
 
+    def cached(key: str, compute) -> float:
+        if key not in cache:
+            cache[key] = compute()
+            if args.cache:
+                Path(args.cache).write_text(json.dumps(cache, indent=1))
+        return cache[key]
+
+    n_clean = min(args.clean_limit or len(x), len(x))
+    clean = cached(f"clean/{n_clean}", lambda: accuracy(model, x[:n_clean], y[:n_clean]))
+    print(f"clean accuracy: {clean:.2f} % on {n_clean} images (published 91.73 %)", file=sys.stderr)
+
+    n = min(args.limit or len(x), len(x))
     severities = [int(s) for s in args.severities.split(",")]
-    idx = np.arange(len(x))
+    idx = np.arange(n)
     rows = []
     t0 = time.perf_counter()
     for name in args.corruptions.split(","):
+        while args.wait and name not in json.loads((Path(args.cifar_c) / "manifest.json").read_text()).get(
+            "corruptions", {}
+        ):
+            time.sleep(20)
         accs = []
         for s in severities:
             ds = load_cifar_c(args.cifar_c, name, s, indices=idx)
-            accs.append(accuracy(model, ds.images, ds.labels))
+            accs.append(cached(f"{name}/{s}/{n}", lambda: accuracy(model, ds.images, ds.labels)))
         rows.append((name, accs))
         print(f"{name}: {' '.join(f'{a:.2f}' for a in accs)} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
@@ -134,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         text = (
             "# CIFAR-10-C sanity check: akamaster ResNet-20 accuracy (%)\n\n"
             f"Made by:\n\n```\n{cmd}\n```\n\n"
-            f"Clean accuracy on the {len(x)} lossless test images: **{clean:.2f} %** (published 91.73 %).\n\n"
-            f"Accuracy on the corrupted versions of the same {len(x)} images, per corruption and severity:\n\n"
+            f"Clean accuracy on the first {n_clean} lossless test images: **{clean:.2f} %** (published 91.73 %).\n\n"
+            f"Accuracy on the corrupted versions of the first {n} test images, per corruption and severity:\n\n"
             f"{table}\n"
         )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ DEVIATIONS: tuple[str, ...] = (
     "motion_blur/snow: ImageMagick's MotionBlurImage is re-implemented as its one-sided line kernel "
     "(2*ceil(radius)+1 taps, half-Gaussian weights, edge pixels repeated), rounded to uint8 as the PNG round trip did.",
     "impulse_noise: salt-and-pepper flips each element independently with probability `amount` "
-    "(current scikit-image); old scikit-image drew coordinates with randint(0, n-1) and never touched the last row, column or channel.",
+    "(current scikit-image); older scikit-image drew coordinates with randint(0, n-1), never touching the last row, column or channel.",
     "spatter (water): Canny edges follow OpenCV's L1-gradient Canny, but the distance transform is exact Euclidean "
     "(OpenCV used its 5x5 chamfer approximation); an all-zero liquid layer yields no spatter instead of NaN.",
     "elastic_transform: the affine warp samples exactly (OpenCV quantises coordinates to 1/32 px).",
