@@ -22,7 +22,7 @@ import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -48,7 +48,8 @@ class GenerationConfig:
     source: dict = field(default_factory=dict)  # provenance of the clean images, stored in the manifest
 
 
-# Worker-process state, set once per process by _init_worker (the images are sent once, not per task).
+# Per-process worker state, set by _init_worker: the pool initializer is the only way to hand the
+# images to each worker once rather than pickling them into every task. Cleared after each run.
 _WORKER: dict = {}
 
 
@@ -218,11 +219,6 @@ def generate_cifar_c(
         _WORKER.clear()
     _save_manifest(out, manifest)
     return timings
-
-
-def config_dict(config: GenerationConfig) -> dict:
-    """The config as a JSON-friendly dict (for logs)."""
-    return asdict(config)
 
 
 def parse_list(text: str, allowed: Sequence[str] | None = None) -> list[str]:

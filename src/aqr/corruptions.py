@@ -390,8 +390,8 @@ def _elastic_transform(img: np.ndarray, c: tuple, rng: np.random.Generator, scal
 
 def _pixelate(img: np.ndarray, c: float, rng: np.random.Generator) -> np.ndarray:
     h, w = img.shape[:2]
-    small = Image.fromarray(img).resize((int(w * c), int(h * c)), Image.Resampling.BOX)
-    return np.asarray(small.resize((w, h), Image.Resampling.BOX)).copy()
+    small = Image.fromarray(img).resize((int(w * c), int(h * c)), Image.BOX)
+    return np.asarray(small.resize((w, h), Image.BOX)).copy()
 
 
 def _jpeg_compression(img: np.ndarray, c: int, rng: np.random.Generator) -> np.ndarray:

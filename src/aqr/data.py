@@ -12,7 +12,7 @@ import io
 import json
 import pickle
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -283,15 +283,15 @@ def load_cifar_c(
 # ----------------------------------------------------------------------------- ImageNet-C
 
 
-def _resize_center_crop(image: "Image.Image", resize: int, crop: int) -> np.ndarray:  # noqa: F821
+def _resize_center_crop(image: Any, resize: int, crop: int) -> np.ndarray:
+    """Shorter side to ``resize`` (bilinear), then the central ``crop`` x ``crop`` square, as uint8 HWC."""
     from PIL import Image
 
     w, h = image.size
-    scale = resize / min(w, h)
     # as torchvision Resize(int): the shorter side becomes `resize`, the other is truncated
     new_w, new_h = (resize, int(resize * h / w)) if w <= h else (int(resize * w / h), resize)
-    if scale != 1:
-        image = image.resize((new_w, new_h), Image.Resampling.BILINEAR)
+    if (new_w, new_h) != (w, h):
+        image = image.resize((new_w, new_h), Image.BILINEAR)
     left = int(round((new_w - crop) / 2.0))
     top = int(round((new_h - crop) / 2.0))
     return np.asarray(image.crop((left, top, left + crop, top + crop)))
