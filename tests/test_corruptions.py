@@ -177,11 +177,11 @@ def test_real_frost_overlays() -> None:
 def test_motion_blur_is_one_sided_line() -> None:
     x = np.zeros((21, 21, 1))
     x[10, 10] = 255.0
-    out = _motion_blur(x, radius=3, sigma=2, angle=0)
+    out = _motion_blur(x, radius=3, sigma=10, angle=0)
     # output(x) averages src(x + i), so a point spreads to its left along the row, nowhere else
     assert out[10, 4:11, 0].min() > 0 and out[10, 11:, 0].max() == 0
     assert out[:10].max() == 0 and out[11:].max() == 0
-    vertical = _motion_blur(x, radius=3, sigma=2, angle=90)
+    vertical = _motion_blur(x, radius=3, sigma=10, angle=90)
     np.testing.assert_array_equal(vertical[:, 10, 0], out[10, :, 0])
 
 
@@ -200,3 +200,32 @@ def test_hsv_round_trip() -> None:
     rgb[0, 0] = 0.5  # grey: hue and saturation 0
     np.testing.assert_allclose(_hsv_to_rgb(_rgb_to_hsv(rgb)), rgb, atol=1e-12)
     assert _rgb_to_hsv(rgb)[0, 0, 1] == 0
+
+
+def _imagemagick() -> str | None:
+    """Path of a real ImageMagick 6 `convert` (some machines ship a stand-in that only converts PNG)."""
+    import shutil
+    import subprocess
+
+    for name in ("convert-im6.q16", "convert"):
+        path = shutil.which(name)
+        if path:
+            out = subprocess.run([path, "-version"], capture_output=True, text=True).stdout
+            if "ImageMagick 6" in out and "Q16" in out:
+                return path
+    return None
+
+
+def test_motion_blur_matches_imagemagick(tmp_path: Path) -> None:
+    import subprocess
+
+    convert = _imagemagick()
+    if convert is None:
+        pytest.skip("ImageMagick 6 (Q16) not installed; the reference generator used its -motion-blur")
+    img = IMAGES[2]
+    Image.fromarray(img).save(tmp_path / "in.png")
+    for radius, sigma, angle in [(6, 1, 12.5), (9, 2.5, -40), (14, 12, -100)]:
+        out = tmp_path / "out.png"
+        subprocess.run([convert, str(tmp_path / "in.png"), "-motion-blur", f"{radius}x{sigma}{angle:+}", str(out)], check=True)
+        reference = np.asarray(Image.open(out).convert("RGB"))
+        np.testing.assert_array_equal(_motion_blur(img, radius, sigma, angle).astype(np.uint8), reference)
