@@ -229,3 +229,28 @@ def test_motion_blur_matches_imagemagick(tmp_path: Path) -> None:
         subprocess.run([convert, str(tmp_path / "in.png"), "-motion-blur", f"{radius}x{sigma}{angle:+}", str(out)], check=True)
         reference = np.asarray(Image.open(out).convert("RGB"))
         np.testing.assert_array_equal(_motion_blur(img, radius, sigma, angle).astype(np.uint8), reference)
+
+
+def test_opencv_pieces_match_opencv() -> None:
+    """The OpenCV operations the reference used, re-implemented here, agree with OpenCV itself."""
+    cv2 = pytest.importorskip("cv2", reason="opencv-python-headless not installed (only used as a test oracle)")
+    from aqr.corruptions import _canny, _disk_kernel, _equalize_hist, _resize_bilinear, _skimage_gaussian
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # liquid layers as in spatter severity 3
+        liquid = _skimage_gaussian(rng.normal(size=(32, 32), loc=0.65, scale=0.3), 1.0)
+        liquid[liquid < 0.69] = 0
+        u8 = (np.clip(liquid, 0, 1) * 255).astype(np.uint8)
+        np.testing.assert_array_equal(_canny(u8, 50, 150), cv2.Canny(u8, 50, 150) > 0)
+        dist = rng.integers(0, 21, (32, 32)).astype(np.uint8)
+        np.testing.assert_array_equal(_equalize_hist(dist), cv2.equalizeHist(dist))
+    big = rng.integers(0, 256, (315, 560, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(_resize_bilinear(big, 0.2), cv2.resize(big, (0, 0), fx=0.2, fy=0.2))
+    x = rng.random((32, 32))
+    for radius, alias in [(0.3, 0.4), (1, 0.2), (1.5, 0.1)]:
+        grid = np.arange(-8, 9)
+        xx, yy = np.meshgrid(grid, grid)
+        disk = ((xx**2 + yy**2) <= radius**2).astype(np.float32)
+        reference = cv2.GaussianBlur(disk / disk.sum(), ksize=(3, 3), sigmaX=alias)
+        ours = ndimage.correlate(x, _disk_kernel(radius, alias), mode="mirror")
+        np.testing.assert_allclose(ours, cv2.filter2D(x, -1, reference), atol=1e-7)

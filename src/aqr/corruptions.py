@@ -447,9 +447,10 @@ def _equalize_hist(img: np.ndarray) -> np.ndarray:
     total = img.size
     if hist[first] == total:
         return np.full_like(img, first)
-    scale = 255.0 / (total - hist[first])
-    lut = np.zeros(256, dtype=np.float64)
-    lut[first + 1 :] = np.cumsum(hist[first + 1 :]) * scale
+    # OpenCV computes the scale and the products in float32; float64 flips some .5 roundings
+    scale = np.float32(255.0) / np.float32(total - hist[first])
+    lut = np.zeros(256, dtype=np.float32)
+    lut[first + 1 :] = np.cumsum(hist[first + 1 :]).astype(np.float32) * scale
     lut = np.clip(np.rint(lut), 0, 255).astype(np.uint8)
     return lut[img]
 
