@@ -161,8 +161,12 @@ def main() -> None:
     parser.add_argument("--calib-images", type=int, default=10_000)
     parser.add_argument("--skip-calibration", action="store_true")
     parser.add_argument("--quick", action="store_true", help="ResNet-20, batch 128, 3 repeats, 2,000 calibration images")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ["AQR_BENCH_THREADS"] = str(args.threads)
     if args.quick:
         args.models, args.batch_sizes, args.repeats, args.warmup, args.calib_images = ["resnet20-bn"], [128], 3, 2, 2000
     print(f"torch {torch.__version__}, aqr {aqr.__version__}, {platform.processor() or platform.machine()}, "
