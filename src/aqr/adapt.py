@@ -17,7 +17,7 @@ from torch import nn
 
 from aqr.fastmap import SubsetCache, as_acb, lookup_map
 from aqr.layers import check_output, select_layers
-from aqr.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, map_rows, to_channel_rows
+from aqr.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, quantile_map
 from aqr.stats import SOURCE_MOMENTS, NonFiniteActivationError, SourceStats
 
 NONFINITE_POLICIES = ("raise", "skip")
@@ -99,15 +99,13 @@ class _LayerMap:
             )
             return y.reshape(out.shape) if finite else self._nonfinite(out)
         dim = self.info.channel_dim % out.ndim
-        rows = to_channel_rows(out, dim).float()
-        tq = channel_quantiles(rows, sq.shape[1])
+        tq = channel_quantiles(out, sq.shape[1], dim)
         # NaN sorts last and +-Inf sit at the ends, so finite end knots mean finite activations.
         if not bool(torch.isfinite(tq[:, 0]).all() and torch.isfinite(tq[:, -1]).all()):
             return self._nonfinite(out)
-        y = map_rows(rows, sq, tq, self.tail, loc, scale, self.config.gaussian_p)
-        shape = list(out.shape)
-        shape.insert(0, shape.pop(dim))
-        return y.reshape(shape).movedim(0, dim).to(out.dtype)
+        return quantile_map(
+            out, sq, tq, self.tail, dim=dim, source_loc=loc, source_scale=scale, gaussian_p=self.config.gaussian_p
+        )
 
     def _nonfinite(self, out: torch.Tensor) -> torch.Tensor:
         if self.on_nonfinite == "skip":
