@@ -1,6 +1,6 @@
 """Sanity check of a generated CIFAR-10-C folder with the third-party akamaster ResNet-20.
 
-Defines the CIFAR ResNet-20 inline (so it does not depend on aqr's model code), checks its clean
+Loads the CIFAR ResNet-20 with ``aqr.models.load("resnet20", checkpoint=...)``, checks its clean
 accuracy on the lossless test set (published: 91.73 %), then prints a markdown table of accuracy
 per corruption and severity on the generated folder.
 
@@ -21,69 +21,22 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from aqr import models
 from aqr.corruption_params import CORRUPTIONS
 from aqr.data import load_cifar_c, load_npz_arrays
 
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, in_planes: int, planes: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.pad = planes // 4 if (stride != 1 or in_planes != planes) else 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        # option A shortcut: subsample by 2 and zero-pad the new channels (no parameters)
-        shortcut = F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, self.pad, self.pad)) if self.pad else x
-        return F.relu(out + shortcut)
-
-
-class ResNet20(nn.Module):
-    def __init__(self, num_classes: int = 10) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(16)
-        layers, in_planes = [], 16
-        for planes, stride in ((16, 1), (32, 2), (64, 2)):
-            blocks = []
-            for i in range(3):
-                blocks.append(BasicBlock(in_planes, planes, stride if i == 0 else 1))
-                in_planes = planes
-            layers.append(nn.Sequential(*blocks))
-        self.layer1, self.layer2, self.layer3 = layers
-        self.linear = nn.Linear(64, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.layer3(self.layer2(self.layer1(out)))
-        return self.linear(out.mean(dim=(2, 3)))
-
-
-def load_model(path: str) -> ResNet20:
-    ckpt = torch.load(path, weights_only=True, map_location="cpu")
-    state = {k.removeprefix("module."): v for k, v in ckpt["state_dict"].items()}
-    model = ResNet20()
-    model.load_state_dict(state)
-    return model.eval()
+def load_model(path: str) -> nn.Module:
+    """The akamaster ResNet-20, taking inputs in [0, 1] (its normalization is inside)."""
+    return models.load("resnet20", checkpoint=path)
 
 
 @torch.inference_mode()
 def accuracy(model: nn.Module, images: np.ndarray, labels: np.ndarray, batch: int = 1000) -> float:
-    mean = torch.tensor(MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(STD).view(1, 3, 1, 1)
     correct = 0
     for i in range(0, len(images), batch):
         x = torch.from_numpy(np.asarray(images[i : i + batch], dtype=np.float32) / 255.0).permute(0, 3, 1, 2)
-        pred = model((x - mean) / std).argmax(1).numpy()
+        pred = model(x).argmax(1).numpy()
         correct += int((pred == labels[i : i + batch]).sum())
     return 100.0 * correct / len(images)
 

@@ -5,9 +5,8 @@ corrupted like CIFAR-10-C gaussian_noise severity 5 (x/255 + N(0, 0.10), clipped
 as uint8 by truncation like the released arrays; fixed seed), batches of 128 in order, every method
 episodic. AQR (when ``aqr.adapt`` is importable) calibrates on the clean images 0-4999.
 
-The ResNet-20 architecture is inlined here (He et al. 2016 CIFAR variant as in
-github.com/akamaster/pytorch_resnet_cifar10, BSD-2-Clause) so this script does not depend on
-``aqr.models``.
+The model is ``aqr.models.load("resnet20", checkpoint=...)`` (He et al. 2016 CIFAR variant in the
+layout of github.com/akamaster/pytorch_resnet_cifar10, BSD-2-Clause).
 
     PYTHONPATH=src python scripts/verify_baselines.py [--data ../shared/data] [--n 5000]
 """
@@ -21,73 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from aqr import models
 from aqr.methods import NotApplicable, create, softmax_entropy
 
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, in_planes: int, planes: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.pad = planes // 4 if (stride != 1 or in_planes != planes) else None
-
-    def shortcut(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pad is None:
-            return x
-        return F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, self.pad, self.pad))  # option A
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
-
-
-class ResNet20(nn.Module):
-    def __init__(self, num_classes: int = 10) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(16)
-        stages, in_planes = [], 16
-        for planes, stride in ((16, 1), (32, 2), (64, 2)):
-            blocks = []
-            for i in range(3):
-                blocks.append(BasicBlock(in_planes, planes, stride if i == 0 else 1))
-                in_planes = planes
-            stages.append(nn.Sequential(*blocks))
-        self.layer1, self.layer2, self.layer3 = stages
-        self.linear = nn.Linear(64, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.layer3(self.layer2(self.layer1(out)))
-        out = F.adaptive_avg_pool2d(out, 1).flatten(1)
-        return self.linear(out)
-
-
-class Normalize(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("mean", torch.tensor(MEAN).view(1, 3, 1, 1))
-        self.register_buffer("std", torch.tensor(STD).view(1, 3, 1, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x - self.mean) / self.std
-
-
 def load_model(path: Path) -> nn.Module:
-    """ResNet-20 with the akamaster weights, taking inputs in [0, 1]."""
-    ckpt = torch.load(path, weights_only=True, map_location="cpu")
-    net = ResNet20()
-    net.load_state_dict({k.removeprefix("module."): v for k, v in ckpt["state_dict"].items()})
-    return nn.Sequential(Normalize(), net).eval()
+    """ResNet-20 with the akamaster weights, taking inputs in [0, 1] (normalization inside)."""
+    return models.load("resnet20", checkpoint=path)
 
 
 def gaussian_noise_sev5(x_uint8: np.ndarray, seed: int) -> np.ndarray:
