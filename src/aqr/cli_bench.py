@@ -1,0 +1,109 @@
+"""``aqr bench``: run a grid of benchmark cells into the results database (resumable)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_DB = "runs/results.db"
+DEFAULT_CACHE = "cache"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def add_grid_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags that choose and shape a grid (shared by ``bench`` and ``report``)."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default=None, help="main, tails, granularity, vit-blocks or smoke")
+    src.add_argument("--config", default=None, help="grid file (.yaml needs aqr[bench], or .json)")
+    p.add_argument("--data-dir", default="../shared/data",
+                   help="folder with cifar10_test.npz, cifar10_train_jpeg75.npz, checkpoints/, frost/")
+    p.add_argument("--cifar-c", default="cache/cifar10c", help="CIFAR-10-C folder (generated when missing)")
+    p.add_argument("--models", default=None, help="comma list of model names to keep from the grid")
+    p.add_argument("--methods", default=None, help="comma list replacing the grid's methods (e.g. 'source,aqr:tail=clip')")
+    p.add_argument("--corruptions", default=None, help="'all' or a comma list")
+    p.add_argument("--severities", type=_ints, default=None)
+    p.add_argument("--batch-sizes", type=_ints, default=None)
+    p.add_argument("--seeds", type=_ints, default=None)
+    p.add_argument("--n-images", type=int, default=None, help="evaluated images per cell")
+
+
+def grid_from_args(args: argparse.Namespace):
+    """The GridSpec the flags describe."""
+    from aqr.corruption_params import CORRUPTIONS
+    from aqr.grid import MethodSpec, load_grid, preset
+
+    if args.config:
+        grid = load_grid(args.config, args.data_dir, args.cifar_c)
+    else:
+        grid = preset(args.preset or "smoke", args.data_dir, args.cifar_c)
+    changes = {}
+    if args.models:
+        wanted = args.models.split(",")
+        unknown = set(wanted) - {m.name for m in grid.models}
+        if unknown:
+            raise SystemExit(f"aqr: models {sorted(unknown)} are not in grid {grid.name!r} "
+                             f"({', '.join(m.name for m in grid.models)})")
+        changes["models"] = tuple(m for m in grid.models if m.name in wanted)
+    if args.methods:
+        changes["methods"] = tuple(MethodSpec.parse(m) for m in _split_methods(args.methods))
+    if args.corruptions:
+        changes["corruptions"] = CORRUPTIONS if args.corruptions == "all" else tuple(args.corruptions.split(","))
+    changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
+                   n_images=args.n_images)
+    return grid.override(**changes)
+
+
+def _split_methods(text: str) -> list[str]:
+    """Split 'source,aqr:tail=clip,K=11,tent' on commas that start a new method, not an option."""
+    out: list[str] = []
+    for part in text.split(","):
+        if "=" in part and ":" not in part and out:
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="run a benchmark grid into the results database (resumable)",
+        description="Run models x methods x corruptions x severities x batch sizes x seeds. Finished cells "
+                    "already in --db are skipped, so rerunning an interrupted command resumes it.")
+    add_grid_arguments(p)
+    p.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
+    p.add_argument("--cache", default=DEFAULT_CACHE, help="folder for cached source statistics")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (the parent writes the database)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    p.add_argument("--limit", type=int, default=None, help="run at most this many new cells")
+    p.add_argument("--dry-run", action="store_true", help="list the cells and exit")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from aqr.results import ResultsDB
+    from aqr.runner import describe_cells, result_json, run_grid
+
+    grid = grid_from_args(args)
+    if args.dry_run:
+        print("model\tmethod\tcorruption\tseverity\tbatch_size\tseed\tn_images")
+        for line in describe_cells(grid):
+            print(line)
+        print(f"{len(grid)} cells", file=sys.stderr)
+        return 0
+    with ResultsDB(args.db) as db:
+        summary = run_grid(grid, db, args.cache, workers=args.workers, threads=args.threads,
+                           progress=not args.no_progress, limit=args.limit,
+                           log=lambda m: print(m, file=sys.stderr))
+    print(f"{summary.ran} cells run ({summary.errors} errors, {summary.not_applicable} n/a), "
+          f"{summary.skipped} skipped as finished, {summary.wall_s:.1f} s", file=sys.stderr)
+    for msg in summary.error_messages[:10]:
+        print(f"error: {msg}", file=sys.stderr)
+    if args.json:
+        print(result_json(summary))
+    return 1 if summary.errors else 0

@@ -1,0 +1,389 @@
+"""The benchmark grid: what one cell is, how a grid expands into cells, and the paper's presets.
+
+A :class:`Cell` is plain data (JSON-able, frozen): the model and its source data, the evaluation data
+and protocol, one method with its options, one corruption, severity, batch size and seed. Running a
+cell is a pure function of it (:func:`aqr.runner.run_cell`), so cells can run in any order, in any
+process or on any machine; :func:`cell_key` names a cell's result in the results database.
+
+A :class:`GridSpec` is the cross product models x methods x corruptions x severities x batch sizes x
+seeds, from a preset (:func:`preset`), a YAML/JSON file (:func:`load_grid`) or Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from aqr.corruption_params import CORRUPTIONS
+
+# Bump when the meaning of a cell's result changes (evaluation loop, image selection, metrics), so
+# rows computed under the old rules are never reused for a new run.
+PROTOCOL_VERSION = 1
+
+PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke")
+TAIL_NAMES = ("standard", "average", "none", "clip", "interval", "gaussian")
+# Method options that change the source statistics (not the adaptation): they key the stats cache.
+STATS_OPTIONS = ("K", "max_samples")
+
+
+def parse_range(text: str | Sequence[int] | None) -> list[int] | None:
+    """``"0:5000"`` (a Python slice, stop exclusive), ``"1,5,9"`` or a list of ints -> list of ints."""
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        return [int(i) for i in text]
+    text = text.strip()
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+            raise ValueError(f"index range must look like 'start:stop', got {text!r}")
+        start, stop = (int(p) for p in parts)
+        if not 0 <= start < stop:
+            raise ValueError(f"index range {text!r} is empty or negative")
+        return list(range(start, stop))
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"indices must be 'start:stop' or comma-separated integers, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model and the clean data its source statistics come from.
+
+    Attributes:
+        name: label used in tables and figures.
+        model: first argument of :func:`aqr.models.load` (zoo name, aqr checkpoint, architecture).
+        checkpoint: third-party weights for an architecture name (e.g. the akamaster ResNet-20).
+        source_data: clean images (CIFAR ``.npz`` or pickle folder) for the source statistics.
+        source_indices: which of them, ``"start:stop"``; the paper uses 10,000 training images.
+    """
+
+    name: str
+    model: str
+    checkpoint: str | None = None
+    source_data: str = ""
+    source_indices: str = "0:10000"
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Corrupted evaluation data: a CIFAR-C folder and which test images are evaluated.
+
+    ``eval_indices`` is the pool a cell draws its images from (seeded; see :func:`eval_indices`).
+    ``clean``/``frost_dir``: if set, missing corruptions are generated from this clean ``.npz``
+    (``aqr corrupt`` semantics, seed 0) before the grid runs.
+    """
+
+    name: str = "cifar10-c"
+    root: str = "cache/cifar10c"
+    eval_indices: str = "5000:10000"
+    clean: str | None = None
+    frost_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One result: a model, a method with options, one corruption/severity/batch size/seed."""
+
+    model: ModelSpec
+    data: DataSpec
+    method: str
+    options: tuple[tuple[str, Any], ...]
+    corruption: str
+    severity: int
+    batch_size: int
+    seed: int
+    n_images: int | None
+    protocol: str = "episodic"
+
+    @property
+    def option_dict(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    @property
+    def variant(self) -> str:
+        """``method`` or ``method[key=value,...]``: how the method is labelled in tables."""
+        if not self.options:
+            return self.method
+        return f"{self.method}[{','.join(f'{k}={_fmt(v)}' for k, v in self.options)}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["options"] = dict(self.options)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Cell":
+        d = dict(d)
+        d["model"] = ModelSpec(**d["model"])
+        d["data"] = DataSpec(**d["data"])
+        d["options"] = _freeze_options(d.get("options") or {})
+        return cls(**d)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "+".join(str(v) for v in value)
+    return str(value)
+
+
+def _freeze_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    frozen = []
+    for key in sorted(options):
+        value = options[key]
+        if isinstance(value, list):
+            value = tuple(value)
+        frozen.append((key, value))
+    return tuple(frozen)
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def cell_key(cell: Cell, fingerprints: Mapping[str, str], version: str) -> str:
+    """Stable id of a cell's result: its config, the content hashes of its files and the code version.
+
+    ``fingerprints`` maps each of the cell's files (checkpoint, source data, evaluation data) to its
+    sha256, so regenerated data or retrained weights never reuse old rows.
+    """
+    payload = {
+        "cell": cell.to_dict(),
+        "files": dict(sorted(fingerprints.items())),
+        "aqr": version,
+        "protocol_version": PROTOCOL_VERSION,
+    }
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method and its options, e.g. ``MethodSpec("aqr", {"tail": "gaussian", "K": 11})``."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, entry: str | Mapping[str, Any]) -> "MethodSpec":
+        """``"tent"``, ``"aqr:tail=clip,K=11"`` or ``{"method": "aqr", "tail": "clip"}``."""
+        if isinstance(entry, Mapping):
+            entry = dict(entry)
+            if "method" not in entry:
+                raise ValueError(f"method entry needs a 'method' key, got {entry}")
+            name = entry.pop("method")
+            return cls(str(name), entry)
+        name, _, rest = str(entry).partition(":")
+        options: dict[str, Any] = {}
+        for part in filter(None, rest.split(",")):
+            key, eq, value = part.partition("=")
+            if not eq:
+                raise ValueError(f"method option must be key=value, got {part!r} in {entry!r}")
+            options[key.strip()] = _parse_scalar(value.strip())
+        return cls(name.strip(), options)
+
+
+def _parse_scalar(text: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """A grid of cells: the cross product of its lists."""
+
+    name: str
+    models: tuple[ModelSpec, ...]
+    data: DataSpec
+    methods: tuple[MethodSpec, ...]
+    corruptions: tuple[str, ...] = CORRUPTIONS
+    severities: tuple[int, ...] = (1, 3, 5)
+    batch_sizes: tuple[int, ...] = (128, 512)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    n_images: int | None = 2000
+    protocol: str = "episodic"
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.corruptions if c not in CORRUPTIONS]
+        if unknown:
+            raise ValueError(f"unknown corruptions {unknown}; expected names from {', '.join(CORRUPTIONS)}")
+        bad = [s for s in self.severities if not 1 <= int(s) <= 5]
+        if bad:
+            raise ValueError(f"severities must lie in 1..5, got {bad}")
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
+        if self.n_images is not None and self.n_images < 1:
+            raise ValueError(f"n_images must be positive, got {self.n_images}")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+
+    def cells(self) -> Iterator[Cell]:
+        """Every cell, model-major (so a model's statistics and weights are reused back to back)."""
+        for model in self.models:
+            for corruption in self.corruptions:
+                for severity in self.severities:
+                    for batch_size in self.batch_sizes:
+                        for seed in self.seeds:
+                            for method in self.methods:
+                                yield Cell(model, self.data, method.name, _freeze_options(method.options),
+                                           corruption, int(severity), int(batch_size), int(seed),
+                                           self.n_images, self.protocol)
+
+    def __len__(self) -> int:
+        return (len(self.models) * len(self.methods) * len(self.corruptions) * len(self.severities)
+                * len(self.batch_sizes) * len(self.seeds))
+
+    def override(self, **changes: Any) -> "GridSpec":
+        """A copy with some fields replaced (``None`` values are ignored)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+def default_models(data_dir: str | Path = "../shared/data") -> dict[str, ModelSpec]:
+    """The reproduction's three models: the akamaster ResNet-20 (BN) and the zoo's GN ResNet and ViT.
+
+    The akamaster model's source domain is the lossless training set, which we lack: its statistics
+    come from clean test images 0-4999 and evaluation uses 5000-9999 (see ``../shared/data/README.md``).
+    Our own models were trained on the JPEG training set, which is their source domain: 10,000 of
+    those images, as in the paper.
+    """
+    d = Path(data_dir)
+    train = str(d / "cifar10_train_jpeg75.npz")
+    return {
+        "resnet20": ModelSpec("resnet20", "resnet20", str(d / "checkpoints/akamaster/resnet20-12fca82f.th"),
+                              str(d / "cifar10_test.npz"), "0:5000"),
+        "resnet20_gn": ModelSpec("resnet20_gn", "resnet20_gn", None, train, "0:10000"),
+        "vit_ln": ModelSpec("vit_ln", "vit_ln", None, train, "0:10000"),
+    }
+
+
+def default_data(data_dir: str | Path = "../shared/data", cifar_c: str | Path = "cache/cifar10c") -> DataSpec:
+    d = Path(data_dir)
+    return DataSpec("cifar10-c", str(cifar_c), "5000:10000", clean=str(d / "cifar10_test.npz"),
+                    frost_dir=str(d / "frost"))
+
+
+BASELINES = ("source", "ttn", "tent", "sar", "aqr")
+
+
+def preset(name: str, data_dir: str | Path = "../shared/data", cifar_c: str | Path = "cache/cifar10c") -> GridSpec:
+    """The paper's experiments on our data (see the module docs of each field in :class:`GridSpec`).
+
+    ``main``: Tables 1 and 4-6; ``tails``: Table 2 (tail strategies, batch 128/512); ``granularity``:
+    Table 3 (K = 11 vs 101); ``vit-blocks``: AQR on all / top-half / bottom-half ViT layers;
+    ``smoke``: every method on ResNet-20, two corruptions, one severity, 256 images (about a minute).
+    """
+    models = default_models(data_dir)
+    data = default_data(data_dir, cifar_c)
+    methods = tuple(MethodSpec(m) for m in BASELINES)
+    if name == "main":
+        return GridSpec("main", tuple(models.values()), data, methods)
+    if name == "tails":
+        return GridSpec("tails", (models["resnet20"],), data,
+                        tuple(MethodSpec("aqr", {"tail": t}) for t in TAIL_NAMES), severities=(3, 5))
+    if name == "granularity":
+        return GridSpec("granularity", (models["resnet20"],), data,
+                        tuple(MethodSpec("aqr", {"K": k}) for k in (11, 101)), severities=(3, 5))
+    if name == "vit-blocks":
+        return GridSpec("vit-blocks", (models["vit_ln"],), data,
+                        tuple(MethodSpec("aqr", {"layers": s}) for s in ("all", "top-half", "bottom-half")),
+                        severities=(3, 5))
+    if name == "smoke":
+        smoke_data = replace(data, root=str(Path(cifar_c).parent / "cifar10c-smoke"))
+        return GridSpec("smoke", (models["resnet20"],), smoke_data, methods,
+                        corruptions=("gaussian_noise", "defocus_blur"), severities=(5,), batch_sizes=(128,),
+                        seeds=(0,), n_images=256)
+    raise KeyError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+
+
+def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path = "../shared/data",
+                      cifar_c: str | Path = "cache/cifar10c") -> GridSpec:
+    """Build a grid from a parsed YAML/JSON mapping.
+
+    Keys: ``name``, ``preset`` (start from a preset and override the rest), ``models`` (names of
+    :func:`default_models` or mappings with :class:`ModelSpec` fields), ``data`` (a mapping with
+    :class:`DataSpec` fields), ``methods`` (``"tent"``, ``"aqr:tail=clip"`` or mappings with a
+    ``method`` key), ``corruptions`` (``"all"`` or a list), ``severities``, ``batch_sizes``,
+    ``seeds``, ``n_images``, ``protocol``.
+    """
+    allowed = {"name", "preset", "models", "data", "methods", "corruptions", "severities", "batch_sizes",
+               "seeds", "n_images", "protocol"}
+    unknown = set(spec) - allowed
+    if unknown:
+        raise ValueError(f"unknown grid keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    base = preset(spec["preset"], data_dir, cifar_c) if "preset" in spec else preset("main", data_dir, cifar_c)
+    known_models = default_models(data_dir)
+    changes: dict[str, Any] = {"name": spec.get("name", spec.get("preset", "custom"))}
+    if "models" in spec:
+        models = []
+        for entry in spec["models"]:
+            if isinstance(entry, str):
+                if entry not in known_models:
+                    raise ValueError(f"unknown model {entry!r}; give a mapping with ModelSpec fields "
+                                     f"or one of {', '.join(known_models)}")
+                models.append(known_models[entry])
+            else:
+                models.append(ModelSpec(**entry))
+        changes["models"] = tuple(models)
+    if "data" in spec:
+        changes["data"] = DataSpec(**{**asdict(base.data), **spec["data"]})
+    if "methods" in spec:
+        changes["methods"] = tuple(MethodSpec.parse(m) for m in spec["methods"])
+    if "corruptions" in spec:
+        c = spec["corruptions"]
+        changes["corruptions"] = CORRUPTIONS if c == "all" else tuple(c)
+    for key in ("severities", "batch_sizes", "seeds"):
+        if key in spec:
+            changes[key] = tuple(int(v) for v in spec[key])
+    if "n_images" in spec:
+        changes["n_images"] = None if spec["n_images"] in (None, "all") else int(spec["n_images"])
+    if "protocol" in spec:
+        changes["protocol"] = spec["protocol"]
+    return replace(base, **changes)
+
+
+def load_grid(path: str | Path, data_dir: str | Path = "../shared/data",
+              cifar_c: str | Path = "cache/cifar10c") -> GridSpec:
+    """Read a grid from a ``.yaml``/``.yml`` (needs PyYAML, ``aqr[bench]``) or ``.json`` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"grid file {path} does not exist")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as err:
+            raise ImportError("reading YAML grids needs PyYAML: pip install 'aqr[bench]'") from err
+        spec = yaml.safe_load(text)
+    else:
+        spec = json.loads(text)
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{path}: a grid file must hold a mapping, got {type(spec).__name__}")
+    return grid_from_mapping(spec, data_dir, cifar_c)
+
+
+def eval_indices(cell: Cell, pool: Sequence[int]) -> list[int]:
+    """The test images a cell evaluates, in order: a seeded permutation of the pool, cut to n_images.
+
+    The seed changes both which images are drawn and how they are grouped into batches.
+    """
+    import numpy as np
+
+    order = np.random.default_rng(cell.seed).permutation(len(pool))
+    if cell.n_images is not None:
+        if cell.n_images > len(pool):
+            raise ValueError(f"n_images={cell.n_images} exceeds the {len(pool)} images of eval_indices "
+                             f"{cell.data.eval_indices!r}")
+        order = order[: cell.n_images]
+    pool = list(pool)
+    return [pool[i] for i in order]

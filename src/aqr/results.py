@@ -1,0 +1,176 @@
+"""The results database: one SQLite row per benchmark cell, with its provenance.
+
+SQLite in WAL mode, written only by the process that runs the grid, one short transaction per
+finished cell. A process killed at any moment (even SIGKILL) leaves a valid file holding every cell
+committed before the kill; rerunning the same grid skips them. Rows are keyed by
+:func:`aqr.grid.cell_key`, which covers the cell's config, its files' content hashes and the code
+version, so a changed config never reuses a stale row.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS results (
+    key TEXT PRIMARY KEY,
+    model TEXT NOT NULL,
+    method TEXT NOT NULL,
+    variant TEXT NOT NULL,
+    dataset TEXT NOT NULL,
+    corruption TEXT NOT NULL,
+    severity INTEGER NOT NULL,
+    batch_size INTEGER NOT NULL,
+    seed INTEGER NOT NULL,
+    protocol TEXT NOT NULL,
+    status TEXT NOT NULL,            -- 'ok', 'n/a' (method not applicable to the model) or 'error'
+    accuracy REAL,                   -- top-1, percent
+    n_images INTEGER,
+    wall_s REAL,
+    message TEXT,
+    config TEXT NOT NULL,            -- the cell as canonical JSON
+    provenance TEXT NOT NULL,        -- versions, git commit, file hashes, host, as JSON
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS experiment_cells (
+    experiment TEXT NOT NULL,
+    key TEXT NOT NULL,
+    PRIMARY KEY (experiment, key)
+);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+COLUMNS = ("key", "model", "method", "variant", "dataset", "corruption", "severity", "batch_size", "seed",
+           "protocol", "status", "accuracy", "n_images", "wall_s", "message", "config", "provenance", "created")
+
+
+class ResultsDBError(RuntimeError):
+    """The file is not an aqr results database (or one of another schema version)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One stored result (``config`` and ``provenance`` parsed from JSON)."""
+
+    key: str
+    model: str
+    method: str
+    variant: str
+    dataset: str
+    corruption: str
+    severity: int
+    batch_size: int
+    seed: int
+    protocol: str
+    status: str
+    accuracy: float | None
+    n_images: int | None
+    wall_s: float | None
+    message: str | None
+    config: dict
+    provenance: dict
+    created: float
+
+
+class ResultsDB:
+    """Open (creating if needed) a results database at ``path``; use as a context manager."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.executescript(_SCHEMA)
+            found = self._conn.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
+        except sqlite3.DatabaseError as err:
+            raise ResultsDBError(f"{self.path} is not an aqr results database ({err})") from err
+        if found is None:
+            self._conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(found[0]) != SCHEMA_VERSION:
+            raise ResultsDBError(f"{self.path} has schema version {found[0]}; this aqr reads {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "ResultsDB":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- writing ----------------------------------------------------------------------------
+    def add(self, key: str, cell: dict, status: str, accuracy: float | None, n_images: int | None,
+            wall_s: float | None, provenance: dict, message: str | None = None) -> None:
+        """Store (or replace) one cell's result in its own transaction."""
+        if status not in ("ok", "n/a", "error"):
+            raise ValueError(f"status must be 'ok', 'n/a' or 'error', got {status!r}")
+        values = (key, cell["model"]["name"], cell["method"], _variant(cell), cell["data"]["name"],
+                  cell["corruption"], cell["severity"], cell["batch_size"], cell["seed"], cell["protocol"],
+                  status, accuracy, n_images, wall_s, message,
+                  json.dumps(cell, sort_keys=True), json.dumps(provenance, sort_keys=True), time.time())
+        self._conn.execute(f"INSERT OR REPLACE INTO results ({','.join(COLUMNS)}) VALUES ({','.join('?' * len(COLUMNS))})",
+                           values)
+
+    def add_membership(self, experiment: str, keys: Iterable[str]) -> None:
+        """Record that these cells belong to ``experiment`` (a cell may belong to several)."""
+        with self._conn:
+            self._conn.execute("BEGIN")
+            self._conn.executemany("INSERT OR IGNORE INTO experiment_cells VALUES (?, ?)",
+                                   [(experiment, k) for k in keys])
+
+    # ---- reading ----------------------------------------------------------------------------
+    def finished(self, keys: Iterable[str] | None = None) -> set[str]:
+        """Keys with a stored 'ok' or 'n/a' row (errors are retried), optionally among ``keys``."""
+        done = {k for (k,) in self._conn.execute("SELECT key FROM results WHERE status IN ('ok', 'n/a')")}
+        return done if keys is None else done & set(keys)
+
+    def experiments(self) -> list[str]:
+        return [e for (e,) in self._conn.execute("SELECT DISTINCT experiment FROM experiment_cells ORDER BY experiment")]
+
+    def rows(self, experiment: str | None = None, **where: Any) -> list[Row]:
+        """Stored rows, optionally of one experiment and with column equalities (``model="vit_ln"``)."""
+        bad = set(where) - set(COLUMNS)
+        if bad:
+            raise ValueError(f"unknown columns {sorted(bad)}")
+        sql = f"SELECT {','.join('r.' + c for c in COLUMNS)} FROM results r"
+        args: list[Any] = []
+        if experiment is not None:
+            sql += " JOIN experiment_cells e ON e.key = r.key AND e.experiment = ?"
+            args.append(experiment)
+        if where:
+            sql += " WHERE " + " AND ".join(f"r.{c} = ?" for c in where)
+            args.extend(where.values())
+        return [_row(values) for values in self._conn.execute(sql + " ORDER BY r.created", args)]
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(self.rows())
+
+    def __len__(self) -> int:
+        return self._conn.execute("SELECT COUNT(*) FROM results").fetchone()[0]
+
+
+def _variant(cell: dict) -> str:
+    options = cell.get("options") or {}
+    if not options:
+        return cell["method"]
+    parts = []
+    for k in sorted(options):
+        v = options[k]
+        parts.append(f"{k}={'+'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}")
+    return f"{cell['method']}[{','.join(parts)}]"
+
+
+def _row(values: tuple) -> Row:
+    d = dict(zip(COLUMNS, values))
+    d["config"] = json.loads(d["config"])
+    d["provenance"] = json.loads(d["provenance"])
+    return Row(**d)

@@ -1,0 +1,427 @@
+"""Running benchmark cells: evaluation loop, cached source statistics, and the resumable grid.
+
+:func:`run_cell` is a pure function of a :class:`aqr.grid.Cell` (plus where the statistics cache
+is): it loads the model, data and statistics it needs, runs one method and returns a
+:class:`CellResult`. :func:`run_grid` expands a grid, skips the cells already in the results
+database, prepares every source-statistics file once, runs the rest (in this process or in worker
+processes) and is the only writer of the database.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from aqr.grid import STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key, eval_indices, parse_range
+from aqr.results import ResultsDB
+
+DEFAULT_K = 101
+DEFAULT_MAX_SAMPLES = 100_000
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """What a cell produced. ``status``: ``"ok"``, ``"n/a"`` (method not applicable) or ``"error"``."""
+
+    status: str
+    accuracy: float | None = None
+    n_images: int | None = None
+    wall_s: float | None = None
+    message: str | None = None
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def to_tensor(images: np.ndarray) -> torch.Tensor:
+    """uint8 NHWC images -> float NCHW in [0, 1]."""
+    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float().div_(255.0)
+
+
+def evaluate(method: nn.Module, images: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor,
+             batch_size: int, progress: bool = False, desc: str = "") -> tuple[float, int]:
+    """Top-1 accuracy (percent) of ``method`` fed ``images`` in order, ``batch_size`` at a time.
+
+    ``images``: uint8 NHWC array or float NCHW tensor in [0, 1]. The last batch may be smaller.
+    Returns ``(accuracy, number of images)``.
+    """
+    from tqdm.auto import tqdm
+
+    labels = torch.as_tensor(np.asarray(labels)).long()
+    n = len(labels)
+    if n == 0:
+        raise ValueError("no images to evaluate")
+    correct = 0
+    starts = range(0, n, batch_size)
+    for start in tqdm(starts, desc=desc or "batches", leave=False, disable=not progress, unit="batch"):
+        x = images[start : start + batch_size]
+        x = to_tensor(x) if isinstance(x, np.ndarray) else x
+        logits = method(x)
+        correct += int((logits.argmax(1) == labels[start : start + batch_size]).sum())
+    return 100.0 * correct / n, n
+
+
+# ----------------------------------------------------------------------------- files and caches
+
+
+def sha256_of(path: str | Path) -> str:
+    """Content hash of a file, memoised in-process by (path, size, mtime)."""
+    p = Path(path)
+    st = p.stat()
+    return _sha256_cached(str(p.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_file(spec: ModelSpec) -> Path | None:
+    """The file holding the model's weights, or None for a pretrained timm/torchvision name."""
+    from aqr import models
+
+    if spec.checkpoint:
+        return Path(spec.checkpoint)
+    if Path(spec.model).is_file():
+        return Path(spec.model)
+    entries = models.zoo()
+    if spec.model in entries:
+        return entries[spec.model]
+    return None
+
+
+def cell_files(cell: Cell) -> dict[str, Path]:
+    """Role -> file for every file a cell reads (its content hash goes into the cell key)."""
+    files: dict[str, Path] = {}
+    weights = model_file(cell.model)
+    if weights is not None:
+        files["weights"] = weights
+    files["source"] = Path(cell.model.source_data)
+    files["eval"] = Path(cell.data.root) / f"{cell.corruption}.npy"
+    files["labels"] = Path(cell.data.root) / "labels.npy"
+    return files
+
+
+def fingerprints(cell: Cell) -> dict[str, str]:
+    out = {}
+    for role, path in cell_files(cell).items():
+        if not path.is_file():
+            raise FileNotFoundError(f"{role} file of cell {cell.model.name}/{cell.corruption} not found: {path}")
+        out[role] = sha256_of(path)
+    if model_file(cell.model) is None:
+        out["weights"] = f"pretrained:{cell.model.model}"
+    return out
+
+
+def stats_options(cell: Cell) -> dict[str, Any]:
+    """The options that determine the cell's source statistics (only AQR has any)."""
+    opts = cell.option_dict
+    return {"K": int(opts.get("K", DEFAULT_K)), "max_samples": int(opts.get("max_samples", DEFAULT_MAX_SAMPLES))}
+
+
+def stats_path(cell: Cell, cache_dir: str | Path) -> Path:
+    """Where the cell's source statistics are cached: keyed by weights, source data and its options."""
+    fp = fingerprints(cell)
+    key = {"weights": fp.get("weights"), "source": fp["source"], "indices": cell.model.source_indices,
+           "model": cell.model.model, **stats_options(cell)}
+    digest = hashlib.sha256(canonical_json(key).encode()).hexdigest()[:20]
+    return Path(cache_dir) / "stats" / f"{cell.model.name}-K{key['K']}-{digest}.aqr.safetensors"
+
+
+@functools.lru_cache(maxsize=4)
+def load_model(spec: ModelSpec) -> nn.Module:
+    """The cell's model (eval mode, [0, 1] inputs); cached per process."""
+    from aqr import models
+
+    return models.load(spec.model, checkpoint=spec.checkpoint)
+
+
+def load_source(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """The clean source images (uint8 NHWC) and labels the statistics are computed on."""
+    from aqr.data import load_cifar
+
+    data = load_cifar(spec.source_data)
+    idx = parse_range(spec.source_indices)
+    if idx is not None and max(idx) >= len(data):
+        raise ValueError(f"source indices {spec.source_indices!r} exceed the {len(data)} images of {spec.source_data}")
+    return np.asarray(data.images[idx]), data.labels[idx]
+
+
+def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False) -> Path:
+    """Compute (once) and cache the source statistics a cell needs; returns the stats file.
+
+    The file is written atomically, so concurrent or interrupted runs never leave half a file.
+    """
+    from aqr.stats import calibrate
+
+    path = stats_path(cell, cache_dir)
+    if path.is_file():
+        return path
+    opts = stats_options(cell)
+    model = load_model(cell.model)
+    images, labels = load_source(cell.model)
+    batches = [to_tensor(images[i : i + 500]) for i in range(0, len(images), 500)]
+    stats = calibrate(model, batches, num_quantiles=opts["K"], max_samples=opts["max_samples"], progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    stats.save(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+@functools.lru_cache(maxsize=4)
+def _load_stats(path: str) -> Any:
+    from aqr.stats import SourceStats
+
+    return SourceStats.load(path)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_eval(root: str, corruption: str, severity: int, indices: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    from aqr.data import load_cifar_c
+
+    ds = load_cifar_c(root, corruption, severity, indices=list(indices))
+    return np.asarray(ds.images), ds.labels
+
+
+def eval_data(cell: Cell) -> tuple[np.ndarray, np.ndarray]:
+    """The corrupted images (uint8 NHWC) and labels a cell evaluates, in evaluation order."""
+    pool = parse_range(cell.data.eval_indices)
+    if pool is None:
+        raise ValueError("DataSpec.eval_indices must be set")
+    return _load_eval(cell.data.root, cell.corruption, cell.severity, tuple(eval_indices(cell, pool)))
+
+
+def build_method(cell: Cell, cache_dir: str | Path) -> nn.Module:
+    """The method of a cell around its (cached) model; AQR gets its cached statistics."""
+    from aqr.methods import create
+
+    model = load_model(cell.model)
+    options = {k: v for k, v in cell.option_dict.items() if k not in STATS_OPTIONS}
+    if isinstance(options.get("layers"), tuple):
+        options["layers"] = list(options["layers"])
+    if cell.method == "aqr":
+        options["stats"] = _load_stats(str(ensure_stats(cell, cache_dir)))
+    return create(cell.method, model, protocol=cell.protocol, seed=cell.seed, **options)
+
+
+def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False) -> CellResult:
+    """Evaluate one cell. Never raises for a failing method: errors come back as ``status="error"``."""
+    from aqr.methods import NotApplicable
+
+    t0 = time.perf_counter()
+    try:
+        torch.manual_seed(cell.seed)
+        method = build_method(cell, cache_dir)
+        images, labels = eval_data(cell)
+        acc, n = evaluate(method, images, labels, cell.batch_size, progress=progress,
+                          desc=f"{cell.variant} {cell.corruption}-{cell.severity}")
+        return CellResult("ok", acc, n, time.perf_counter() - t0)
+    except NotApplicable as err:
+        return CellResult("n/a", None, None, time.perf_counter() - t0, str(err))
+    except Exception as err:  # recorded, so one broken cell doesn't stop a grid
+        msg = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=6)}"
+        return CellResult("error", None, None, time.perf_counter() - t0, msg)
+
+
+def _worker_init(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def _run_cell_dict(cell_dict: dict, cache_dir: str) -> CellResult:
+    return run_cell(Cell.from_dict(cell_dict), cache_dir)
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+@functools.lru_cache(maxsize=1)
+def _git_commit() -> str | None:
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(cell: Cell, files: dict[str, str], key: str) -> dict[str, Any]:
+    """Everything needed to trust and reproduce a row: versions, commit, hashes, seed, protocol."""
+    from aqr import __version__
+
+    return {
+        "aqr": __version__, "torch": torch.__version__, "numpy": np.__version__,
+        "python": platform.python_version(), "git_commit": _git_commit(), "host": platform.node(),
+        "machine": platform.machine(), "threads": torch.get_num_threads(), "config_hash": key,
+        "files": files, "seed": cell.seed, "protocol": cell.protocol,
+        "source": {"data": cell.model.source_data, "indices": cell.model.source_indices},
+        "eval": {"data": cell.data.root, "pool": cell.data.eval_indices, "n_images": cell.n_images,
+                 "order": "numpy default_rng(seed).permutation(pool)[:n_images]"},
+    }
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+@dataclass
+class GridSummary:
+    """What a :func:`run_grid` call did."""
+
+    total: int = 0
+    skipped: int = 0
+    ran: int = 0
+    errors: int = 0
+    not_applicable: int = 0
+    wall_s: float = 0.0
+    error_messages: list[str] = field(default_factory=list)
+
+
+def ensure_data(data: DataSpec, corruptions: Sequence[str], progress: bool = True, workers: int = 1) -> None:
+    """Generate the corruptions missing from ``data.root`` when ``data.clean`` says how; else explain."""
+    root = Path(data.root)
+    missing = [c for c in corruptions if not (root / f"{c}.npy").is_file()]
+    if not missing and (root / "labels.npy").is_file():
+        return
+    if not data.clean:
+        raise FileNotFoundError(f"{root}: missing {', '.join(missing) or 'labels.npy'}; generate them with "
+                                f"`aqr corrupt --data <clean test .npz> --out {root}`")
+    from aqr.cifar_c import GenerationConfig, generate_cifar_c
+    from aqr.data import load_npz_arrays
+
+    images, labels = load_npz_arrays(data.clean)
+    frost = data.frost_dir if "frost" in missing else None
+    config = GenerationConfig(corruptions=tuple(missing), workers=workers, frost_dir=frost,
+                              source={"path": data.clean})
+    generate_cifar_c(images, labels, root, config, progress=progress)
+
+
+def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", workers: int = 1,
+             threads: int | None = None, progress: bool = True, limit: int | None = None,
+             log: Callable[[str], None] = print) -> GridSummary:
+    """Run every cell of ``grid`` not already in ``db``; each result is committed as it finishes.
+
+    ``workers`` > 1 runs cells in that many processes (``threads`` torch threads each); the parent
+    alone writes the database. ``limit`` stops after that many new cells (for smoke tests).
+    """
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    summary = GridSummary()
+    ensure_data(grid.data, grid.corruptions, progress=progress)
+    cells = list(grid.cells())
+    summary.total = len(cells)
+    keyed: list[tuple[str, Cell, dict[str, str]]] = []
+    for cell in cells:
+        fp = fingerprints(cell)
+        keyed.append((cell_key(cell, fp, _version()), cell, fp))
+    db.add_membership(grid.name, [k for k, _, _ in keyed])
+    done = db.finished(k for k, _, _ in keyed)
+    todo = [item for item in keyed if item[0] not in done]
+    summary.skipped = len(cells) - len(todo)
+    if limit is not None:
+        todo = todo[:limit]
+    log(f"grid {grid.name!r}: {len(cells)} cells, {summary.skipped} already in {db.path}, {len(todo)} to run")
+    if not todo:
+        summary.wall_s = time.perf_counter() - t0
+        return summary
+
+    # statistics once per (model, K, samples), before any cell needs them
+    needed: dict[Path, Cell] = {}
+    for _, cell, _ in todo:
+        if cell.method == "aqr":
+            needed.setdefault(stats_path(cell, cache_dir), cell)
+    for path, cell in needed.items():
+        if not path.is_file():
+            log(f"calibrating {cell.model.name} (K={stats_options(cell)['K']}) -> {path}")
+            ensure_stats(cell, cache_dir, progress=progress)
+
+    bar = tqdm(total=len(todo), desc=grid.name, unit="cell", disable=not progress, dynamic_ncols=True)
+
+    def record(key: str, cell: Cell, fp: dict[str, str], result: CellResult) -> None:
+        db.add(key, cell.to_dict(), result.status, result.accuracy, result.n_images, result.wall_s,
+               provenance(cell, fp, key), result.message)
+        summary.ran += 1
+        if result.status == "error":
+            summary.errors += 1
+            summary.error_messages.append(f"{cell.model.name} {cell.variant} {cell.corruption}-{cell.severity} "
+                                          f"b{cell.batch_size} s{cell.seed}: {result.message.splitlines()[0]}")
+        elif result.status == "n/a":
+            summary.not_applicable += 1
+        acc = "n/a" if result.accuracy is None else f"{result.accuracy:.2f}"
+        bar.set_postfix_str(f"{cell.model.name} {cell.variant} {cell.corruption}-{cell.severity} "
+                            f"b{cell.batch_size}: {acc}", refresh=False)
+        bar.update(1)
+
+    try:
+        if workers <= 1:
+            if threads:
+                torch.set_num_threads(threads)
+            for key, cell, fp in todo:
+                record(key, cell, fp, run_cell(cell, cache_dir, progress=progress))
+        else:
+            import multiprocessing as mp
+
+            with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                     initargs=(threads,)) as pool:
+                pending = {}
+                queue = iter(todo)
+                for item in queue:
+                    pending[pool.submit(_run_cell_dict, item[1].to_dict(), str(cache_dir))] = item
+                    if len(pending) >= 2 * workers:
+                        break
+                while pending:
+                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        key, cell, fp = pending.pop(fut)
+                        record(key, cell, fp, fut.result())
+                        nxt = next(queue, None)
+                        if nxt is not None:
+                            pending[pool.submit(_run_cell_dict, nxt[1].to_dict(), str(cache_dir))] = nxt
+    finally:
+        bar.close()
+    summary.wall_s = time.perf_counter() - t0
+    return summary
+
+
+def _version() -> str:
+    from aqr import __version__
+
+    return __version__
+
+
+def describe_cells(grid: GridSpec) -> Iterable[str]:
+    """One line per cell (for ``--dry-run``)."""
+    for cell in grid.cells():
+        yield (f"{cell.model.name}\t{cell.variant}\t{cell.corruption}\t{cell.severity}\t{cell.batch_size}\t"
+               f"{cell.seed}\t{cell.n_images}")
+
+
+def result_json(summary: GridSummary) -> str:
+    return json.dumps(summary.__dict__, indent=2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `aqr bench`")
