@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from collections import OrderedDict
 
 import pytest
@@ -424,3 +425,23 @@ def test_sam_perturbs_by_rho_along_the_gradient_and_steps_from_the_original_poin
     a.grad, b.grad = torch.tensor([1.0, 1.0]), torch.tensor([2.0])  # gradient at the perturbed point
     sam.unperturb_and_step()
     assert torch.equal(a.detach(), torch.tensor([0.5, 1.5])) and torch.equal(b.detach(), torch.tensor([2.0]))
+
+
+def test_tent_and_sar_survive_channels_last_input_on_groupnorm() -> None:
+    """torch 2.13's CPU GroupNorm backward segfaults on a channels_last input that needs no grad
+    while the affine parameters do; run in a subprocess so a crash fails this test, not the run."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, sys; sys.path.insert(0, 'tests')\n"
+        "from models_tiny import gn_cnn\n"
+        "from aqr.methods import create\n"
+        "x = torch.rand(8, 16, 16, 3).permute(0, 3, 1, 2)\n"
+        "for name in ('tent', 'sar'):\n"
+        "    assert create(name, gn_cnn())(x).shape == (8, 5)\n"
+        "print('ok')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-800:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -45,3 +46,24 @@ def norm_affine_parameters(model: nn.Module, skip: frozenset[str] = frozenset())
             if isinstance(p, nn.Parameter):
                 found.append((f"{name}.{pname}" if name else pname, p))
     return found
+
+
+def _contiguous_input(module: nn.Module, args: tuple) -> tuple | None:
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and not x.requires_grad and not x.is_contiguous():
+        return (x.contiguous(), *args[1:])
+    return None
+
+
+def contiguous_groupnorm_inputs(model: nn.Module) -> int:
+    """Give every GroupNorm layer a contiguous input when that input needs no gradient.
+
+    Works around a PyTorch CPU crash (seen with torch 2.13): the GroupNorm backward pass segfaults
+    when its input is channels_last (e.g. images permuted from NHWC) and only its affine parameters
+    need gradients, which is exactly TENT's and SAR's situation at the first GroupNorm layer.
+    The copy costs one activation per affected layer. Returns how many layers got the hook.
+    """
+    layers = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    for m in layers:
+        m.register_forward_pre_hook(_contiguous_input)
+    return len(layers)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .base import NotApplicable, TTAMethod, softmax_entropy
-from .norms import norm_affine_parameters, use_batch_statistics
+from .norms import contiguous_groupnorm_inputs, norm_affine_parameters, use_batch_statistics
 
 #: The AQR paper's baseline learning rates (appendix "Hyper-parameter Details").
 CNN_LR = 2.5e-4
@@ -68,6 +68,7 @@ def configure_for_entropy_minimization(model: nn.Module) -> nn.Module:
     """Eval mode, all gradients off, BatchNorm on batch statistics (see ``use_batch_statistics``)."""
     model.eval().requires_grad_(False)
     use_batch_statistics(model)
+    contiguous_groupnorm_inputs(model)
     return model
 
 

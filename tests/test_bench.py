@@ -1,0 +1,312 @@
+"""The benchmark grid, the results database and the resumable runner (``aqr bench``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aqr import models
+from aqr.cifar_c import GenerationConfig, generate_cifar_c
+from aqr.cli import main as cli_main
+from aqr.grid import (
+    PRESETS,
+    Cell,
+    DataSpec,
+    GridSpec,
+    MethodSpec,
+    ModelSpec,
+    cell_key,
+    eval_indices,
+    grid_from_mapping,
+    load_grid,
+    parse_range,
+    preset,
+)
+from aqr.results import ResultsDB, ResultsDBError
+from aqr.runner import evaluate, fingerprints, run_cell, run_grid, stats_path
+
+CORRUPTIONS = ("gaussian_noise", "contrast")
+
+
+# ----------------------------------------------------------------------------- grid
+
+
+def test_parse_range_accepts_slices_and_lists() -> None:
+    assert parse_range("2:5") == [2, 3, 4]
+    assert parse_range("1,4, 9") == [1, 4, 9]
+    assert parse_range([3, 1]) == [3, 1]
+    assert parse_range(None) is None
+    for bad in ("5:2", "a:b", "1:2:3", "x"):
+        with pytest.raises(ValueError):
+            parse_range(bad)
+
+
+def test_method_spec_parses_options() -> None:
+    assert MethodSpec.parse("tent") == MethodSpec("tent", {})
+    spec = MethodSpec.parse("aqr:tail=gaussian,K=11,gaussian_p=0.001,compile=false")
+    assert spec.options == {"tail": "gaussian", "K": 11, "gaussian_p": 0.001, "compile": False}
+    assert MethodSpec.parse({"method": "sar", "lr": 0.01}) == MethodSpec("sar", {"lr": 0.01})
+    with pytest.raises(ValueError, match="key=value"):
+        MethodSpec.parse("aqr:tail")
+
+
+def test_every_preset_expands_and_main_matches_the_paper() -> None:
+    for name in PRESETS:
+        grid = preset(name)
+        assert len(list(grid.cells())) == len(grid) > 0
+    main = preset("main")
+    assert {m.name for m in main.methods} == {"source", "ttn", "tent", "sar", "aqr"}
+    assert main.severities == (1, 3, 5) and main.batch_sizes == (128, 512) and len(main.corruptions) == 19
+    assert len(main) == 3 * 5 * 19 * 3 * 2 * 3
+    tails = preset("tails")
+    assert sorted(c.variant for c in tails.cells() if c.corruption == "fog" and c.severity == 3
+                  and c.batch_size == 128 and c.seed == 0) == sorted(
+        f"aqr[tail={t}]" for t in ("standard", "average", "none", "clip", "interval", "gaussian"))
+    with pytest.raises(KeyError, match="unknown preset"):
+        preset("nope")
+
+
+def test_grid_rejects_bad_values() -> None:
+    base = preset("smoke")
+    with pytest.raises(ValueError, match="unknown corruptions"):
+        replace(base, corruptions=("rain",))
+    with pytest.raises(ValueError, match="severities"):
+        replace(base, severities=(0,))
+    with pytest.raises(ValueError, match="unknown grid keys"):
+        grid_from_mapping({"preset": "smoke", "batchsize": [1]})
+
+
+def test_grid_file_round_trip(tmp_path: Path) -> None:
+    spec = {"preset": "smoke", "name": "mine", "methods": ["source", "aqr:tail=clip"], "seeds": [0, 1],
+            "corruptions": ["fog"], "n_images": 64}
+    (tmp_path / "g.json").write_text(json.dumps(spec))
+    yaml = pytest.importorskip("yaml")
+    (tmp_path / "g.yaml").write_text(yaml.safe_dump(spec))
+    for name in ("g.json", "g.yaml"):
+        grid = load_grid(tmp_path / name)
+        assert grid.name == "mine" and grid.seeds == (0, 1) and grid.n_images == 64
+        assert [m.name for m in grid.methods] == ["source", "aqr"]
+    with pytest.raises(FileNotFoundError):
+        load_grid(tmp_path / "missing.yaml")
+
+
+def _cell(**changes: object) -> Cell:
+    cell = next(iter(preset("smoke").cells()))
+    return replace(cell, **changes)
+
+
+def test_cell_key_changes_with_config_files_and_version() -> None:
+    cell = _cell()
+    files = {"weights": "a", "source": "b", "eval": "c", "labels": "d"}
+    key = cell_key(cell, files, "1.0")
+    assert key == cell_key(Cell.from_dict(json.loads(json.dumps(cell.to_dict()))), files, "1.0")
+    assert key != cell_key(replace(cell, seed=1), files, "1.0")
+    assert key != cell_key(replace(cell, options=(("tail", "clip"),)), files, "1.0")
+    assert key != cell_key(cell, {**files, "weights": "z"}, "1.0")
+    assert key != cell_key(cell, files, "1.1")
+
+
+def test_eval_indices_are_a_seeded_subset_of_the_pool() -> None:
+    pool = list(range(100, 200))
+    a, b = eval_indices(_cell(n_images=30, seed=0), pool), eval_indices(_cell(n_images=30, seed=1), pool)
+    assert len(a) == len(set(a)) == 30 and set(a) <= set(pool)
+    assert a == eval_indices(_cell(n_images=30, seed=0), pool) and a != b
+    assert sorted(eval_indices(_cell(n_images=None), pool)) == pool
+    with pytest.raises(ValueError, match="exceeds"):
+        eval_indices(_cell(n_images=101), pool)
+
+
+# ----------------------------------------------------------------------------- database
+
+
+def test_results_db_stores_and_filters(tmp_path: Path) -> None:
+    cell = _cell().to_dict()
+    with ResultsDB(tmp_path / "r.db") as db:
+        db.add("k1", cell, "ok", 50.0, 10, 1.0, {"aqr": "x"})
+        db.add("k2", {**cell, "method": "ttn"}, "error", None, None, 0.1, {}, "boom")
+        db.add("k3", {**cell, "method": "tent"}, "n/a", None, None, 0.1, {}, "no BN")
+        db.add_membership("exp", ["k1", "k2"])
+        assert db.finished() == {"k1", "k3"}            # errors are retried
+        assert [r.key for r in db.rows("exp")] == ["k1", "k2"]
+        assert [r.method for r in db.rows(status="ok")] == ["source"]
+        assert db.rows(key="k1")[0].provenance == {"aqr": "x"}
+        with pytest.raises(ValueError, match="unknown columns"):
+            db.rows(colour="red")
+    with ResultsDB(tmp_path / "r.db") as db:       # reopening keeps everything
+        assert len(db) == 3 and db.experiments() == ["exp"]
+
+
+def test_results_db_refuses_other_files(tmp_path: Path) -> None:
+    bad = tmp_path / "notes.db"
+    bad.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(ResultsDBError, match="notes.db"):
+        ResultsDB(bad)
+    other = tmp_path / "other.db"
+    with ResultsDB(other):
+        pass
+    con = sqlite3.connect(other)
+    con.execute("UPDATE meta SET value='99' WHERE name='schema_version'")
+    con.commit()
+    con.close()
+    with pytest.raises(ResultsDBError, match="schema version 99"):
+        ResultsDB(other)
+
+
+# ----------------------------------------------------------------------------- runner on tiny data
+
+
+def _tiny_setup(root: Path, n: int = 96, size: int = 16) -> tuple[GridSpec, dict[str, ModelSpec]]:
+    """Two tiny ResNets (BN, GN) saved as aqr checkpoints, a source npz and a 2-corruption CIFAR-C folder."""
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 4, n).astype(np.int64)
+    # class-dependent brightness so the models have something to learn from
+    images = np.clip(rng.normal(60 + 40 * labels[:, None, None, None], 25, (n, size, size, 3)), 0, 255).astype(np.uint8)
+    np.savez(root / "clean.npz", x=images, y=labels)
+    generate_cifar_c(images, labels, root / "c", GenerationConfig(corruptions=CORRUPTIONS, severities=(3, 5)),
+                     progress=False)
+    specs = {}
+    for norm in ("bn", "gn"):
+        model = models.create("resnet20", num_classes=4, norm=norm, width=4, groups=2)
+        path = models.save_checkpoint(root / f"tiny_{norm}.pt", model,
+                                      {"name": "resnet20", "num_classes": 4, "norm": norm,
+                                       "kwargs": {"width": 4, "groups": 2}})
+        specs[norm] = ModelSpec(f"tiny_{norm}", str(path), None, str(root / "clean.npz"), "0:48")
+    data = DataSpec("tiny-c", str(root / "c"), "48:96")
+    grid = GridSpec("tiny", (specs["bn"], specs["gn"]), data,
+                    tuple(MethodSpec(m) for m in ("source", "ttn", "tent", "sar", "aqr")),
+                    corruptions=CORRUPTIONS, severities=(5,), batch_sizes=(16,), seeds=(0,), n_images=32)
+    return grid, specs
+
+
+@pytest.fixture()
+def tiny(tmp_path: Path) -> GridSpec:
+    return _tiny_setup(tmp_path)[0]
+
+
+def test_run_grid_fills_the_database_and_resumes(tiny: GridSpec, tmp_path: Path) -> None:
+    with ResultsDB(tmp_path / "r.db") as db:
+        summary = run_grid(tiny, db, tmp_path / "cache", progress=False, log=lambda m: None)
+        assert summary.ran == len(tiny) == 20 and summary.errors == 0, summary.error_messages
+        rows = db.rows("tiny")
+        assert len(rows) == 20
+        by = {(r.model, r.method, r.corruption): r for r in rows}
+        assert by[("tiny_gn", "ttn", "gaussian_noise")].status == "n/a"   # TTN needs BatchNorm
+        assert by[("tiny_bn", "ttn", "gaussian_noise")].status == "ok"
+        ok = [r for r in rows if r.status == "ok"]
+        assert all(0.0 <= r.accuracy <= 100.0 and r.n_images == 32 for r in ok)
+        prov = ok[0].provenance
+        assert prov["torch"] and prov["files"]["eval"] and prov["seed"] == 0 and prov["protocol"] == "episodic"
+        assert len({stats_path(c, tmp_path / "cache") for c in tiny.cells() if c.method == "aqr"}) == 2
+        first_created = {r.key: r.created for r in rows}
+
+        again = run_grid(tiny, db, tmp_path / "cache", progress=False, log=lambda m: None)
+        assert again.ran == 0 and again.skipped == 20
+        assert {r.key: r.created for r in db.rows("tiny")} == first_created
+
+        # a changed config (another seed) is new work, never a reuse of the seed-0 rows
+        reseeded = run_grid(replace(tiny, seeds=(1,)), db, tmp_path / "cache", progress=False, log=lambda m: None)
+        assert reseeded.ran == 20 and len(db) == 40
+
+
+def test_run_cell_matches_a_direct_evaluation(tiny: GridSpec, tmp_path: Path) -> None:
+    from aqr.data import load_cifar_c
+    from aqr.methods import create
+
+    cell = next(c for c in tiny.cells() if c.method == "source" and c.model.name == "tiny_bn")
+    result = run_cell(cell, tmp_path / "cache")
+    idx = eval_indices(cell, parse_range(cell.data.eval_indices))
+    ds = load_cifar_c(cell.data.root, cell.corruption, cell.severity, idx)
+    acc, n = evaluate(create("source", models.load(cell.model.model)), ds.images, ds.labels, 16)
+    assert result.status == "ok" and result.accuracy == acc and result.n_images == n == 32
+
+
+def test_a_broken_cell_is_recorded_not_fatal(tiny: GridSpec, tmp_path: Path) -> None:
+    grid = replace(tiny, methods=(MethodSpec("source"), MethodSpec("tent", {"lr": "fast"})))
+    with ResultsDB(tmp_path / "r.db") as db:
+        summary = run_grid(grid, db, tmp_path / "cache", progress=False, log=lambda m: None)
+        assert summary.errors == 4 and summary.ran == 8
+        errors = db.rows(status="error")
+        assert len(errors) == 4 and all(r.message for r in errors)
+        assert db.finished() == {r.key for r in db.rows(status="ok")}
+
+
+def test_missing_data_is_explained(tiny: GridSpec, tmp_path: Path) -> None:
+    grid = replace(tiny, data=replace(tiny.data, root=str(tmp_path / "nowhere")))
+    with ResultsDB(tmp_path / "r.db") as db, pytest.raises(FileNotFoundError, match="aqr corrupt"):
+        run_grid(grid, db, tmp_path / "cache", progress=False, log=lambda m: None)
+
+
+def test_fingerprints_name_missing_files(tiny: GridSpec) -> None:
+    cell = next(iter(tiny.cells()))
+    with pytest.raises(FileNotFoundError, match="source file"):
+        fingerprints(replace(cell, model=replace(cell.model, source_data="/nope.npz")))
+
+
+def _grid_file(grid: GridSpec, path: Path) -> Path:
+    spec = {"name": grid.name, "models": [m.__dict__ for m in grid.models], "data": grid.data.__dict__,
+            "methods": [m.name for m in grid.methods], "corruptions": list(grid.corruptions),
+            "severities": list(grid.severities), "batch_sizes": list(grid.batch_sizes), "seeds": list(grid.seeds),
+            "n_images": grid.n_images}
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def test_cli_dry_run_lists_cells(tiny: GridSpec, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = _grid_file(tiny, tmp_path / "grid.json")
+    assert cli_main(["bench", "--config", str(config), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 + len(tiny)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_loses_only_cells_in_flight(tmp_path: Path) -> None:
+    grid, _ = _tiny_setup(tmp_path)
+    grid = replace(grid, seeds=(0, 1, 2))                       # 60 cells
+    config = _grid_file(grid, tmp_path / "grid.json")
+    db_path = tmp_path / "r.db"
+    cmd = [sys.executable, "-m", "aqr", "bench", "--config", str(config), "--db", str(db_path),
+           "--cache", str(tmp_path / "cache"), "--threads", "1", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def count() -> int:
+        if not db_path.exists():
+            return 0
+        try:
+            con = sqlite3.connect(db_path, timeout=5)
+            try:
+                return con.execute("SELECT COUNT(*) FROM results").fetchone()[0]
+            finally:
+                con.close()
+        except sqlite3.OperationalError:  # tables not created yet
+            return 0
+
+    deadline = time.time() + 120
+    while count() < 5 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, f"run ended before it could be killed: {proc.stderr.read().decode()[-500:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    con = sqlite3.connect(db_path)
+    assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    kept = dict(con.execute("SELECT key, created FROM results").fetchall())
+    con.close()
+    assert 5 <= len(kept) < len(grid)
+
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-1000:]
+    assert f"{len(kept)} already in" in done.stderr
+    with ResultsDB(db_path) as db:
+        rows = db.rows(grid.name)
+        assert len(rows) == len(grid)
+        assert all(kept[r.key] == r.created for r in rows if r.key in kept)   # not recomputed
