@@ -131,7 +131,8 @@ def test_per_corruption_table_means_over_seeds(db, rows) -> None:
                  for c in CORRUPTIONS]
         assert [e.mean for e in by[label][:3]] == pytest.approx(means, abs=1e-12)
         assert by[label][3].mean == pytest.approx(np.mean(means), abs=1e-12)
-    assert by["SAR"][2].n == 2  # the error row is left out of the mean
+    assert by["SAR"][2].n == 2  # the error row is left out of the mean and the entry says so
+    assert by["SAR"][2].text == f"{by['SAR'][2].mean:.1f} (2 of 3)" and not by["SAR"][2].rankable
     # AQR is best in every column and is the only bold entry
     assert all(e.bold for e in by["AQR"])
     assert not any(e.bold for label, row in by.items() if label != "AQR" for e in row)
@@ -163,7 +164,7 @@ def test_summary_table_mean_std_match_numpy(db, rows) -> None:
 def test_pooled_summary_averages_applicable_models(db, rows) -> None:
     table = report.summary_table(rows, None)
     ttn = _by_label(table)["TTN"][0]
-    assert ttn.n == 9  # resnet20 only: TTN is n/a on the ViT
+    assert ttn.n == 9 and ttn.text.endswith("(9 of 18)")  # resnet20 only: TTN is n/a on the ViT
     values = _values(db[1], variant="tent", severity=3, batch_size=128)
     assert _by_label(table)["TENT"][0].mean == pytest.approx(np.mean(values), abs=1e-12)
     assert "vit_ln" in table.note

@@ -15,7 +15,9 @@ Figures (matplotlib's Agg canvas, no pyplot; PNG and PDF): :func:`plot_severity`
 :func:`percentile_deviations`).
 
 Numbers: only rows with status ``'ok'`` enter a mean; a cell whose rows are all ``'n/a'`` shows
-``n/a`` (``error`` when all failed). Standard deviations are sample ones (``ddof=1``) and standard
+``n/a`` (``error`` when all failed). An entry over fewer values than the fullest of its column (a
+failed or missing cell, or a method n/a for some pooled models) says "(k of N)" and cannot be bold.
+Standard deviations are sample ones (``ddof=1``) and standard
 errors are ``std / sqrt(n)``. Bold marks every entry of a column whose *displayed* (rounded) value
 equals the column's best, so displayed ties are all bold, as in the paper.
 """
@@ -147,6 +149,21 @@ def entry_of(rows: Sequence[Row], with_std: bool) -> Entry:
     return Entry("error") if "error" in statuses else Entry("")
 
 
+def flag_incomplete(entries: Sequence[Sequence[Entry]]) -> list[list[Entry]]:
+    """Per column, suffix "(k of N)" to entries over fewer values than the column's fullest; they cannot be bold.
+
+    Methods compared over different corruptions or seeds (a failed or missing cell) are not comparable.
+    """
+    grid = [list(row) for row in entries]
+    for j in range(len(grid[0]) if grid else 0):
+        full = max((row[j].n for row in grid), default=0)
+        for row in grid:
+            e = row[j]
+            if e.mean is not None and e.n < full:
+                row[j] = replace(e, text=f"{e.text} ({e.n} of {full})", rankable=False)
+    return grid
+
+
 def bold_best(entries: Sequence[Sequence[Entry]]) -> tuple[tuple[Entry, ...], ...]:
     """Mark, per column, every rankable entry whose rounded mean equals the column's best."""
     grid = [list(row) for row in entries]
@@ -230,16 +247,14 @@ def per_corruption_table(rows: Sequence[Row], model: str, severity: int, batch_s
     corruptions = corruption_order(r.corruption for r in chosen)
     cells = _group(chosen, lambda r: (r.variant, r.corruption))
     variants = _variants(chosen)
-    entries, max_se = [], 0.0
-    for variant in variants:
-        row = [entry_of(cells.get((variant, c), []), with_std=False) for c in corruptions]
-        means = [e.mean for e in row if e.mean is not None]
-        max_se = max([max_se] + [e.std / math.sqrt(e.n) for e in row if e.std is not None])
-        row.append(_row_mean(row, means, len(corruptions)))
-        entries.append(row)
+    entries = flag_incomplete([[entry_of(cells.get((v, c), []), with_std=False) for c in corruptions]
+                               for v in variants])
+    for row in entries:
+        row.append(_row_mean(row, [e.mean for e in row if e.mean is not None], len(corruptions)))
     seeds = sorted({r.seed for r in chosen if r.status == "ok"})
-    note = (f"Accuracy (%), mean over seeds {', '.join(map(str, seeds))}; largest standard error over "
-            f"seeds: {max_se:.2f}.")
+    errors = [e.std / math.sqrt(e.n) for row in entries for e in row[:-1] if e.std is not None]
+    note = f"Accuracy (%), mean over seeds {', '.join(map(str, seeds))}; " + (
+        f"largest standard error over seeds: {max(errors):.2f}." if errors else "one seed per entry, no standard error.")
     return Table(f"per_corruption_{_slug(model)}_sev{severity}_bs{batch_size}",
                  f"{model}: accuracy per corruption, severity {severity}, batch size {batch_size}",
                  ("Method", *corruptions, "mean"), tuple(method_label(v) for v in variants),
@@ -268,7 +283,8 @@ def summary_table(rows: Sequence[Row], model: str | None = None) -> Table | None
     columns = sorted({(r.batch_size, r.severity) for r in chosen})
     cells = _group(chosen, lambda r: (r.variant, r.batch_size, r.severity))
     variants = _variants(chosen)
-    entries = [[entry_of(cells.get((v, b, s), []), with_std=True) for b, s in columns] for v in variants]
+    entries = flag_incomplete([[entry_of(cells.get((v, b, s), []), with_std=True) for b, s in columns]
+                               for v in variants])
     scope = model if model is not None else "all models pooled"
     note = "Accuracy (%), mean ± std across corruptions and seeds"
     if model is None:
@@ -299,7 +315,8 @@ def ablation_tables(rows: Sequence[Row], model: str) -> list[Table]:
             continue
         batch_sizes = sorted({r.batch_size for r in family})
         cells = _group(family, lambda r: (r.variant, r.batch_size))
-        entries = [[entry_of(cells.get((v, b), []), with_std=True) for b in batch_sizes] for v in variants]
+        entries = flag_incomplete([[entry_of(cells.get((v, b), []), with_std=True) for b in batch_sizes]
+                                   for v in variants])
         severities = sorted({r.severity for r in family if r.status == "ok"})
         note = ("Accuracy (%), mean ± std across corruptions, seeds and severities "
                 f"{', '.join(map(str, severities))}.")
