@@ -310,3 +310,33 @@ def test_sigkill_mid_run_loses_only_cells_in_flight(tmp_path: Path) -> None:
         rows = db.rows(grid.name)
         assert len(rows) == len(grid)
         assert all(kept[r.key] == r.created for r in rows if r.key in kept)   # not recomputed
+
+
+def test_cli_calibrate_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    grid, specs = _tiny_setup(tmp_path)
+    spec = specs["bn"]
+    stats_file = tmp_path / "bn.aqr.safetensors"
+    assert cli_main(["calibrate", spec.model, "--data", spec.source_data, "--indices", "0:48", "-K", "11",
+                     "--out", str(stats_file), "--no-progress"]) == 0
+    from aqr.stats import SourceStats
+
+    stats = SourceStats.load(stats_file)
+    assert stats.num_quantiles == 11 and len(stats.layer_names) == 19
+    capsys.readouterr()
+    args = ["evaluate", spec.model, "--stats", str(stats_file), "--cifar-c", grid.data.root,
+            "--corruption", "gaussian_noise", "--severity", "5", "--indices", "48:96", "--batch-size", "16",
+            "--methods", "source,aqr:tail=clip,mode=exact,tent", "--json"]
+    assert cli_main(args) == 0
+    accs = json.loads(capsys.readouterr().out)
+    assert set(accs) == {"source", "aqr[tail=clip,mode=exact]", "tent"}
+    assert all(0 <= a <= 100 for a in accs.values())
+    # the same numbers as the library path
+    from aqr.data import load_cifar_c
+    from aqr.methods import create
+
+    ds = load_cifar_c(grid.data.root, "gaussian_noise", 5, list(range(48, 96)))
+    direct = evaluate(create("aqr", models.load(spec.model), stats=stats, tail="clip", mode="exact"),
+                      ds.images, ds.labels, 16)[0]
+    assert accs["aqr[tail=clip,mode=exact]"] == direct
+    with pytest.raises(SystemExit, match="needs --stats"):
+        cli_main(args[:2] + args[4:])

@@ -1,0 +1,53 @@
+"""``aqr calibrate``: a model + clean source images -> a statistics file (safetensors)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """MODEL and --checkpoint, as :func:`aqr.models.load` takes them."""
+    p.add_argument("model", help="zoo name, aqr checkpoint file, architecture (with --checkpoint) or timm:/torchvision: name")
+    p.add_argument("--checkpoint", default=None, help="weights for an architecture name (third-party state dict)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("calibrate", help="compute a model's source statistics once and save them",
+                              description="Run the model over clean source images and write the per-channel "
+                                          "percentiles of every normalization layer to a safetensors file.")
+    add_model_arguments(p)
+    p.add_argument("--data", required=True, help="clean source images: CIFAR .npz or python-pickle folder")
+    p.add_argument("--indices", default="0:10000", help="which images, 'start:stop' (default 0:10000, the paper's n)")
+    p.add_argument("--out", required=True, help="statistics file to write (e.g. model.aqr.safetensors)")
+    p.add_argument("--num-quantiles", "-K", type=int, default=101, help="K knots (101 = percentiles p0..p100)")
+    p.add_argument("--tail", default="average", help="default tail strategy stored with the statistics")
+    p.add_argument("--layers", default="all", help="all, top-half, bottom-half or comma-separated layer names")
+    p.add_argument("--max-samples", type=int, default=100_000, help="values kept per channel for the quantiles")
+    p.add_argument("--batch-size", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from aqr import models
+    from aqr.grid import ModelSpec
+    from aqr.runner import load_source, to_tensor
+    from aqr.stats import calibrate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = models.load(args.model, checkpoint=args.checkpoint)
+    images, _ = load_source(ModelSpec("cli", args.model, args.checkpoint, args.data, args.indices))
+    batches = [to_tensor(images[i : i + args.batch_size]) for i in range(0, len(images), args.batch_size)]
+    layers = args.layers if args.layers in ("all", "top-half", "bottom-half") else args.layers.split(",")
+    stats = calibrate(model, batches, layers=layers, num_quantiles=args.num_quantiles, tail=args.tail,
+                      max_samples=args.max_samples, seed=args.seed, progress=not args.no_progress)
+    path = stats.save(args.out)
+    print(f"wrote {path}: {len(stats.layer_names)} layers, K={args.num_quantiles}, {len(images)} source images",
+          file=sys.stderr)
+    return 0
