@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
             if stats is None:
                 raise SystemExit("aqr evaluate: the aqr method needs --stats (make one with `aqr calibrate`)")
             options["stats"] = stats
+        if spec.name in ("tent", "sar"):
+            options.setdefault("batch_size", args.batch_size)  # the ViT default lr scales with it
         try:
             method = create(spec.name, model, protocol=args.protocol, seed=args.seed, **options)
         except NotApplicable as err:
