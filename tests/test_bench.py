@@ -340,3 +340,9 @@ def test_cli_calibrate_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert accs["aqr[tail=clip,mode=exact]"] == direct
     with pytest.raises(SystemExit, match="needs --stats"):
         cli_main(args[:2] + args[4:])
+
+
+def test_cli_reports_missing_data_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["bench", "--preset", "smoke", "--data-dir", str(tmp_path / "nowhere"),
+                     "--cifar-c", str(tmp_path / "c"), "--db", str(tmp_path / "r.db")]) == 2
+    assert "nowhere" in capsys.readouterr().err

@@ -86,6 +86,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aqr.results import ResultsDBError
+
+    try:
+        return _run(args)
+    except (FileNotFoundError, ResultsDBError, KeyError, ValueError, ImportError) as err:
+        print(f"aqr bench: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from aqr.results import ResultsDB
     from aqr.runner import describe_cells, result_json, run_grid
 
