@@ -49,8 +49,11 @@ class CellResult:
 
 
 def to_tensor(images: np.ndarray) -> torch.Tensor:
-    """uint8 NHWC images -> float NCHW in [0, 1]."""
-    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float().div_(255.0)
+    """uint8 NHWC images -> contiguous float NCHW in [0, 1]."""
+    # Contiguous, not the channels-last view the permute gives: torch's CPU GroupNorm backward
+    # segfaults on a channels-last input that does not require grad (TENT/SAR on a GN model).
+    x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
+    return x.contiguous().float().div_(255.0)
 
 
 def evaluate(method: nn.Module, images: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor,
