@@ -222,6 +222,9 @@ def build_method(cell: Cell, cache_dir: str | Path) -> nn.Module:
     options = {k: v for k, v in cell.option_dict.items() if k not in STATS_OPTIONS}
     if isinstance(options.get("layers"), tuple):
         options["layers"] = list(options["layers"])
+    if cell.method in ("tent", "sar"):
+        # their default ViT learning rate scales with the batch size, which only the cell knows
+        options.setdefault("batch_size", cell.batch_size)
     if cell.method == "aqr":
         options["stats"] = _load_stats(str(ensure_stats(cell, cache_dir)))
     return create(cell.method, model, protocol=cell.protocol, seed=cell.seed, **options)
