@@ -465,7 +465,8 @@ def write_figure(result: DemoResult, path: str | Path) -> Path:
             if value is None:
                 ax.text(x, 1, "n/a", ha="center", va="bottom", rotation=90, fontsize=8)
             else:
-                ax.bar(x, value, bar_w, color=colors[method], label=method if i == 0 else None)
+                bars = ax.bar(x, value, bar_w, color=colors[method], label=method if i == 0 else None)
+                ax.bar_label(bars, fmt="%.0f", fontsize=7)
     for i, model in enumerate(models):
         if result.clean.get(model) is not None:
             ax.hlines(result.clean[model], i - 0.45, i + 0.45, colors="k", linestyles="dashed",
@@ -473,8 +474,9 @@ def write_figure(result: DemoResult, path: str | Path) -> Path:
     ax.set_xticks(range(len(models)), models)
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, 100)
-    ax.set_title(f"{result.dataset}: mean over corruptions, severities {', '.join(map(str, result.severities))}")
-    ax.legend(ncol=len(methods) + 1, fontsize=8, loc="lower right")
+    fig.suptitle(f"{result.dataset}: accuracy per method, mean over {len(result.corruptions)} corruptions x "
+                 f"severities {', '.join(map(str, result.severities))} (below: per corruption)")
+    ax.legend(ncol=len(methods) + 1, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     for i, model in enumerate(models):
         sub = fig.add_subplot(grid[1, i])
         per = result.per_corruption.get(model, {})
@@ -485,6 +487,8 @@ def write_figure(result: DemoResult, path: str | Path) -> Path:
         sub.set_xticks(xs, [c.replace("_", "\n") for c in result.corruptions], fontsize=7)
         sub.set_ylim(0, 100)
         sub.set_title(model, fontsize=9)
+        if i == 0:
+            sub.set_ylabel("accuracy (%)")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
