@@ -35,6 +35,9 @@ DEMO_SEVERITIES = (3, 5)
 QUICK_SEVERITIES = (5,)
 EXTRAS_HINT = "pip install 'aqr[demo]'"
 
+Table = dict[str, dict[str, float | None]]  # method -> model -> mean accuracy (None: n/a)
+PerCorruption = dict[str, dict[str, dict[str, float]]]  # model -> method -> corruption -> accuracy
+
 
 @dataclass(frozen=True)
 class DemoModel:
@@ -69,7 +72,7 @@ class DemoConfig:
     Attributes:
         out: work folder (models, data, statistics cache, results database, figure).
         seed: seeds the digits split, training, and the cells' image order.
-        quick: fewer epochs, corruptions, severities and images (seconds; for tests).
+        quick: fewer epochs, corruptions, severities and images (about half a minute; for tests).
         threads: torch threads while the demo runs (None or 0: torch's default). One by default:
             the models are tiny, and on a loaded machine more OpenMP threads than free cores made
             training steps 40x slower in our measurements.
@@ -130,9 +133,9 @@ class DemoResult:
     severities: tuple[int, ...]
     n_images: int
     batch_size: int
-    accuracy: dict[str, dict[str, float | None]]
+    accuracy: Table
     clean: dict[str, float | None]
-    per_corruption: dict[str, dict[str, dict[str, float]]]
+    per_corruption: PerCorruption
     summary: GridSummary
     trained: tuple[str, ...] = ()
     wall_s: float = 0.0
@@ -163,7 +166,8 @@ def _require_extras() -> None:
         except ImportError:
             missing.append(package)
     if missing:
-        raise ImportError(f"aqr demo needs {', '.join(missing)}: {EXTRAS_HINT}")
+        raise ImportError(f"the digits demo needs {', '.join(missing)}: {EXTRAS_HINT} "
+                          "(or run it on CIFAR files with --data, --cifar-c and --checkpoint)")
 
 
 def load_digits_rgb32() -> tuple[np.ndarray, np.ndarray]:
@@ -332,11 +336,12 @@ def _folder_contents(root: Path) -> tuple[dict[str, list[int]], int]:
 
     manifest = root / "manifest.json"
     info = json.loads(manifest.read_text()) if manifest.is_file() else {}
-    entries = info.get("corruptions", {})
+    default = info.get("severities", [1, 2, 3, 4, 5])  # the released folders: five blocks, no manifest
     present = {}
     for name in CORRUPTIONS:
         if (root / f"{name}.npy").is_file():
-            present[name] = [int(s) for s in (entries.get(name) or {}).get("severities", info.get("severities", [1, 2, 3, 4, 5]))]
+            entry = info.get("corruptions", {}).get(name) or {}
+            present[name] = [int(s) for s in entry.get("severities", default)]
     if not present:
         raise FileNotFoundError(f"{root}: no <corruption>.npy files of a CIFAR-C folder")
     labels = np.load(root / "labels.npy", mmap_mode="r", allow_pickle=False)
@@ -345,8 +350,36 @@ def _folder_contents(root: Path) -> tuple[dict[str, list[int]], int]:
     return present, len(labels) // blocks if len(labels) % blocks == 0 else len(labels)
 
 
+def _choose_corruptions(config: DemoConfig, root: Path,
+                        present: Mapping[str, list[int]]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The requested corruptions, else the demo's that the folder has; severities they all have."""
+    wanted = tuple(config.corruptions or (c for c in _corruptions(config) if c in present))
+    if not wanted:
+        raise FileNotFoundError(f"{root}: none of the demo corruptions ({', '.join(_corruptions(config))}); "
+                                f"pass --corruptions from {', '.join(present)}")
+    missing = [c for c in wanted if c not in present]
+    if missing:
+        raise FileNotFoundError(f"{root}: no {', '.join(missing)}.npy")
+    available = set.intersection(*(set(present[c]) for c in wanted))
+    severities = config.severities or tuple(s for s in _severities(config) if s in available) or (max(available),)
+    return wanted, tuple(severities)
+
+
+def _cifar_model(config: DemoConfig, source_indices: str) -> ModelSpec:
+    """An aqr checkpoint or zoo name as is; third-party weights through their architecture."""
+    checkpoint = str(config.checkpoint)
+    name = config.model_name or config.arch or Path(checkpoint).stem
+    if config.arch:
+        return ModelSpec(name, config.arch, checkpoint, str(config.data), source_indices)
+    return ModelSpec(name, checkpoint, None, str(config.data), source_indices)
+
+
 def cifar_grid(config: DemoConfig) -> GridSpec:
-    """CIFAR path: the given model on the given CIFAR-C folder, statistics from the given npz."""
+    """CIFAR path: the given model on the given CIFAR-C folder, statistics from the given npz.
+
+    Defaults: statistics from the npz's first half (at most 5,000 images), evaluation drawn from the
+    folder's second half, so with CIFAR-10's test set and CIFAR-10-C the two never share an image.
+    """
     from aqr.data import load_npz_arrays
 
     if not (config.data and config.cifar_c and config.checkpoint):
@@ -354,25 +387,12 @@ def cifar_grid(config: DemoConfig) -> GridSpec:
     n_clean = len(load_npz_arrays(config.data)[1])
     root = Path(config.cifar_c)
     present, n = _folder_contents(root)
-    wanted = config.corruptions or tuple(c for c in DEMO_CORRUPTIONS if c in present)[: 2 if config.quick else None]
-    if not wanted:
-        raise FileNotFoundError(f"{root}: none of the demo corruptions ({', '.join(DEMO_CORRUPTIONS)}); "
-                                f"pass corruptions from {', '.join(present)}")
-    missing = [c for c in wanted if c not in present]
-    if missing:
-        raise FileNotFoundError(f"{root}: no {', '.join(missing)}.npy")
-    available = set.intersection(*(set(present[c]) for c in wanted))
-    severities = config.severities or tuple(s for s in _severities(config) if s in available) or (max(available),)
+    corruptions, severities = _choose_corruptions(config, root, present)
     source = config.source_indices or f"0:{max(1, min(n_clean // 2, 5000))}"
     pool = config.eval_indices or f"{n // 2}:{n}"
-    n_pool = len(parse_range(pool) or [])
-    n_images = min(config.n_images or (200 if config.quick else 1000), n_pool)
-    arch = config.arch
-    name = config.model_name or arch or Path(config.checkpoint).stem
-    spec = (ModelSpec(name, arch, config.checkpoint, config.data, source) if arch
-            else ModelSpec(name, config.checkpoint, None, config.data, source))
-    return GridSpec("demo-cifar", (spec,), DataSpec(root.name or "cifar-c", str(root), pool), _methods(),
-                    corruptions=tuple(wanted), severities=tuple(severities),
+    n_images = min(config.n_images or (200 if config.quick else 1000), len(parse_range(pool) or []))
+    return GridSpec("demo-cifar", (_cifar_model(config, source),), DataSpec(root.name or "cifar-c", str(root), pool),
+                    _methods(), corruptions=corruptions, severities=severities,
                     batch_sizes=(config.batch_size or (100 if config.quick else 200),), seeds=(config.seed,),
                     n_images=n_images)
 
@@ -410,7 +430,7 @@ def grid_rows(grid: GridSpec, db: Any) -> list[Row]:
     return [r for r in db.rows(experiment=grid.name) if r.key in keys]
 
 
-def summarize(rows: Sequence[Row]) -> tuple[dict[str, dict[str, float | None]], dict[str, dict[str, dict[str, float]]]]:
+def summarize(rows: Sequence[Row]) -> tuple[Table, PerCorruption]:
     """(accuracy[method][model], per_corruption[model][method][corruption]) as means over the ok rows."""
     groups: dict[tuple[str, str], list[float]] = {}
     per: dict[tuple[str, str, str], list[float]] = {}
@@ -419,20 +439,25 @@ def summarize(rows: Sequence[Row]) -> tuple[dict[str, dict[str, float | None]], 
         if r.status == "ok" and r.accuracy is not None:
             groups[(r.method, r.model)].append(r.accuracy)
             per.setdefault((r.model, r.method, r.corruption), []).append(r.accuracy)
-    accuracy: dict[str, dict[str, float | None]] = {}
+    accuracy: Table = {}
     for (method, model), values in groups.items():
         accuracy.setdefault(method, {})[model] = float(np.mean(values)) if values else None
-    per_corruption: dict[str, dict[str, dict[str, float]]] = {}
+    per_corruption: PerCorruption = {}
     for (model, method, corruption), values in per.items():
         per_corruption.setdefault(model, {}).setdefault(method, {})[corruption] = float(np.mean(values))
     return accuracy, per_corruption
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def format_table(result: DemoResult) -> str:
     """Rows = clean + methods, columns = models; 'n/a' where a method does not apply."""
     width = max(12, *(len(m) + 2 for m in result.models))
-    head = (f"accuracy (%) on {result.dataset}: mean over {len(result.corruptions)} corruptions x severities "
-            f"{', '.join(map(str, result.severities))}; {result.n_images} images per cell, batch {result.batch_size}")
+    head = (f"accuracy (%) on {result.dataset}: mean over {_plural(len(result.corruptions), 'corruption')} x "
+            f"severities {', '.join(map(str, result.severities))}; {result.n_images} images per cell, "
+            f"batch {result.batch_size}")
     lines = [head, f"{'method':<10}" + "".join(f"{m:>{width}}" for m in result.models)]
 
     def fmt(value: float | None) -> str:
@@ -474,8 +499,9 @@ def write_figure(result: DemoResult, path: str | Path) -> Path:
     ax.set_xticks(range(len(models)), models)
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, 100)
-    fig.suptitle(f"{result.dataset}: accuracy per method, mean over {len(result.corruptions)} corruptions x "
-                 f"severities {', '.join(map(str, result.severities))} (below: per corruption)")
+    fig.suptitle(f"{result.dataset}: accuracy per method, mean over "
+                 f"{_plural(len(result.corruptions), 'corruption')} x severities "
+                 f"{', '.join(map(str, result.severities))} (below: per corruption)")
     ax.legend(ncol=len(methods) + 1, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     for i, model in enumerate(models):
         sub = fig.add_subplot(grid[1, i])
