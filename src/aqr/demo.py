@@ -57,7 +57,7 @@ class DemoModel:
 # few epochs. Small batches give the ResNets enough steps on ~1,000 images. Patch 8 keeps the ViT at
 # 16 tokens (the digits are 8x8 images, upscaled); mean pooling learns faster than a class token.
 DIGITS_MODELS = (
-    DemoModel("resnet20_bn", "resnet20", "bn", {"width": 8}, epochs=4, quick_epochs=2, lr=3e-3, batch_size=16),
+    DemoModel("resnet20_bn", "resnet20", "bn", {"width": 8}, epochs=4, quick_epochs=1, lr=3e-3, batch_size=16),
     DemoModel("resnet20_gn", "resnet20", "gn", {"width": 8, "groups": 4}, epochs=5, quick_epochs=3, lr=2e-3,
               batch_size=16),
     DemoModel("vit_ln", "vit", "ln", {"dim": 64, "depth": 2, "heads": 4, "patch_size": 8, "pool": "mean"},
