@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Resumable: rerunning reuses the models, data and finished cells in --out.")
     p.add_argument("--out", default="runs/demo", help="work folder (default runs/demo)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="fewer epochs, corruptions and images (about half a minute; for tests)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer epochs, corruptions and images (about half a minute; for tests)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: tiny models; 0: torch's default)")
     p.add_argument("--no-figure", action="store_true", help="do not write <out>/demo.png")
     p.add_argument("--no-progress", action="store_true")
