@@ -321,6 +321,29 @@ def ensure_data(data: DataSpec, corruptions: Sequence[str], progress: bool = Tru
     generate_cifar_c(images, labels, root, config, progress=progress)
 
 
+def keyed_cells(grid: GridSpec) -> list[tuple[str, Cell, dict[str, str]]]:
+    """Every cell of ``grid`` with its results-database key and its files' content hashes.
+
+    The files must exist (run :func:`ensure_data` first for generated corruptions).
+    """
+    keyed = []
+    for cell in grid.cells():
+        fp = fingerprints(cell)
+        keyed.append((cell_key(cell, fp, _version()), cell, fp))
+    return keyed
+
+
+def clear_caches() -> None:
+    """Forget the models, statistics and evaluation images cached in this process.
+
+    Needed only when files the cells read were rewritten in place since they were cached (file
+    hashes are memoised by size and mtime and refresh themselves).
+    """
+    load_model.cache_clear()
+    _load_stats.cache_clear()
+    _load_eval.cache_clear()
+
+
 def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", workers: int = 1,
              threads: int | None = None, progress: bool = True, limit: int | None = None,
              log: Callable[[str], None] = print) -> GridSummary:
@@ -334,12 +357,9 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
     t0 = time.perf_counter()
     summary = GridSummary()
     ensure_data(grid.data, grid.corruptions, progress=progress)
-    cells = list(grid.cells())
+    keyed = keyed_cells(grid)
+    cells = [cell for _, cell, _ in keyed]
     summary.total = len(cells)
-    keyed: list[tuple[str, Cell, dict[str, str]]] = []
-    for cell in cells:
-        fp = fingerprints(cell)
-        keyed.append((cell_key(cell, fp, _version()), cell, fp))
     db.add_membership(grid.name, [k for k, _, _ in keyed])
     done = db.finished(k for k, _, _ in keyed)
     todo = [item for item in keyed if item[0] not in done]
