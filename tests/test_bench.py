@@ -346,3 +346,29 @@ def test_cli_reports_missing_data_without_a_traceback(tmp_path: Path, capsys: py
     assert cli_main(["bench", "--preset", "smoke", "--data-dir", str(tmp_path / "nowhere"),
                      "--cifar-c", str(tmp_path / "c"), "--db", str(tmp_path / "r.db")]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_random_subset_ranges_are_seeded_sorted_and_checked() -> None:
+    a = parse_range("100:200~30")
+    assert a == parse_range("100:200~30") and a == sorted(a) and len(set(a)) == 30
+    assert min(a) >= 100 and max(a) < 200 and a != list(range(100, 130))
+    for bad in ("0:10~0", "0:10~11", "5~2", "0:10~x"):
+        with pytest.raises(ValueError):
+            parse_range(bad)
+    assert preset("main").models[1].source_indices == "0:50000~10000"
+
+
+def test_class_sorted_source_subset_warns(tmp_path: Path) -> None:
+    from aqr.runner import load_source
+
+    labels = np.repeat(np.arange(4), 50)                      # sorted by class, like the JPEG train set
+    images = np.zeros((200, 8, 8, 3), dtype=np.uint8)
+    np.savez(tmp_path / "sorted.npz", x=images, y=labels)
+    with pytest.warns(UserWarning, match="cover only 1 of 4 classes"):
+        load_source(ModelSpec("m", "m", None, str(tmp_path / "sorted.npz"), "0:50"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, picked = load_source(ModelSpec("m", "m", None, str(tmp_path / "sorted.npz"), "0:200~50"))
+    assert len(np.unique(picked)) == 4

@@ -30,20 +30,36 @@ STATS_OPTIONS = ("K", "max_samples")
 
 
 def parse_range(text: str | Sequence[int] | None) -> list[int] | None:
-    """``"0:5000"`` (a Python slice, stop exclusive), ``"1,5,9"`` or a list of ints -> list of ints."""
+    """Index selection -> sorted-or-given list of ints.
+
+    ``"0:5000"`` (a Python slice, stop exclusive), ``"1,5,9"``, a list of ints, or
+    ``"0:50000~10000"``: 10,000 indices drawn without replacement from ``0:50000`` with
+    ``numpy.random.default_rng(0)``, returned sorted. Use the last form whenever the data may be
+    ordered by class (the JPEG CIFAR-10 training set is: its first 10,000 images are two classes).
+    """
     if text is None:
         return None
     if not isinstance(text, str):
         return [int(i) for i in text]
     text = text.strip()
-    if ":" in text:
-        parts = text.split(":")
+    span, tilde, count = text.partition("~")
+    if ":" in span:
+        parts = span.split(":")
         if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-            raise ValueError(f"index range must look like 'start:stop', got {text!r}")
+            raise ValueError(f"index range must look like 'start:stop' or 'start:stop~n', got {text!r}")
         start, stop = (int(p) for p in parts)
         if not 0 <= start < stop:
             raise ValueError(f"index range {text!r} is empty or negative")
-        return list(range(start, stop))
+        if not tilde:
+            return list(range(start, stop))
+        if not count.strip().isdigit() or not 0 < int(count) <= stop - start:
+            raise ValueError(f"'~n' in {text!r} must be a count between 1 and {stop - start}")
+        import numpy as np
+
+        drawn = np.random.default_rng(0).choice(stop - start, int(count), replace=False)
+        return sorted(int(i) + start for i in drawn)
+    if tilde:
+        raise ValueError(f"'~n' needs a 'start:stop' range before it, got {text!r}")
     try:
         return [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
@@ -59,7 +75,8 @@ class ModelSpec:
         model: first argument of :func:`aqr.models.load` (zoo name, aqr checkpoint, architecture).
         checkpoint: third-party weights for an architecture name (e.g. the akamaster ResNet-20).
         source_data: clean images (CIFAR ``.npz`` or pickle folder) for the source statistics.
-        source_indices: which of them, ``"start:stop"``; the paper uses 10,000 training images.
+        source_indices: which of them (see :func:`parse_range`); the paper uses 10,000 training
+            images: ``"0:50000~10000"`` draws them at random (seeded) from the whole training set.
     """
 
     name: str
@@ -255,15 +272,16 @@ def default_models(data_dir: str | Path = "../shared/data") -> dict[str, ModelSp
     The akamaster model's source domain is the lossless training set, which we lack: its statistics
     come from clean test images 0-4999 and evaluation uses 5000-9999 (see ``../shared/data/README.md``).
     Our own models were trained on the JPEG training set, which is their source domain: 10,000 of
-    those images, as in the paper.
+    those images, as in the paper, drawn at random (the file is sorted by class, so its first 10,000
+    images would be airplanes and automobiles only).
     """
     d = Path(data_dir)
     train = str(d / "cifar10_train_jpeg75.npz")
     return {
         "resnet20": ModelSpec("resnet20", "resnet20", str(d / "checkpoints/akamaster/resnet20-12fca82f.th"),
                               str(d / "cifar10_test.npz"), "0:5000"),
-        "resnet20_gn": ModelSpec("resnet20_gn", "resnet20_gn", None, train, "0:10000"),
-        "vit_ln": ModelSpec("vit_ln", "vit_ln", None, train, "0:10000"),
+        "resnet20_gn": ModelSpec("resnet20_gn", "resnet20_gn", None, train, "0:50000~10000"),
+        "vit_ln": ModelSpec("vit_ln", "vit_ln", None, train, "0:50000~10000"),
     }
 
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,7 +164,15 @@ def load_source(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
     idx = parse_range(spec.source_indices)
     if idx is not None and max(idx) >= len(data):
         raise ValueError(f"source indices {spec.source_indices!r} exceed the {len(data)} images of {spec.source_data}")
-    return np.asarray(data.images[idx]), data.labels[idx]
+    labels = data.labels[idx]
+    classes, picked = len(np.unique(data.labels)), len(np.unique(labels))
+    if picked < classes and len(labels) >= 10 * classes:
+        # Statistics of a few classes are not the source distribution (a class-sorted file read
+        # from the start): AQR would then map every test batch onto those classes.
+        warnings.warn(f"source images {spec.source_indices!r} of {spec.source_data} cover only {picked} of "
+                      f"{classes} classes; is the file sorted by class? Draw a random subset with "
+                      f"'start:stop~n' (e.g. '0:{len(data)}~10000')", stacklevel=2)
+    return np.asarray(data.images[idx]), labels
 
 
 def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False) -> Path:
