@@ -37,8 +37,9 @@ SHARED = Path(os.environ.get("AQR_SHARED_DATA", Path(__file__).resolve().parents
 AKAMASTER = SHARED / "checkpoints" / "akamaster" / "resnet20-12fca82f.th"
 MODELS = {
     "resnet20-bn": lambda: models.load("resnet20", checkpoint=AKAMASTER) if AKAMASTER.is_file() else models.create("resnet20"),
-    "resnet20-gn": lambda: models.create("resnet20", norm="gn"),
-    "vit": lambda: models.create("vit"),
+    # the zoo's trained models when present (random weights give the same cost)
+    "resnet20-gn": lambda: models.load("resnet20_gn") if "resnet20_gn" in models.zoo() else models.create("resnet20", norm="gn"),
+    "vit": lambda: models.load("vit_ln") if "vit_ln" in models.zoo() else models.create("vit"),
 }
 METHODS = ["source", "ttn", "aqr", "aqr-exact", "tent", "sar"]
 
@@ -50,7 +51,7 @@ def images(n: int, seed: int = 0) -> torch.Tensor:
         import numpy as np
 
         x = np.load(path)["x"][:n]
-        return torch.from_numpy(x).permute(0, 3, 1, 2).float().div(255)
+        return torch.from_numpy(x).permute(0, 3, 1, 2).contiguous().float().div(255)
     return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 
