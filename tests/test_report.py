@@ -354,3 +354,11 @@ def test_tail_deviation_cli_writes_figure(tmp_path) -> None:
     assert (out / "tail_deviation.png").stat().st_size > 5000 and (out / "tail_deviation.pdf").stat().st_size > 1000
     code, _, err = _main(["report", "--tail-deviation", str(ckpt), "--out", str(out)])
     assert code == 2 and "--source-data" in err
+
+
+def test_pooled_severity_panel_drops_methods_missing_on_some_models(written) -> None:
+    curves = written[1]["severity_curves"]
+    assert "ttn" not in curves["cifar10-c"]              # n/a on vit_ln: not averaged over resnet20 alone
+    assert "aqr[tail=gaussian]" not in curves["cifar10-c"]  # only run on resnet20
+    assert "ttn" in curves["cifar10-c / resnet20"] and "ttn" not in curves["cifar10-c / vit_ln"]
+    assert set(curves) == {"cifar10-c", "cifar10-c / resnet20", "cifar10-c / vit_ln"}

@@ -441,28 +441,43 @@ def _seed_means(rows: Iterable[Row], key: Callable[[Row], Any]) -> list[float]:
 
 
 def severity_curves(rows: Sequence[Row]) -> dict[str, dict[str, dict[str, list]]]:
-    """Fig. 4 numbers: dataset -> variant -> severity, mean, se, n over (model, corruption, batch size).
+    """Fig. 4 numbers: panel -> variant -> severity, mean, se, n over (model, corruption, batch size).
 
-    Seeds are averaged within a condition first, so the standard error is across conditions.
+    Panel ``<dataset>`` pools the models, keeping only the methods that ran on every one of them
+    (a method that is n/a on some models would otherwise be averaged over easier ones); with
+    several models, panels ``<dataset> / <model>`` follow with every method. Seeds are averaged
+    within a condition first, so the standard error is across conditions.
     """
     out: dict[str, dict[str, dict[str, list]]] = {}
     for dataset, drows in sorted(_group(rows, lambda r: r.dataset).items()):
-        curves = {}
-        for variant in _variants(drows):
-            vrows = [r for r in drows if r.variant == variant]
-            curve: dict[str, list] = {"severity": [], "mean": [], "se": [], "n": []}
-            for severity in sorted({r.severity for r in vrows}):
-                values = _seed_means((r for r in vrows if r.severity == severity),
-                                     lambda r: (r.model, r.corruption, r.batch_size))
-                if values:
-                    for k, v in zip(("mean", "se", "n"), mean_se(values)):
-                        curve[k].append(v)
-                    curve["severity"].append(severity)
-            if curve["severity"]:
-                curves[variant] = curve
-        if curves:
-            out[dataset] = curves
+        models = sorted({r.model for r in drows})
+        ok_models = {v: {r.model for r in drows if r.variant == v and r.status == "ok"} for v in _variants(drows)}
+        pooled = [r for r in drows if ok_models[r.variant] == set(models)]
+        panels = [(dataset, pooled)]
+        if len(models) > 1:
+            panels += [(f"{dataset} / {m}", [r for r in drows if r.model == m]) for m in models]
+        for name, prows in panels:
+            curves = _severity_panel(prows)
+            if curves:
+                out[name] = curves
     return out
+
+
+def _severity_panel(rows: Sequence[Row]) -> dict[str, dict[str, list]]:
+    curves = {}
+    for variant in _variants(rows):
+        vrows = [r for r in rows if r.variant == variant]
+        curve: dict[str, list] = {"severity": [], "mean": [], "se": [], "n": []}
+        for severity in sorted({r.severity for r in vrows}):
+            values = _seed_means((r for r in vrows if r.severity == severity),
+                                 lambda r: (r.model, r.corruption, r.batch_size))
+            if values:
+                for k, v in zip(("mean", "se", "n"), mean_se(values)):
+                    curve[k].append(v)
+                curve["severity"].append(severity)
+        if curve["severity"]:
+            curves[variant] = curve
+    return curves
 
 
 def architecture_bars(rows: Sequence[Row], severity: int = 3) -> dict[str, dict[str, dict[str, Any]]]:
@@ -524,23 +539,27 @@ def _colors(variants: Sequence[str]) -> dict[str, Any]:
 
 
 def plot_severity(rows: Sequence[Row], path: str | Path) -> list[Path]:
-    """Fig. 4: accuracy vs severity per method (one panel per dataset), SE error bars; PNG and PDF."""
+    """Fig. 4: accuracy vs severity per method (panels as in :func:`severity_curves`), SE error bars; PNG and PDF."""
     curves = severity_curves(rows)
     if not curves:
         raise ValueError("no ok rows to plot")
-    fig, axes = _figure(len(curves), (4.5 * len(curves), 3.6))
-    for ax, (dataset, by_variant) in zip(axes, curves.items()):
-        colors = _colors(list(by_variant))
+    fig, axes = _figure(len(curves), (4.0 * len(curves), 3.6))
+    colors = _colors(sorted({v for by_variant in curves.values() for v in by_variant}, key=variant_order))
+    handles: dict[str, Any] = {}
+    for ax, (panel, by_variant) in zip(axes, curves.items()):
         for i, (variant, c) in enumerate(by_variant.items()):
             dodge = 0.03 * (i - (len(by_variant) - 1) / 2)  # keep error bars of close methods apart
-            ax.errorbar(np.add(c["severity"], dodge), c["mean"], yerr=c["se"], label=method_label(variant),
-                        marker="o", ms=4, capsize=3, color=colors[variant])
-        ax.set_title(dataset)
+            line = ax.errorbar(np.add(c["severity"], dodge), c["mean"], yerr=c["se"], label=method_label(variant),
+                               marker="o", ms=4, capsize=3, color=colors[variant])
+            handles.setdefault(variant, line)
+        ax.set_title(panel, fontsize=10)
         ax.set_xlabel("severity")
         ax.set_xticks(sorted({s for c in by_variant.values() for s in c["severity"]}))
         ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
-    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ordered = sorted(handles, key=variant_order)
+    axes[-1].legend([handles[v] for v in ordered], [method_label(v) for v in ordered], fontsize=8,
+                    loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
