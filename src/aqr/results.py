@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from aqr.grid import Cell
+
 SCHEMA_VERSION = 1
 
 _SCHEMA = """
@@ -113,7 +115,7 @@ class ResultsDB:
         """Store (or replace) one cell's result in its own transaction."""
         if status not in ("ok", "n/a", "error"):
             raise ValueError(f"status must be 'ok', 'n/a' or 'error', got {status!r}")
-        values = (key, cell["model"]["name"], cell["method"], _variant(cell), cell["data"]["name"],
+        values = (key, cell["model"]["name"], cell["method"], Cell.from_dict(cell).variant, cell["data"]["name"],
                   cell["corruption"], cell["severity"], cell["batch_size"], cell["seed"], cell["protocol"],
                   status, accuracy, n_images, wall_s, message,
                   json.dumps(cell, sort_keys=True), json.dumps(provenance, sort_keys=True), time.time())
@@ -156,17 +158,6 @@ class ResultsDB:
 
     def __len__(self) -> int:
         return self._conn.execute("SELECT COUNT(*) FROM results").fetchone()[0]
-
-
-def _variant(cell: dict) -> str:
-    options = cell.get("options") or {}
-    if not options:
-        return cell["method"]
-    parts = []
-    for k in sorted(options):
-        v = options[k]
-        parts.append(f"{k}={'+'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}")
-    return f"{cell['method']}[{','.join(parts)}]"
 
 
 def _row(values: tuple) -> Row:
