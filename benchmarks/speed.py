@@ -56,12 +56,15 @@ def images(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def timed(fn, x: torch.Tensor, warmup: int, repeats: int) -> float:
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn(x)
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn(x)
+        sync()  # GPU work is asynchronous: a batch is done when its kernels are
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -81,11 +84,12 @@ def per_batch(args: argparse.Namespace) -> list[dict]:
     rows = []
     source = images(args.calib_images if not args.quick else 1000)
     for name in args.models:
-        model = MODELS[name]().eval()
+        model = MODELS[name]().eval().to(args.device)
         stats = aqr.calibrate(model, source.split(500))
         for batch in args.batch_sizes:
             x = images(batch, seed=1)
             x = (x + 0.1 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2))).clamp(0, 1)
+            x = x.to(args.device)
             base = None
             for method in args.methods:
                 try:
@@ -176,16 +180,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="ResNet-20, batch 128, 3 repeats, 2,000 calibration images")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda; on a GPU the calibration part (peak RSS) is skipped")
     args = parser.parse_args()
+    if args.device != "cpu":
+        args.skip_calibration = True
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["AQR_BENCH_THREADS"] = str(args.threads)
     if args.quick:
         args.models, args.batch_sizes, args.repeats, args.warmup, args.calib_images = ["resnet20-bn"], [128], 3, 2, 2000
+    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else ""
     print(f"torch {torch.__version__}, aqr {aqr.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, python {sys.version.split()[0]}", flush=True)
+          f"{torch.get_num_threads()} threads, python {sys.version.split()[0]}, device {args.device} {where}", flush=True)
     rows = per_batch(args)
-    result = {"rows": rows, "torch": torch.__version__, "aqr": aqr.__version__, "threads": torch.get_num_threads()}
+    result = {"rows": rows, "torch": torch.__version__, "aqr": aqr.__version__, "threads": torch.get_num_threads(),
+              "device": args.device, "device_name": where}
     if not args.skip_calibration:
         result["calibration"] = calibration(args)
     print()

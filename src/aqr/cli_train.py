@@ -10,7 +10,7 @@ import sys
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` sub-command."""
-    p = subparsers.add_parser("train", help="train a source model (CPU-friendly, resumable)",
+    p = subparsers.add_parser("train", help="train a source model (CPU or GPU, resumable)",
                               description="Supervised training on an npz (x uint8 NHWC, y labels).")
     p.add_argument("--model", help="architecture name (see aqr.models.available()); required unless --export")
     p.add_argument("--norm", default=None, help="normalization layers: bn, gn, ln, none (default: the model's)")
@@ -32,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the data, augmentation and model live")
     p.add_argument("--limit-train", type=int, default=None, help="use only the first N training images")
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop after this many epochs (schedule still planned for --epochs; continue with --resume)")
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
                       optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, momentum=args.momentum,
                       nesterov=args.nesterov, weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs,
                       label_smoothing=args.label_smoothing, augment=not args.no_augment, threads=args.threads,
-                      seed=args.seed, channels_last=args.channels_last, limit_train=args.limit_train,
+                      seed=args.seed, channels_last=args.channels_last, device=args.device,
+                      limit_train=args.limit_train,
                       stop_after=args.stop_after,
                       out=args.out, work_dir=args.work_dir,
                       command="aqr " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train"] else "")

@@ -1,4 +1,4 @@
-"""Supervised training of aqr's own source models on CPU, resumable epoch by epoch.
+"""Supervised training of aqr's own source models on CPU or GPU, resumable epoch by epoch.
 
 Data is an ``.npz`` with ``x`` (uint8, N x H x W x 3) and ``y`` (int labels). Augmentation (random
 crop with zero padding 4 and horizontal flip) runs in torch on uint8 batches. Every epoch the full
@@ -52,6 +52,7 @@ class TrainConfig:
     threads: int | None = None
     seed: int = 0
     channels_last: bool = False
+    device: str = "cpu"  # "cuda" keeps the data, augmentation and model on the GPU
     eval_batch_size: int = 1000
     out: str | None = None
     work_dir: str | None = None
@@ -106,27 +107,33 @@ def augment_batch(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> 
     """
     n, h, w, _ = x.shape
     padded = F.pad(x, (0, 0, pad, pad, pad, pad))
-    oy = torch.randint(0, 2 * pad + 1, (n,), generator=generator)
-    ox = torch.randint(0, 2 * pad + 1, (n,), generator=generator)
-    flip = torch.rand(n, generator=generator) < 0.5
-    rows = oy[:, None] + torch.arange(h)[None, :]
-    cols = torch.arange(w)[None, :].expand(n, w)
+    # Draws come from the (CPU) generator whatever the device, so a run's augmentation is device-independent.
+    oy = torch.randint(0, 2 * pad + 1, (n,), generator=generator).to(x.device)
+    ox = torch.randint(0, 2 * pad + 1, (n,), generator=generator).to(x.device)
+    flip = (torch.rand(n, generator=generator) < 0.5).to(x.device)
+    rows = oy[:, None] + torch.arange(h, device=x.device)[None, :]
+    cols = torch.arange(w, device=x.device)[None, :].expand(n, w)
     cols = torch.where(flip[:, None], cols.flip(1), cols) + ox[:, None]
-    return padded[torch.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    return padded[torch.arange(n, device=x.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
 
 @torch.no_grad()
 def evaluate_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000,
                       channels_last: bool = False) -> float:
-    """Top-1 accuracy in percent of ``model`` (switched to eval mode, left there) on uint8 NHWC images."""
+    """Top-1 accuracy in percent of ``model`` (switched to eval mode, left there) on uint8 NHWC images.
+
+    Batches go to the device of the model's parameters.
+    """
     model.eval()
-    correct = 0
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    correct = torch.zeros((), dtype=torch.int64, device=device)
     for i in range(0, len(x), batch_size):
-        xb = to_float(x[i:i + batch_size])
+        xb = to_float(x[i:i + batch_size].to(device))
         if channels_last:
             xb = xb.contiguous(memory_format=torch.channels_last)
-        correct += int((model(xb).argmax(1) == y[i:i + batch_size]).sum())
-    return 100.0 * correct / max(len(x), 1)
+        correct += (model(xb).argmax(1) == y[i:i + batch_size].to(device)).sum()
+    return 100.0 * int(correct) / max(len(x), 1)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
@@ -180,17 +187,21 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
     log = log or sys.stderr
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {cfg.device!r} asked for, but torch {torch.__version__} sees no CUDA GPU")
     x_train, y_train = load_npz(cfg.data)
     if cfg.limit_train and cfg.limit_train < len(x_train):  # a seeded random subset (files may be sorted by class)
         keep = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.limit_train]
         x_train, y_train = x_train[keep], y_train[keep]
+    x_train, y_train = x_train.to(device), y_train.to(device)
     test = load_npz(cfg.test) if cfg.test else None
     num_classes = int(y_train.max()) + 1
     if test is not None:
         num_classes = max(num_classes, int(test[1].max()) + 1)
 
     torch.manual_seed(cfg.seed)
-    model = create(cfg.model, num_classes=num_classes, norm=cfg.norm, **cfg.model_kwargs)
+    model = create(cfg.model, num_classes=num_classes, norm=cfg.norm, **cfg.model_kwargs).to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = make_optimizer(model, cfg)
@@ -231,8 +242,12 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
     for epoch in range(start_epoch, last_epoch):
         model.train()
         t0 = time.perf_counter()
-        order = torch.randperm(n, generator=gen)
-        loss_sum, correct, seen = 0.0, 0, 0
+        order = torch.randperm(n, generator=gen).to(device)
+        # Running sums stay on the device; reading them every step would stall a GPU on each batch.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        correct = torch.zeros((), dtype=torch.int64, device=device)
+        seen = 0
+        check_every = 1 if device.type == "cpu" else 50
         bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch + 1}/{cfg.epochs}", file=log, leave=False,
                    mininterval=1.0 if interactive else 60.0, dynamic_ncols=True)
         for step in bar:
@@ -245,20 +260,22 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
                 xb = xb.contiguous(memory_format=torch.channels_last)
             logits = model(xb)
             loss = F.cross_entropy(logits, yb, label_smoothing=cfg.label_smoothing)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss.item()} at epoch {epoch + 1} step {step}")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             scheduler.step()
-            loss_sum += loss.item() * len(yb)
-            correct += int((logits.argmax(1) == yb).sum())
+            loss_sum += loss.detach() * len(yb)
+            correct += (logits.argmax(1) == yb).sum()
             seen += len(yb)
-            bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{100 * correct / seen:.1f}", refresh=False)
+            if step % check_every == 0 or step == steps_per_epoch - 1:
+                if not torch.isfinite(loss_sum):
+                    raise FloatingPointError(f"loss became {loss.item()} at epoch {epoch + 1} step {step}")
+                bar.set_postfix(loss=f"{float(loss_sum) / seen:.3f}", acc=f"{100 * int(correct) / seen:.1f}",
+                                refresh=False)
         bar.close()
         train_seconds = time.perf_counter() - t0
         test_acc = evaluate_accuracy(model, *test, cfg.eval_batch_size, cfg.channels_last) if test else None
-        result = EpochResult(epoch + 1, loss_sum / max(seen, 1), 100 * correct / max(seen, 1), test_acc,
+        result = EpochResult(epoch + 1, float(loss_sum) / max(seen, 1), 100 * int(correct) / max(seen, 1), test_acc,
                              optimizer.param_groups[0]["lr"], time.perf_counter() - t0)
         history.append(asdict(result))
         print(f"epoch {result.epoch}/{cfg.epochs} loss {result.loss:.4f} train_acc {result.train_acc:.2f} "
@@ -271,7 +288,7 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
                          "torch_rng": torch.get_rng_state(), "data_sha256": data_hash,
                          "num_classes": num_classes}, state_file)
 
-    model.eval()
+    model.eval().cpu()
     final_acc = history[-1]["test_acc"] if history else None
     out = None
     if cfg.out:

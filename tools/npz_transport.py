@@ -1,0 +1,108 @@
+"""Shrink an image ``.npz`` (``x`` uint8 N x H x W x 3) for a size-limited transfer, and restore it exactly.
+
+The GPU machine that trained ``zoo/resnet20_gn.pt`` accepts at most 64 MiB per call, and the JPEG-75
+CIFAR-10 training set is a 142 MB npz. Its images were JPEG-decoded once already, so re-encoding
+each at quality 75 (4:2:0) gives bytes that decode to almost the same pixels; ``pack`` keeps those
+bytes (minus the header they all share) plus the exact residual, and ``unpack`` rebuilds ``x``
+bit for bit and checks it against the SHA-256 of the original arrays, stored in the pack.
+
+    python tools/npz_transport.py pack ../shared/data/cifar10_train_jpeg75.npz .gpu/train.pack.npz
+    python tools/npz_transport.py unpack .gpu/train.pack.npz /tmp/train.npz
+
+Needs Pillow. Decoders other than the packing machine's may round differently; ``unpack`` then
+fails loudly unless ``--allow-mismatch`` is given (and reports how far off the pixels are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import sys
+
+import numpy as np
+from PIL import Image
+
+QUALITY = 75
+SOS = b"\xff\xda"
+
+
+def array_sha256(a: np.ndarray) -> str:
+    """SHA-256 of an array's dtype, shape and C-order bytes."""
+    h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
+    h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _encode(img: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="JPEG", quality=QUALITY, subsampling=2)
+    return buf.getvalue()
+
+
+def _split_header(data: bytes) -> int:
+    """Length of the JPEG header up to the end of the start-of-scan segment."""
+    i = data.index(SOS)
+    return i + 2 + int.from_bytes(data[i + 2:i + 4], "big")
+
+
+def _decode(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def pack(src: str, dst: str) -> None:
+    with np.load(src, allow_pickle=False) as d:
+        arrays = {k: d[k] for k in d.files}
+    x = arrays.pop("x")
+    encoded = [_encode(img) for img in x]
+    header = encoded[0][:_split_header(encoded[0])]
+    if any(e[:len(header)] != header for e in encoded):
+        raise ValueError("images do not share one JPEG header; cannot strip it")
+    bodies = [e[len(header):] for e in encoded]
+    offsets = np.cumsum([0] + [len(b) for b in bodies]).astype(np.int64)
+    decoded = np.stack([_decode(e) for e in encoded])
+    residual = x.astype(np.int16) - decoded
+    residual = residual.astype(np.int8) if np.abs(residual).max() <= 127 else residual
+    np.savez_compressed(
+        dst, header=np.frombuffer(header, np.uint8), body=np.frombuffer(b"".join(bodies), np.uint8),
+        offsets=offsets, residual=residual, x_shape=np.array(x.shape), x_sha256=np.array(array_sha256(x)),
+        **{f"keep_{k}": v for k, v in arrays.items()})
+    print(f"packed {len(x)} images: {offsets[-1] / len(x):.0f} JPEG bytes/image, residual nonzero "
+          f"{(residual != 0).mean():.1%}, x sha256 {array_sha256(x)[:16]}")
+
+
+def unpack(src: str, dst: str, allow_mismatch: bool = False) -> None:
+    with np.load(src, allow_pickle=False) as d:
+        p = {k: d[k] for k in d.files}
+    header, body, offsets = p["header"].tobytes(), p["body"].tobytes(), p["offsets"]
+    x = np.stack([_decode(header + body[offsets[i]:offsets[i + 1]]) for i in range(len(offsets) - 1)])
+    x = (x.astype(np.int16) + p["residual"]).clip(0, 255).astype(np.uint8).reshape(tuple(p["x_shape"]))
+    got, want = array_sha256(x), str(p["x_sha256"])
+    if got != want:
+        msg = f"rebuilt x has sha256 {got[:16]}, the original {want[:16]}: this JPEG decoder differs"
+        if not allow_mismatch:
+            raise SystemExit(msg)
+        print("WARNING: " + msg, file=sys.stderr)
+    arrays = {k[len("keep_"):]: v for k, v in p.items() if k.startswith("keep_")}
+    np.savez(dst, x=x, **arrays)
+    print(f"unpacked {len(x)} images to {dst}; x sha256 {got[:16]} {'matches' if got == want else 'DIFFERS'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("pack", "unpack"):
+        p = sub.add_parser(name)
+        p.add_argument("src")
+        p.add_argument("dst")
+        if name == "unpack":
+            p.add_argument("--allow-mismatch", action="store_true")
+    args = parser.parse_args()
+    if args.cmd == "pack":
+        pack(args.src, args.dst)
+    else:
+        unpack(args.src, args.dst, args.allow_mismatch)
+
+
+if __name__ == "__main__":
+    main()
