@@ -217,3 +217,26 @@ def test_bad_fast_options():
         aqr.AQR(Probe().eval(), stats, mode="turbo")
     with pytest.raises(ValueError, match="target_samples"):
         aqr.AQR(Probe().eval(), stats, target_samples=1)
+
+
+@pytest.mark.parametrize("tail", aqr.TAILS)
+def test_gpu_path_matches_cpu_path(tail):
+    """The GPU path (table and map in one compilable function, no host reads) is run here on CPU tensors."""
+    from aqr.fastmap import _fused_map, lookup_map
+
+    g = torch.Generator().manual_seed(0)
+    c, k = 6, 21
+    sq = torch.randn(c, 4000, generator=g).sort(1).values[:, torch.linspace(0, 3999, k).long()]
+    loc, scale = torch.zeros(c, 1), torch.ones(c, 1)
+    x = torch.randn(8, c, 50, generator=g) * 2 + 1
+    x[:, 0] = x[:, 0].round()  # tied target knots in channel 0
+    x[:, 1] = 3.0  # a constant channel
+    sample = x.transpose(0, 1).reshape(c, -1)
+    want, ok = lookup_map(x, sample, sq, tail, loc, scale, 0.01, 64, compile=False)
+    got, finite = _fused_map(x, sample, sq, tail, loc, scale, 0.01, 64)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert bool(ok) and bool(finite)
+    compiled = torch.compile(_fused_map, dynamic=True)(x, sample, sq, tail, loc, scale, 0.01, 64)[0]
+    torch.testing.assert_close(compiled, want, atol=1e-4, rtol=1e-4)
+    sample[2, 5] = float("nan")
+    assert not bool(_fused_map(x, sample, sq, tail, loc, scale, 0.01, 64)[1])

@@ -205,3 +205,13 @@ def test_bad_arguments_are_named():
         aqr.quantile_map(X, SQ, TQ[:, :3])
     with pytest.raises(ValueError, match=">= 3"):
         quantile_levels(2)
+
+
+def test_branch_free_levels_match_the_branching_ones_with_tied_knots():
+    from aqr.qmap import _interp_levels
+
+    tq = torch.tensor([[0.0, 1.0, 1.0, 1.0, 2.0, 3.0], [0.0, 0.0, 1.0, 2.0, 2.0, 5.0]])
+    x = torch.tensor([[-1.0, 0.5, 1.0, 1.5, 2.0, 4.0], [0.0, 0.5, 2.0, 3.0, 5.0, 6.0]])
+    branching = _interp_levels(x, tq)
+    assert branching[0, 2] == 2.0 and branching[1, 2] == 3.5  # the middle of each tied run
+    torch.testing.assert_close(_interp_levels(x, tq, branch_free=True), branching)

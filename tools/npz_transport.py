@@ -8,6 +8,11 @@ bit for bit and checks it against the SHA-256 of the original arrays, stored in 
 
     python tools/npz_transport.py pack ../shared/data/cifar10_train_jpeg75.npz .gpu/train.pack.npz
     python tools/npz_transport.py unpack .gpu/train.pack.npz /tmp/train.npz
+    python tools/npz_transport.py restamp model.pt ../shared/data/cifar10_train_jpeg75.npz .gpu/train.pack.npz
+
+``restamp`` rewrites the ``data_sha256`` of a checkpoint trained on the rebuilt file (whose bytes differ
+from the original's, since zip members carry timestamps) to the original file's hash, after checking
+that the original's arrays hash to what the pack promised; the rebuilt file's hash is kept beside it.
 
 Needs Pillow. Decoders other than the packing machine's may round differently; ``unpack`` then
 fails loudly unless ``--allow-mismatch`` is given (and reports how far off the pixels are).
@@ -19,6 +24,7 @@ import argparse
 import hashlib
 import io
 import sys
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -88,6 +94,27 @@ def unpack(src: str, dst: str, allow_mismatch: bool = False) -> None:
     print(f"unpacked {len(x)} images to {dst}; x sha256 {got[:16]} {'matches' if got == want else 'DIFFERS'}")
 
 
+def restamp(checkpoint: str, original: str, pack_file: str) -> None:
+    from aqr.models.checkpoint import atomic_save, read_file
+
+    with np.load(pack_file, allow_pickle=False) as p:
+        promised = str(p["x_sha256"])
+    with np.load(original, allow_pickle=False) as d:
+        if array_sha256(d["x"]) != promised:
+            raise SystemExit(f"{original}: its images are not the ones packed in {pack_file}")
+    obj = read_file(checkpoint)
+    meta = obj["meta"]
+    if meta["data"] != Path(original).name:
+        raise SystemExit(f"{checkpoint} was trained on {meta['data']!r}, not {Path(original).name!r}")
+    meta["data_rebuilt_sha256"] = meta["data_sha256"]
+    meta["data_sha256"] = hashlib.sha256(Path(original).read_bytes()).hexdigest()
+    meta["data_images_sha256"] = promised
+    meta["data_note"] = ("trained on a bit-exact rebuild of the data file (tools/npz_transport.py; the rebuild "
+                         "checked its images against data_images_sha256)")
+    atomic_save(obj, checkpoint)
+    print(f"{checkpoint}: data_sha256 {meta['data_rebuilt_sha256'][:12]}... -> {meta['data_sha256'][:12]}...")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -97,8 +124,14 @@ def main() -> None:
         p.add_argument("dst")
         if name == "unpack":
             p.add_argument("--allow-mismatch", action="store_true")
+    p = sub.add_parser("restamp")
+    p.add_argument("checkpoint")
+    p.add_argument("original")
+    p.add_argument("pack")
     args = parser.parse_args()
-    if args.cmd == "pack":
+    if args.cmd == "restamp":
+        restamp(args.checkpoint, args.original, args.pack)
+    elif args.cmd == "pack":
         pack(args.src, args.dst)
     else:
         unpack(args.src, args.dst, args.allow_mismatch)

@@ -82,6 +82,7 @@ class _LayerMap:
         self._cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self.config = config
         self.subsets = SubsetCache(config.target_samples)
+        self.logits_checked = False  # set by AQR, whose forward checks the logits for NaN/Inf
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         if device not in self._cache:
@@ -97,7 +98,12 @@ class _LayerMap:
                 x, self.subsets.rows(x), sq, self.tail, loc, scale,
                 self.config.gaussian_p, self.config.grid, self.config.compile,
             )
-            return y.reshape(out.shape) if finite else self._nonfinite(out)
+            y = y.reshape(out.shape)
+            if self.logits_checked and out.device.type != "cpu":
+                # Reading ``finite`` would stall the GPU at every layer. A non-finite sample makes the
+                # whole map NaN, which reaches the logits, and AQR.forward checks those once.
+                return torch.where(finite, y, out) if self.on_nonfinite == "skip" else y
+            return y if bool(finite) else self._nonfinite(out)
         dim = self.info.channel_dim % out.ndim
         tq = channel_quantiles(out, sq.shape[1], dim)
         # NaN sorts last and +-Inf sit at the ends, so finite end knots mean finite activations.
@@ -165,6 +171,8 @@ class AQR(nn.Module):
         self.stats = stats
         self.config = AQRConfig(**options)  # type: ignore[arg-type]
         self._maps = _layer_maps(stats, self.config)
+        for m in self._maps.values():  # "skip" needs no check; "raise" is checked in forward
+            m.logits_checked = True
 
     @property
     def layer_names(self) -> list[str]:

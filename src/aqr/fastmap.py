@@ -115,10 +115,11 @@ def _map_points(points: torch.Tensor, tq: torch.Tensor, sq: torch.Tensor) -> tor
 
     On CPU a loop of ``numpy.interp`` over channels costs a fraction of the batched torch search
     (which pays a fixed per-call overhead); channels with tied target knots take the torch path,
-    which maps a tie to the middle of its run.
+    which maps a tie to the middle of its run. Elsewhere (GPU) the torch path runs without a branch,
+    so nothing waits for the device.
     """
     if points.device.type != "cpu":
-        return _eval_levels(_interp_levels(points.contiguous(), tq.contiguous()), sq)
+        return _eval_levels(_interp_levels(points.contiguous(), tq.contiguous(), branch_free=True), sq)
     p, t, s = points.double().numpy(), tq.double().numpy(), sq.double().numpy()
     out = np.empty_like(p)
     tied = (np.diff(t, axis=1) == 0).any(axis=1)
@@ -131,8 +132,7 @@ def _map_points(points: torch.Tensor, tq: torch.Tensor, sq: torch.Tensor) -> tor
     return result
 
 
-def lookup_map(
-    x: torch.Tensor,
+def _lookup_table(
     sample: torch.Tensor,
     sq: torch.Tensor,
     tail: str,
@@ -140,9 +140,11 @@ def lookup_map(
     scale: torch.Tensor,
     gaussian_p: float,
     cells: int,
-    compile: bool,
-) -> tuple[torch.Tensor, bool]:
-    """Map ``x`` (A, C, B) using target knots estimated from ``sample`` (C, S); also says if the sample is finite."""
+) -> tuple[torch.Tensor, ...]:
+    """``(lo, inv, slope, icpt, finite)`` of :func:`_lookup_kernel` from the target ``sample`` (C, S).
+
+    ``finite`` is a 0-d bool tensor: whether the sample's extremes are finite.
+    """
     k = sq.shape[1]
     ordered = sort_rows(sample)
     tq = sorted_quantiles(ordered, k)
@@ -153,16 +155,59 @@ def lookup_map(
     a_lo, b_lo, a_hi, b_hi = tail_lines(sq, tq, tail, mean, std, loc, scale, gaussian_p)
     lo, hi = tq[:, 1:2], tq[:, k - 2 : k - 1]
     width = (hi - lo) / cells
-    grid = lo + width * torch.arange(cells + 1, device=x.device, dtype=lo.dtype)  # (C, cells + 1)
+    grid = lo + width * torch.arange(cells + 1, device=sample.device, dtype=lo.dtype)  # (C, cells + 1)
     values = _map_points(grid, tq, sq)
     inv = torch.where(width > 0, 1.0 / torch.where(width > 0, width, torch.ones_like(width)), torch.zeros_like(width))
     cell_slope = (values[:, 1:] - values[:, :-1]) * inv
     cell_icpt = values[:, :-1] - cell_slope * grid[:, :-1]
     slope = torch.cat([a_lo, cell_slope, a_hi], dim=1)  # (C, cells + 2)
     icpt = torch.cat([b_lo, cell_icpt, b_hi], dim=1)
+    # NaN sorts last and +-Inf sit at the ends, so finite end knots mean a finite sample.
+    finite = torch.isfinite(tq[:, 0]).all() & torch.isfinite(tq[:, -1]).all()
+    return lo, inv, slope, icpt, finite
+
+
+def _fused_map(
+    x: torch.Tensor,
+    sample: torch.Tensor,
+    sq: torch.Tensor,
+    tail: str,
+    loc: torch.Tensor,
+    scale: torch.Tensor,
+    gaussian_p: float,
+    cells: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Table and map in one function, so one ``torch.compile`` fuses the few dozen small table ops."""
     c = sq.shape[0]
+    lo, inv, slope, icpt, finite = _lookup_table(sample, sq, tail, loc, scale, gaussian_p, cells)
+    base = (torch.arange(c, device=x.device, dtype=torch.int32) * (cells + 2)).view(1, c, 1)
+    y = _lookup_kernel(x, lo.reshape(1, c, 1), inv.reshape(1, c, 1), slope.reshape(-1), icpt.reshape(-1), base, cells)
+    return y, finite
+
+
+def lookup_map(
+    x: torch.Tensor,
+    sample: torch.Tensor,
+    sq: torch.Tensor,
+    tail: str,
+    loc: torch.Tensor,
+    scale: torch.Tensor,
+    gaussian_p: float,
+    cells: int,
+    compile: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map ``x`` (A, C, B) using target knots estimated from ``sample`` (C, S).
+
+    Also returns a 0-d bool tensor: whether the sample was finite (only the sampled positions are
+    checked; AQR checks the logits for the rest). On CPU the table is built eagerly (numpy's
+    interpolation is fastest there) and only the elementwise map is compiled. On a GPU, where each
+    small op costs a kernel launch and reading a flag back stalls the queue, table and map are
+    compiled together and nothing synchronises.
+    """
+    if x.device.type != "cpu":
+        return run_compiled(_fused_map, compile, x, sample, sq, tail, loc, scale, gaussian_p, cells)
+    c = sq.shape[0]
+    lo, inv, slope, icpt, finite = _lookup_table(sample, sq, tail, loc, scale, gaussian_p, cells)
     base = (torch.arange(c, device=x.device, dtype=torch.int32) * (cells + 2)).view(1, c, 1)
     args = (x, lo.reshape(1, c, 1), inv.reshape(1, c, 1), slope.reshape(-1), icpt.reshape(-1), base, cells)
-    y = run_compiled(_lookup_kernel, compile, *args)
-    # Only the sampled positions are checked here; AQR checks the logits for the rest.
-    return y, bool(torch.isfinite(tq[:, 0]).all() and torch.isfinite(tq[:, -1]).all())
+    return run_compiled(_lookup_kernel, compile, *args), finite

@@ -84,8 +84,12 @@ def to_channel_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.movedim(dim, 0).reshape(x.shape[dim], -1)
 
 
-def _interp_levels(x: torch.Tensor, target_q: torch.Tensor) -> torch.Tensor:
-    """Fractional knot index ``u`` in ``[0, K-1]`` (extrapolated outside) of each value of ``x`` (C, M)."""
+def _interp_levels(x: torch.Tensor, target_q: torch.Tensor, branch_free: bool = False) -> torch.Tensor:
+    """Fractional knot index ``u`` in ``[0, K-1]`` (extrapolated outside) of each value of ``x`` (C, M).
+
+    ``branch_free`` computes the tied-knot correction for every value instead of only where a tie
+    occurs: the same result without reading a flag back from the device (no GPU synchronisation).
+    """
     k = target_q.shape[1]
     hi = torch.searchsorted(target_q, x, right=True)  # number of knots <= x, in [0, K]
     j = (hi - 1).clamp_(0, k - 2)
@@ -97,11 +101,15 @@ def _interp_levels(x: torch.Tensor, target_q: torch.Tensor) -> torch.Tensor:
     t = torch.where(width > 0, (x - lo_knot) / safe, (x > lo_knot).to(x.dtype))
     u = j.to(x.dtype) + t
     # A value equal to a knot may sit in a run of tied knots p_a = ... = p_b: use the middle level.
-    tie = (hi > 0) & (x == target_q.gather(1, (hi - 1).clamp_(min=0)))
-    if bool(tie.any()):
+    last = (hi - 1).clamp_(min=0)
+    tie = (hi > 0) & (x == target_q.gather(1, last))
+    if branch_free:
         run_start = torch.searchsorted(target_q, target_q)  # first index of each knot's value
+        return torch.where(tie, (run_start.gather(1, last) + last).to(x.dtype) / 2, u)
+    if bool(tie.any()):
+        run_start = torch.searchsorted(target_q, target_q)
         rows, cols = tie.nonzero(as_tuple=True)
-        last = hi[rows, cols] - 1
+        last = last[rows, cols]
         u[rows, cols] = (run_start[rows, last] + last).to(x.dtype) / 2
     return u
 
