@@ -70,6 +70,11 @@ class AQRConfig:
             raise ValueError(f"gaussian_p must be in (0, 0.5), got {self.gaussian_p}")
 
 
+def host_reads_are_cheap(device: torch.device) -> bool:
+    """Whether reading a flag from ``device`` costs nothing (CPU), or stalls a queue of kernels (GPU)."""
+    return device.type == "cpu"
+
+
 class _LayerMap:
     """The recalibration of one layer, with its source tensors cached per device."""
 
@@ -99,7 +104,7 @@ class _LayerMap:
                 self.config.gaussian_p, self.config.grid, self.config.compile,
             )
             y = y.reshape(out.shape)
-            if self.logits_checked and out.device.type != "cpu":
+            if self.logits_checked and not host_reads_are_cheap(out.device):
                 # Reading ``finite`` would stall the GPU at every layer. A non-finite sample makes the
                 # whole map NaN, which reaches the logits, and AQR.forward checks those once.
                 return torch.where(finite, y, out) if self.on_nonfinite == "skip" else y
@@ -183,9 +188,9 @@ class AQR(nn.Module):
         with torch.no_grad(), _hooks(self.model, self._maps):
             out = self.model(x)
         if self.config.mode == "fast" and self.config.on_nonfinite == "raise" and isinstance(out, torch.Tensor):
-            # The fast path checks only the sampled positions of each layer; NaN/Inf elsewhere
-            # reaches the output. Re-run exactly to name the first layer that produced it.
-            if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(x).all()):
+            # The fast path checks only the sampled positions of each layer (none on a GPU); NaN/Inf
+            # elsewhere reaches the output. Re-run exactly to name the first layer that produced it.
+            if not bool(torch.isfinite(out).all()):
                 exact = {name: _LayerMap(self.stats, name, replace(self.config, mode="exact"), m.tail) for name, m in self._maps.items()}
                 with torch.no_grad(), _hooks(self.model, exact):
                     self.model(x)
