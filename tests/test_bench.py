@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from aqr import models
 from aqr.cifar_c import GenerationConfig, generate_cifar_c
@@ -372,3 +373,18 @@ def test_class_sorted_source_subset_warns(tmp_path: Path) -> None:
         warnings.simplefilter("error")
         _, picked = load_source(ModelSpec("m", "m", None, str(tmp_path / "sorted.npz"), "0:200~50"))
     assert len(np.unique(picked)) == 4
+
+
+def test_statistics_of_other_weights_fail_the_cell(tiny: GridSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import aqr
+    from aqr import runner
+
+    cell = next(c for c in tiny.cells() if c.method == "aqr" and c.model.name == "tiny_bn")
+    assert run_cell(cell, tmp_path / "cache").status == "ok"
+    # same architecture, other weights: what a checkpoint rewritten mid-run would look like
+    other = models.create("resnet20", num_classes=4, norm="bn", width=4, groups=2)
+    images = torch.rand(32, 3, 16, 16)
+    stale = aqr.calibrate(other.eval(), [images]).save(tmp_path / "stale.aqr.safetensors")
+    monkeypatch.setattr(runner, "ensure_stats", lambda cell, cache_dir, progress=False: stale)
+    result = run_cell(cell, tmp_path / "cache")
+    assert result.status == "error" and "other weights" in result.message

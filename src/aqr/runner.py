@@ -232,7 +232,15 @@ def build_method(cell: Cell, cache_dir: str | Path) -> nn.Module:
         # their default ViT learning rate scales with the batch size, which only the cell knows
         options.setdefault("batch_size", cell.batch_size)
     if cell.method == "aqr":
-        options["stats"] = _load_stats(str(ensure_stats(cell, cache_dir)))
+        from aqr.stats import StatsError, same_weights, weights_summary
+
+        path = ensure_stats(cell, cache_dir)
+        stats = _load_stats(str(path))
+        if stats.weights_summary is not None and not same_weights(stats.weights_summary, weights_summary(model)):
+            # A library user gets a warning; a benchmark cell must not score stale statistics.
+            raise StatsError(f"{path} was computed with other weights than {cell.model.model} has now "
+                             "(was the checkpoint rewritten during the run?)")
+        options["stats"] = stats
     return create(cell.method, model, protocol=cell.protocol, seed=cell.seed, **options)
 
 
