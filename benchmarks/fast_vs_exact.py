@@ -4,7 +4,8 @@ Protocol of ../shared/data/README.md: statistics from the clean test images 0-49
 the corrupted images from 5000 on (``--n`` of them), batches of ``--batch-size`` in order. Prints
 one row per (corruption, severity) and the mean difference fast - exact in accuracy points.
 
-    python benchmarks/fast_vs_exact.py --cifar-c /path/to/cifar10c [--n 1000] [--severities 5]
+    python benchmarks/fast_vs_exact.py --cifar-c /path/to/cifar10c [--n 1000] [--severities 5] \
+        [--target-samples 8192,4096]
 
 The CIFAR-10-C folder is what ``aqr corrupt`` writes (or the released arrays).
 """
@@ -52,6 +53,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000, help="evaluated images, from index 5000")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--target-samples", default="8192",
+                        help="comma-separated target_samples values: one fast column per value")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.threads:
@@ -59,26 +62,34 @@ def main() -> None:
     model = models.load("resnet20", checkpoint=args.checkpoint)
     clean_x, _ = tensors(data.load_npz(args.clean))
     stats = aqr.calibrate(model, clean_x[:5000].split(500))
-    fast, exact = aqr.AQR(model, stats), aqr.AQR(model, stats, mode="exact")
+    sizes = [int(v) for v in args.target_samples.split(",")]
+    exact = aqr.AQR(model, stats, mode="exact")
+    fast = {s: aqr.AQR(model, stats, target_samples=s) for s in sizes}
     rows = []
-    print("| corruption | severity | exact | fast | fast - exact |\n|---|---|---|---|---|")
+    print("| corruption | severity | exact | " + " | ".join(f"fast S={s} (diff)" for s in sizes) + " |")
+    print("|---|---|---|" + "---|" * len(sizes))
     for corruption in args.corruptions.split(","):
         for severity in (int(s) for s in args.severities.split(",")):
             x, y = tensors(data.load_cifar_c(args.cifar_c, corruption, severity, range(5000, 5000 + args.n)))
             start = time.perf_counter()
-            acc_exact = accuracy(exact, x, y, args.batch_size)
-            mid = time.perf_counter()
-            acc_fast = accuracy(fast, x, y, args.batch_size)
-            end = time.perf_counter()
-            rows.append({"corruption": corruption, "severity": severity, "exact": acc_exact, "fast": acc_fast,
-                         "exact_s": mid - start, "fast_s": end - mid})
-            print(f"| {corruption} | {severity} | {acc_exact:.2f} | {acc_fast:.2f} | {acc_fast - acc_exact:+.2f} |", flush=True)
-    mean = sum(r["fast"] - r["exact"] for r in rows) / len(rows)
-    mean_abs = sum(abs(r["fast"] - r["exact"]) for r in rows) / len(rows)
-    print(f"\nmean fast - exact: {mean:+.3f} points; mean |fast - exact|: {mean_abs:.3f} points over {len(rows)} cells "
-          f"of {args.n} images (one image = {100 / args.n:.2f} points)")
+            row = {"corruption": corruption, "severity": severity, "exact": accuracy(exact, x, y, args.batch_size)}
+            row["exact_s"] = time.perf_counter() - start
+            for s, method in fast.items():
+                start = time.perf_counter()
+                row[f"fast_{s}"] = accuracy(method, x, y, args.batch_size)
+                row[f"fast_{s}_s"] = time.perf_counter() - start
+            rows.append(row)
+            cells = " | ".join(f"{row[f'fast_{s}']:.2f} ({row[f'fast_{s}'] - row['exact']:+.2f})" for s in sizes)
+            print(f"| {corruption} | {severity} | {row['exact']:.2f} | {cells} |", flush=True)
+    summary = {}
+    for s in sizes:
+        diffs = [r[f"fast_{s}"] - r["exact"] for r in rows]
+        summary[s] = {"mean_diff": sum(diffs) / len(diffs), "mean_abs_diff": sum(map(abs, diffs)) / len(diffs)}
+        print(f"\nS={s}: mean fast - exact {summary[s]['mean_diff']:+.3f} points; mean |fast - exact| "
+              f"{summary[s]['mean_abs_diff']:.3f} points over {len(rows)} cells of {args.n} images "
+              f"(one image = {100 / args.n:.2f} points)")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "mean_diff": mean, "mean_abs_diff": mean_abs, "n": args.n}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary, "n": args.n}, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from aqr.qmap import _eval_levels, _interp_levels, sort_rows, sorted_quantiles, tail_lines
@@ -111,60 +110,47 @@ class SubsetCache:
 
 
 def _map_points(points: torch.Tensor, tq: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
-    """The exact map at a few sorted points per channel: ``(C, P)``.
-
-    On CPU a loop of ``numpy.interp`` over channels costs a fraction of the batched torch search
-    (which pays a fixed per-call overhead); channels with tied target knots take the torch path,
-    which maps a tie to the middle of its run. Elsewhere (GPU) the torch path runs without a branch,
-    so nothing waits for the device.
-    """
-    if points.device.type != "cpu":
-        return _eval_levels(_interp_levels(points.contiguous(), tq.contiguous(), branch_free=True), sq)
-    p, t, s = points.double().numpy(), tq.double().numpy(), sq.double().numpy()
-    out = np.empty_like(p)
-    tied = (np.diff(t, axis=1) == 0).any(axis=1)
-    for c in np.flatnonzero(~tied):
-        out[c] = np.interp(p[c], t[c], s[c])
-    result = torch.from_numpy(out).to(sq.dtype)
-    if tied.any():  # keep the middle-of-the-run convention where target knots repeat
-        rows = torch.from_numpy(np.flatnonzero(tied))
-        result[rows] = _eval_levels(_interp_levels(points[rows].contiguous(), tq[rows].contiguous()), sq[rows])
-    return result
+    """The exact map at a few sorted points per channel: ``(C, P)``, without branching on the data."""
+    return _eval_levels(_interp_levels(points.contiguous(), tq.contiguous(), branch_free=True), sq)
 
 
-def _lookup_table(
-    sample: torch.Tensor,
+def _map_sorted(
+    x: torch.Tensor,
+    ordered: torch.Tensor,
     sq: torch.Tensor,
     tail: str,
     loc: torch.Tensor,
     scale: torch.Tensor,
     gaussian_p: float,
     cells: int,
-) -> tuple[torch.Tensor, ...]:
-    """``(lo, inv, slope, icpt, finite)`` of :func:`_lookup_kernel` from the target ``sample`` (C, S).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map ``x`` (A, C, B) with the target knots of the sorted sample ``ordered`` (C, S).
 
-    ``finite`` is a 0-d bool tensor: whether the sample's extremes are finite.
+    Builds the lookup table (tail lines, the exact map on the grid) and applies
+    :func:`_lookup_kernel`; as one function, one ``torch.compile`` fuses the few dozen small table
+    ops with the map. Also returns a 0-d bool tensor: whether the sample's extremes are finite.
     """
-    k = sq.shape[1]
-    ordered = sort_rows(sample)
+    k, c = sq.shape[1], sq.shape[0]
     tq = sorted_quantiles(ordered, k)
     mean = std = None
     if tail in ("interval", "gaussian"):
-        mean = sample.mean(dim=1, keepdim=True)
-        std = sample.std(dim=1, correction=0, keepdim=True)
+        mean = ordered.mean(dim=1, keepdim=True)
+        std = ordered.std(dim=1, correction=0, keepdim=True)
     a_lo, b_lo, a_hi, b_hi = tail_lines(sq, tq, tail, mean, std, loc, scale, gaussian_p)
     lo, hi = tq[:, 1:2], tq[:, k - 2 : k - 1]
     width = (hi - lo) / cells
-    grid = lo + width * torch.arange(cells + 1, device=sample.device, dtype=lo.dtype)  # (C, cells + 1)
+    grid = lo + width * torch.arange(cells + 1, device=x.device, dtype=lo.dtype)  # (C, cells + 1)
     values = _map_points(grid, tq, sq)
     inv = torch.where(width > 0, 1.0 / torch.where(width > 0, width, torch.ones_like(width)), torch.zeros_like(width))
     cell_slope = (values[:, 1:] - values[:, :-1]) * inv
     cell_icpt = values[:, :-1] - cell_slope * grid[:, :-1]
     slope = torch.cat([a_lo, cell_slope, a_hi], dim=1)  # (C, cells + 2)
     icpt = torch.cat([b_lo, cell_icpt, b_hi], dim=1)
+    base = (torch.arange(c, device=x.device, dtype=torch.int32) * (cells + 2)).view(1, c, 1)
+    y = _lookup_kernel(x, lo.reshape(1, c, 1), inv.reshape(1, c, 1), slope.reshape(-1), icpt.reshape(-1), base, cells)
     # NaN sorts last and +-Inf sit at the ends, so finite end knots mean a finite sample.
     finite = torch.isfinite(tq[:, 0]).all() & torch.isfinite(tq[:, -1]).all()
-    return lo, inv, slope, icpt, finite
+    return y, finite
 
 
 def _fused_map(
@@ -177,12 +163,8 @@ def _fused_map(
     gaussian_p: float,
     cells: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Table and map in one function, so one ``torch.compile`` fuses the few dozen small table ops."""
-    c = sq.shape[0]
-    lo, inv, slope, icpt, finite = _lookup_table(sample, sq, tail, loc, scale, gaussian_p, cells)
-    base = (torch.arange(c, device=x.device, dtype=torch.int32) * (cells + 2)).view(1, c, 1)
-    y = _lookup_kernel(x, lo.reshape(1, c, 1), inv.reshape(1, c, 1), slope.reshape(-1), icpt.reshape(-1), base, cells)
-    return y, finite
+    """Sort, table and map in one function: what runs (compiled) on a GPU."""
+    return _map_sorted(x, sort_rows(sample), sq, tail, loc, scale, gaussian_p, cells)
 
 
 def lookup_map(
@@ -199,15 +181,11 @@ def lookup_map(
     """Map ``x`` (A, C, B) using target knots estimated from ``sample`` (C, S).
 
     Also returns a 0-d bool tensor: whether the sample was finite (only the sampled positions are
-    checked; AQR checks the logits for the rest). On CPU the table is built eagerly (numpy's
-    interpolation is fastest there) and only the elementwise map is compiled. On a GPU, where each
-    small op costs a kernel launch and reading a flag back stalls the queue, table and map are
-    compiled together and nothing synchronises.
+    checked; AQR checks the logits for the rest). Table and map are compiled together (each small
+    op would cost a dispatch on CPU and a kernel launch on a GPU); the sort joins them on a GPU,
+    and nothing there waits for the device.
     """
     if x.device.type != "cpu":
         return run_compiled(_fused_map, compile, x, sample, sq, tail, loc, scale, gaussian_p, cells)
-    c = sq.shape[0]
-    lo, inv, slope, icpt, finite = _lookup_table(sample, sq, tail, loc, scale, gaussian_p, cells)
-    base = (torch.arange(c, device=x.device, dtype=torch.int32) * (cells + 2)).view(1, c, 1)
-    args = (x, lo.reshape(1, c, 1), inv.reshape(1, c, 1), slope.reshape(-1), icpt.reshape(-1), base, cells)
-    return run_compiled(_lookup_kernel, compile, *args), finite
+    # numpy's sort is several times faster than torch's (or inductor's) on CPU: it runs eagerly.
+    return run_compiled(_map_sorted, compile, x, sort_rows(sample), sq, tail, loc, scale, gaussian_p, cells)
