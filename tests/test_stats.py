@@ -243,3 +243,37 @@ def test_edited_metadata_is_rejected(tmp_path):
 
 def test_dkw_epsilon_value():
     assert aqr.dkw_epsilon(100_000) == pytest.approx(np.sqrt(np.log(40) / 200_000))
+
+
+def test_image_tails_average_the_extremes_of_whole_inputs(tmp_path):
+    # An eval-mode BatchNorm with unit statistics passes its input through (up to eps), so each
+    # input's per-channel min is known: with tail_batch=1 the "images" tail is their mean.
+    model = nn.Sequential(nn.BatchNorm2d(2, eps=0.0)).eval()
+    x = torch.randn(400, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    per_min, per_max = x.amin(dim=(2, 3)), x.amax(dim=(2, 3))  # (400, 2)
+    one = aqr.calibrate(model, [x], tail_batch=1, tail_repeats=20_000, tail_unit="images").layers["0"]
+    se = per_min.std(dim=0) / 20_000**0.5
+    assert ((one.tail_low - per_min.mean(dim=0)).abs() < 4 * se + 1e-6).all()
+    assert ((one.tail_high - per_max.mean(dim=0)).abs() < 4 * per_max.std(dim=0) / 20_000**0.5 + 1e-6).all()
+    # a batch of 100 images holds 1,600 values per channel: its extremes lie further out than 100 values'
+    images_ = aqr.calibrate(model, [x], tail_unit="images")
+    values_ = aqr.calibrate(model, [x])
+    assert (images_.layers["0"].tail_low < values_.layers["0"].tail_low).all()
+    assert (images_.layers["0"].tail_high > values_.layers["0"].tail_high).all()
+    back = aqr.SourceStats.load(images_.save(tmp_path / "s.aqr.safetensors"))
+    assert back.tail_unit == "images" and torch.equal(back.layers["0"].tail_low, images_.layers["0"].tail_low)
+    with pytest.raises(ValueError, match="tail_unit"):
+        aqr.calibrate(model, [x], tail_unit="pixels")
+
+
+def test_image_tails_group_tokens_by_input_for_layernorm():
+    model = tiny_vit(depth=1)
+    x = images(24)
+    stats = aqr.calibrate(model, loader(x, batch=8), tail_unit="images", tail_batch=4)
+    name = "blocks.0.norm1"  # a LayerNorm over (N, T, D)
+    out = outputs_of(model, name, x)
+    assert out.ndim == 3 and out.shape[0] == 24
+    per_min = out.amin(dim=1)  # each input's min over its tokens, per channel
+    layer = stats.layers[name]
+    assert (layer.tail_low >= per_min.min(dim=0).values - 1e-5).all()
+    assert (layer.tail_low <= per_min.median(dim=0).values).all()

@@ -23,6 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="statistics file to write (e.g. model.aqr.safetensors)")
     p.add_argument("--num-quantiles", "-K", type=int, default=101, help="K knots (101 = percentiles p0..p100)")
     p.add_argument("--tail", default="average", help="default tail strategy stored with the statistics")
+    p.add_argument("--tail-unit", choices=("values", "images"), default="values",
+                   help="Average Sample Tails: a 'batch of 100' is 100 activation values or 100 images")
     p.add_argument("--layers", default="all", help="all, top-half, bottom-half or comma-separated layer names")
     p.add_argument("--max-samples", type=int, default=100_000, help="values kept per channel for the quantiles")
     p.add_argument("--batch-size", type=int, default=500)
@@ -46,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     batches = [to_tensor(images[i : i + args.batch_size]) for i in range(0, len(images), args.batch_size)]
     layers = args.layers if args.layers in ("all", "top-half", "bottom-half") else args.layers.split(",")
     stats = calibrate(model, batches, layers=layers, num_quantiles=args.num_quantiles, tail=args.tail,
+                      tail_unit=args.tail_unit,
                       max_samples=args.max_samples, seed=args.seed, progress=not args.no_progress)
     path = stats.save(args.out)
     print(f"wrote {path}: {len(stats.layer_names)} layers, K={args.num_quantiles}, {len(images)} source images",

@@ -26,7 +26,7 @@ PROTOCOL_VERSION = 1
 PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke")
 TAIL_NAMES = ("standard", "average", "none", "clip", "interval", "gaussian")
 # Method options that change the source statistics (not the adaptation): they key the stats cache.
-STATS_OPTIONS = ("K", "max_samples")
+STATS_OPTIONS = ("K", "max_samples", "tail_unit")
 
 
 def parse_range(text: str | Sequence[int] | None) -> list[int] | None:
@@ -308,7 +308,9 @@ def preset(name: str, data_dir: str | Path = "../shared/data", cifar_c: str | Pa
         return GridSpec("main", tuple(models.values()), data, methods)
     if name == "tails":
         return GridSpec("tails", (models["resnet20"],), data,
-                        tuple(MethodSpec("aqr", {"tail": t}) for t in TAIL_NAMES), severities=(3, 5))
+                        tuple(MethodSpec("aqr", {"tail": t}) for t in TAIL_NAMES)
+                        # the other reading of the paper's "batch of 100": 100 images, not 100 values
+                        + (MethodSpec("aqr", {"tail": "average", "tail_unit": "images"}),), severities=(3, 5))
     if name == "granularity":
         return GridSpec("granularity", (models["resnet20"],), data,
                         tuple(MethodSpec("aqr", {"K": k}) for k in (11, 101)), severities=(3, 5))

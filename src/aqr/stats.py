@@ -40,6 +40,8 @@ from aqr.layers import (
 from aqr.fastmap import as_acb, run_compiled
 from aqr.qmap import TAILS, sort_rows, sorted_quantiles
 
+TAIL_UNITS = ("values", "images")  # what one "batch of 100" of Average Sample Tails holds
+
 FORMAT = "aqr-source-stats"
 FORMAT_VERSION = 1
 SOURCE_MOMENTS = ("affine", "empirical")
@@ -89,6 +91,7 @@ class SourceStats:
     tail: str = "average"
     tail_batch: int = 100
     tail_repeats: int = 1000
+    tail_unit: str = "values"
     max_samples: int = 100_000
     seed: int = 0
     model_layers: list[LayerInfo] = field(default_factory=list)
@@ -186,6 +189,7 @@ class SourceStats:
             "tail": self.tail,
             "tail_batch": self.tail_batch,
             "tail_repeats": self.tail_repeats,
+            "tail_unit": self.tail_unit,
             "max_samples": self.max_samples,
             "seed": self.seed,
             "layers": layers_meta,
@@ -266,6 +270,7 @@ class SourceStats:
             tail=meta["tail"],
             tail_batch=int(meta["tail_batch"]),
             tail_repeats=int(meta["tail_repeats"]),
+            tail_unit=str(meta.get("tail_unit", "values")),  # files written before the option: values
             max_samples=int(meta["max_samples"]),
             seed=int(meta["seed"]),
             model_layers=model_layers,
@@ -306,8 +311,12 @@ def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 class _Collector:
     """Streaming per-channel statistics of one layer: moments, extremes and a bottom-k sample."""
 
-    def __init__(self, info: LayerInfo, max_samples: int, generator_seed: int, compile: bool = False) -> None:
+    def __init__(self, info: LayerInfo, max_samples: int, generator_seed: int, compile: bool = False,
+                 per_input: bool = False) -> None:
         self.info = info
+        self.per_input = per_input  # keep each input's per-channel min and max ("images" tails)
+        self.input_min: list[torch.Tensor] = []
+        self.input_max: list[torch.Tensor] = []
         self.compile = compile
         self.max_samples = max_samples
         self.seed = generator_seed
@@ -349,6 +358,18 @@ class _Collector:
             self.max = torch.maximum(self.max, b_max)
         self.count += n
         self._sample(x)
+        if self.per_input:
+            self._input_extremes(output.detach())
+
+    def _input_extremes(self, output: torch.Tensor) -> None:
+        dim = self.info.channel_dim % output.ndim
+        # inputs along dim 0 (batch first); a layer without a batch dim counts as one input
+        if dim > 0:
+            per = output.movedim(dim, 1).reshape(output.shape[0], output.shape[dim], -1)
+        else:
+            per = output.reshape(1, output.shape[0], -1)
+        self.input_min.append(per.amin(dim=2).float().cpu())
+        self.input_max.append(per.amax(dim=2).float().cpu())
 
     def _sample(self, x: torch.Tensor) -> None:
         a, c, b = x.shape
@@ -383,7 +404,15 @@ class _Collector:
         ordered = sort_rows(self.values)
         q = sorted_quantiles(ordered, num_quantiles)
         q[:, 0], q[:, -1] = self.min, self.max
-        low, high = _average_sample_tails(ordered, tail_batch, tail_repeats, self.seed)
+        if self.per_input:
+            # min over 100 inputs = min of their per-input minima (a channel's draws are uniform
+            # over inputs, so over ranks of the sorted minima: the same trick as for values)
+            mins = sort_rows(torch.cat(self.input_min).t().contiguous())
+            maxs = sort_rows(torch.cat(self.input_max).t().contiguous())
+            low = _average_sample_tails(mins, tail_batch, tail_repeats, self.seed)[0]
+            high = _average_sample_tails(maxs, tail_batch, tail_repeats, self.seed)[1]
+        else:
+            low, high = _average_sample_tails(ordered, tail_batch, tail_repeats, self.seed)
         weight = getattr(module, "weight", None)
         bias = getattr(module, "bias", None)
         return LayerStats(
@@ -438,6 +467,7 @@ def calibrate(
     *,
     tail_batch: int = 100,
     tail_repeats: int = 1000,
+    tail_unit: str = "values",
     max_samples: int = 100_000,
     max_batches: int | None = None,
     seed: int = 0,
@@ -455,7 +485,11 @@ def calibrate(
         num_quantiles: ``K`` knots at levels ``j / (K - 1)``; 101 gives the percentiles p0..p100.
         tail: the default tail strategy stored with the statistics (all strategies stay usable).
         tail_batch, tail_repeats: "Average Sample Tails": p0/p100 become the mean of the min/max
-            of ``tail_batch`` values drawn ``tail_repeats`` times.
+            of a batch of ``tail_batch`` drawn ``tail_repeats`` times.
+        tail_unit: what such a batch holds. ``"values"``: activation values of the channel (our
+            reading of the paper's "batch of 100"). ``"images"``: whole inputs, so a batch's min is
+            over every position of 100 inputs, as a test batch's is (keeps each input's per-channel
+            min and max: 8 bytes per input and channel).
         max_samples: values kept per channel for the quantiles (see the module docstring for DKW).
         max_batches: stop after this many batches.
         seed: seeds the sample and the tail draws; same seed and data give identical statistics.
@@ -471,6 +505,8 @@ def calibrate(
         raise ValueError(f"max_samples must be >= 2, got {max_samples}")
     if tail_batch < 1 or tail_repeats < 1:
         raise ValueError("tail_batch and tail_repeats must be positive")
+    if tail_unit not in TAIL_UNITS:
+        raise ValueError(f"tail_unit must be one of {TAIL_UNITS}, got {tail_unit!r}")
     all_infos = norm_layers(model)
     if not all_infos:
         raise LayerError(f"{type(model).__name__} has no BatchNorm, GroupNorm or LayerNorm layer to calibrate")
@@ -497,7 +533,8 @@ def calibrate(
                 order = execution_order(model, all_infos, x)
                 chosen = select_layers(all_infos, layers, order)
                 for i, info in enumerate(chosen):
-                    collectors[info.name] = _Collector(info, max_samples, seed * 1_000_003 + i, compile)
+                    collectors[info.name] = _Collector(info, max_samples, seed * 1_000_003 + i, compile,
+                                                       per_input=tail_unit == "images")
 
                     def hook(_m: nn.Module, _i: object, out: object, c: _Collector = collectors[info.name]) -> None:
                         c.update(check_output(c.info, out))
@@ -521,6 +558,7 @@ def calibrate(
         tail=tail,
         tail_batch=tail_batch,
         tail_repeats=tail_repeats,
+        tail_unit=tail_unit,
         max_samples=max_samples,
         seed=seed,
         model_layers=all_infos,
