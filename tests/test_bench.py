@@ -73,7 +73,7 @@ def test_every_preset_expands_and_main_matches_the_paper() -> None:
     assert sorted(c.variant for c in tails.cells() if c.corruption == "fog" and c.severity == 3
                   and c.batch_size == 128 and c.seed == 0) == sorted(
         [f"aqr[tail={t}]" for t in ("standard", "average", "none", "clip", "interval", "gaussian")]
-        + ["aqr[tail=average,tail_unit=images]"])
+        + ["aqr[tail=average,tail_unit=values]"])
     with pytest.raises(KeyError, match="unknown preset"):
         preset("nope")
 
@@ -394,11 +394,11 @@ def test_statistics_of_other_weights_fail_the_cell(tiny: GridSpec, tmp_path: Pat
 def test_image_tail_statistics_are_cached_apart(tiny: GridSpec, tmp_path: Path) -> None:
     import aqr
 
-    grid = replace(tiny, methods=(MethodSpec("aqr"), MethodSpec("aqr", {"tail": "average", "tail_unit": "images"})))
+    grid = replace(tiny, methods=(MethodSpec("aqr"), MethodSpec("aqr", {"tail": "average", "tail_unit": "values"})))
     cells = [c for c in grid.cells() if c.model.name == "tiny_bn" and c.corruption == CORRUPTIONS[0]]
     paths = {c.variant: stats_path(c, tmp_path / "cache") for c in cells}
     assert len(set(paths.values())) == 2
     for cell in cells:
         assert run_cell(cell, tmp_path / "cache").status == "ok"
     units = {v: aqr.SourceStats.load(p).tail_unit for v, p in paths.items()}
-    assert units == {"aqr": "values", "aqr[tail=average,tail_unit=images]": "images"}
+    assert units == {"aqr": "images", "aqr[tail=average,tail_unit=values]": "values"}

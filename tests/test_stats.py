@@ -257,7 +257,7 @@ def test_image_tails_average_the_extremes_of_whole_inputs(tmp_path):
     assert ((one.tail_high - per_max.mean(dim=0)).abs() < 4 * per_max.std(dim=0) / 20_000**0.5 + 1e-6).all()
     # a batch of 100 images holds 1,600 values per channel: its extremes lie further out than 100 values'
     images_ = aqr.calibrate(model, [x], tail_unit="images")
-    values_ = aqr.calibrate(model, [x])
+    values_ = aqr.calibrate(model, [x], tail_unit="values")
     assert (images_.layers["0"].tail_low < values_.layers["0"].tail_low).all()
     assert (images_.layers["0"].tail_high > values_.layers["0"].tail_high).all()
     back = aqr.SourceStats.load(images_.save(tmp_path / "s.aqr.safetensors"))
@@ -277,3 +277,16 @@ def test_image_tails_group_tokens_by_input_for_layernorm():
     layer = stats.layers[name]
     assert (layer.tail_low >= per_min.min(dim=0).values - 1e-5).all()
     assert (layer.tail_low <= per_min.median(dim=0).values).all()
+
+
+def test_image_tails_keep_a_bounded_uniform_sample_of_inputs(monkeypatch):
+    import aqr.stats as stats_module
+
+    monkeypatch.setattr(stats_module, "TAIL_INPUTS_KEPT", 50)
+    info = LayerInfo(name="n", kind="BatchNorm2d", channels=3, channel_dim=1)
+    col = _Collector(info, 1000, 0, per_input=True)
+    x = torch.arange(200, dtype=torch.float32)[:, None, None, None].expand(200, 3, 2, 2).contiguous()
+    for xb in x.split(40):
+        col.update(xb)
+    assert col.input_min.shape == (50, 3) and len(set(col.input_min[:, 0].tolist())) == 50
+    assert col.input_min[:, 0].mean() > 50  # drawn from all 200 inputs, not the first 50

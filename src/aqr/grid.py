@@ -22,6 +22,9 @@ from aqr.corruption_params import CORRUPTIONS
 # Bump when the meaning of a cell's result changes (evaluation loop, image selection, metrics), so
 # rows computed under the old rules are never reused for a new run.
 PROTOCOL_VERSION = 1
+# Part of AQR cells' keys only: bump when AQR's default source statistics change.
+# 1: Average Sample Tails over 100 activation values; 2: over 100 images (tail_unit="images").
+AQR_STATS_VERSION = 2
 
 PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke")
 TAIL_NAMES = ("standard", "average", "none", "clip", "interval", "gaussian")
@@ -174,6 +177,8 @@ def cell_key(cell: Cell, fingerprints: Mapping[str, str], version: str) -> str:
         "aqr": version,
         "protocol_version": PROTOCOL_VERSION,
     }
+    if cell.method == "aqr":
+        payload["aqr_stats_version"] = AQR_STATS_VERSION
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:32]
 
 
@@ -309,8 +314,8 @@ def preset(name: str, data_dir: str | Path = "../shared/data", cifar_c: str | Pa
     if name == "tails":
         return GridSpec("tails", (models["resnet20"],), data,
                         tuple(MethodSpec("aqr", {"tail": t}) for t in TAIL_NAMES)
-                        # the other reading of the paper's "batch of 100": 100 images, not 100 values
-                        + (MethodSpec("aqr", {"tail": "average", "tail_unit": "images"}),), severities=(3, 5))
+                        # the other reading of the paper's "batch of 100": 100 values, not 100 images
+                        + (MethodSpec("aqr", {"tail": "average", "tail_unit": "values"}),), severities=(3, 5))
     if name == "granularity":
         return GridSpec("granularity", (models["resnet20"],), data,
                         tuple(MethodSpec("aqr", {"K": k}) for k in (11, 101)), severities=(3, 5))

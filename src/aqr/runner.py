@@ -33,6 +33,7 @@ from aqr.results import ResultsDB
 
 DEFAULT_K = 101
 DEFAULT_MAX_SAMPLES = 100_000
+DEFAULT_TAIL_UNIT = "images"
 
 
 @dataclass(frozen=True)
@@ -136,11 +137,8 @@ def fingerprints(cell: Cell) -> dict[str, str]:
 def stats_options(cell: Cell) -> dict[str, Any]:
     """The options that determine the cell's source statistics (only AQR has any)."""
     opts = cell.option_dict
-    out: dict[str, Any] = {"K": int(opts.get("K", DEFAULT_K)),
-                           "max_samples": int(opts.get("max_samples", DEFAULT_MAX_SAMPLES))}
-    if "tail_unit" in opts:  # only when set, so the cache paths of earlier statistics stay valid
-        out["tail_unit"] = str(opts["tail_unit"])
-    return out
+    return {"K": int(opts.get("K", DEFAULT_K)), "max_samples": int(opts.get("max_samples", DEFAULT_MAX_SAMPLES)),
+            "tail_unit": str(opts.get("tail_unit", DEFAULT_TAIL_UNIT))}
 
 
 def stats_path(cell: Cell, cache_dir: str | Path) -> Path:
@@ -194,7 +192,7 @@ def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False) -> P
     images, labels = load_source(cell.model)
     batches = [to_tensor(images[i : i + 500]) for i in range(0, len(images), 500)]
     stats = calibrate(model, batches, num_quantiles=opts["K"], max_samples=opts["max_samples"],
-                      tail_unit=opts.get("tail_unit", "values"), progress=progress)
+                      tail_unit=opts["tail_unit"], progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     stats.save(tmp)
