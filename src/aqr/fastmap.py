@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from aqr.qmap import _eval_levels, _interp_levels, sort_rows, sorted_quantiles, tail_lines
+from aqr.qmap import _eval_levels, _interp_levels, gaussian_z, sort_rows, sorted_quantiles, tail_lines
 
 _SUBSET_SEED = 0x5EED
 
@@ -123,6 +123,7 @@ def _map_sorted(
     scale: torch.Tensor,
     gaussian_p: float,
     cells: int,
+    z: tuple[float, float, float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Map ``x`` (A, C, B) with the target knots of the sorted sample ``ordered`` (C, S).
 
@@ -136,7 +137,7 @@ def _map_sorted(
     if tail in ("interval", "gaussian"):
         mean = ordered.mean(dim=1, keepdim=True)
         std = ordered.std(dim=1, correction=0, keepdim=True)
-    a_lo, b_lo, a_hi, b_hi = tail_lines(sq, tq, tail, mean, std, loc, scale, gaussian_p)
+    a_lo, b_lo, a_hi, b_hi = tail_lines(sq, tq, tail, mean, std, loc, scale, gaussian_p, z)
     lo, hi = tq[:, 1:2], tq[:, k - 2 : k - 1]
     width = (hi - lo) / cells
     grid = lo + width * torch.arange(cells + 1, device=x.device, dtype=lo.dtype)  # (C, cells + 1)
@@ -162,9 +163,10 @@ def _fused_map(
     scale: torch.Tensor,
     gaussian_p: float,
     cells: int,
+    z: tuple[float, float, float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort, table and map in one function: what runs (compiled) on a GPU."""
-    return _map_sorted(x, sort_rows(sample), sq, tail, loc, scale, gaussian_p, cells)
+    return _map_sorted(x, sort_rows(sample), sq, tail, loc, scale, gaussian_p, cells, z)
 
 
 def lookup_map(
@@ -185,7 +187,8 @@ def lookup_map(
     op would cost a dispatch on CPU and a kernel launch on a GPU); the sort joins them on a GPU,
     and nothing there waits for the device.
     """
+    z = gaussian_z(sq.shape[1], gaussian_p) if tail == "gaussian" else None
     if x.device.type != "cpu":
-        return run_compiled(_fused_map, compile, x, sample, sq, tail, loc, scale, gaussian_p, cells)
+        return run_compiled(_fused_map, compile, x, sample, sq, tail, loc, scale, gaussian_p, cells, z)
     # numpy's sort is several times faster than torch's (or inductor's) on CPU: it runs eagerly.
-    return run_compiled(_map_sorted, compile, x, sort_rows(sample), sq, tail, loc, scale, gaussian_p, cells)
+    return run_compiled(_map_sorted, compile, x, sort_rows(sample), sq, tail, loc, scale, gaussian_p, cells, z)

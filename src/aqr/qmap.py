@@ -20,7 +20,7 @@ with the slope of the edge interval, or clamped to the source edge when that int
 
 from __future__ import annotations
 
-import math
+from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
@@ -123,8 +123,10 @@ def _eval_levels(u: torch.Tensor, source_q: torch.Tensor) -> torch.Tensor:
     return a + (source_q.gather(1, i + 1) - a) * frac
 
 
-def _probit(p: float) -> float:
-    return math.sqrt(2.0) * torch.erfinv(torch.tensor(2.0 * p - 1.0, dtype=torch.float64)).item()
+def gaussian_z(num_quantiles: int, gaussian_p: float) -> tuple[float, float, float, float]:
+    """Standard normal quantiles at the levels of Gaussian Estimation: p0 (``gaussian_p``), p1, p_{K-2}, p100."""
+    k, q = num_quantiles, NormalDist().inv_cdf
+    return q(gaussian_p), q(1.0 / (k - 1)), q((k - 2) / (k - 1)), q(1.0 - gaussian_p)
 
 
 def quantile_map(
@@ -221,8 +223,11 @@ def tail_lines(
     source_loc: torch.Tensor | None = None,
     source_scale: torch.Tensor | None = None,
     gaussian_p: float = DEFAULT_GAUSSIAN_P,
+    z: tuple[float, float, float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every tail strategy is affine on each edge region: ``(a_lo, b_lo, a_hi, b_hi)``, each ``(C, 1)``.
+
+    ``z`` is :func:`gaussian_z` computed ahead (outside ``torch.compile``, which cannot trace it).
 
     Below ``p1^T`` the map is ``a_lo * x + b_lo``; at or above ``p_{K-2}^T`` it is ``a_hi * x + b_hi``.
     ``mean``/``std`` (``(C, 1)``) are the batch moments of the channel, needed by the parametric tails.
@@ -248,8 +253,7 @@ def tail_lines(
         a = scale / std
         return a, s0 - a * t0, a, s98 - a * t98
     loc = _per_channel(source_loc, "source_loc", tail, sq)
-    z0, z1 = _probit(gaussian_p), _probit(1.0 / (k - 1))
-    z98, z99 = _probit((k - 2) / (k - 1)), _probit(1.0 - gaussian_p)
+    z0, z1, z98, z99 = z if z is not None else gaussian_z(k, gaussian_p)
     # Q^T(p) = mean + std z(p), Q^S(p) = loc + scale z(p); lower anchored at Q^S(p0), upper at p_{K-2}^S
     a_lo = (scale * (z1 - z0)) / (std * (z1 - z0))
     a_hi = (scale * (z99 - z98)) / (std * (z99 - z98))

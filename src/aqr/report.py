@@ -301,13 +301,14 @@ def _option_keys(variant: str) -> tuple[str, ...]:
 
 
 def ablation_tables(rows: Sequence[Row], model: str) -> list[Table]:
-    """Paper Tables 2-3: variants of one method sharing option names, per batch size, over severities.
+    """Paper Tables 2-3: variants of one method sharing an option name, per batch size, over severities.
 
-    One table per (method, option names) with at least two variants, e.g. all ``aqr[tail=...]``.
+    One table per (method, first option name) with at least two variants, e.g. all
+    ``aqr[tail=...]``, including ones that set a further option (``aqr[tail=average,tail_unit=values]``).
     Entries pool corruptions, seeds and severities (listed in the note).
     """
     chosen = [r for r in rows if r.model == model and "[" in r.variant]
-    families = _group(chosen, lambda r: (r.method, _option_keys(r.variant)))
+    families = _group(chosen, lambda r: (r.method, _option_keys(r.variant)[:1]))
     tables = []
     for (method, keys), family in sorted(families.items()):
         variants = _variants(family)
