@@ -78,7 +78,8 @@ def host_reads_are_cheap(device: torch.device) -> bool:
 class _LayerMap:
     """The recalibration of one layer, with its source tensors cached per device."""
 
-    def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str) -> None:
+    def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str,
+                 subsets: SubsetCache | None = None) -> None:
         self.info = stats.layers[name].info
         self.tail = tail
         self.on_nonfinite = config.on_nonfinite
@@ -86,7 +87,7 @@ class _LayerMap:
         self._cpu = (stats.source_quantiles(name, tail), loc, scale)
         self._cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self.config = config
-        self.subsets = SubsetCache(config.target_samples)
+        self.subsets = subsets or SubsetCache(config.target_samples)
         self.logits_checked = False  # set by AQR, whose forward checks the logits for NaN/Inf
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -131,7 +132,8 @@ def _layer_maps(stats: SourceStats, config: AQRConfig) -> dict[str, _LayerMap]:
     tail = config.tail or stats.tail
     infos = [layer.info for layer in stats.layers.values()]
     chosen = select_layers(infos, "all" if config.layers is None else config.layers, stats.layer_names)
-    return {info.name: _LayerMap(stats, info.name, config, tail) for info in chosen}
+    subsets = SubsetCache(config.target_samples)  # shared: layers of one shape share one index
+    return {info.name: _LayerMap(stats, info.name, config, tail, subsets) for info in chosen}
 
 
 @contextlib.contextmanager

@@ -89,24 +89,27 @@ class SubsetCache:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._cache: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._cache: dict[tuple[int, int, int, torch.device], torch.Tensor | None] = {}
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``(C, S)`` float32 values of every channel at the subset positions of ``x`` (A, C, B)."""
         a, c, b = x.shape
-        key = (a, b, x.device)
+        key = (a, c, b, x.device)
         if key not in self._cache:
             total = a * b
             if total <= self.size:
                 self._cache[key] = None
             else:
                 g = torch.Generator().manual_seed(_SUBSET_SEED + total)
-                pos = torch.randperm(total, generator=g)[: self.size].sort().values.to(x.device)
-                self._cache[key] = (pos // b, pos % b)
-        picked = self._cache[key]
-        if picked is None:
+                pos = torch.randperm(total, generator=g)[: self.size].sort().values
+                # flat offsets into the (A, C, B) tensor, one row per channel: torch.take reads
+                # them about a third faster than advanced indexing plus a transposed copy
+                flat = (pos // b * (c * b) + pos % b)[None, :] + (torch.arange(c) * b)[:, None]
+                self._cache[key] = flat.to(x.device)
+        flat = self._cache[key]
+        if flat is None:
             return x.transpose(0, 1).reshape(c, -1).float()
-        return x[picked[0], :, picked[1]].t().float().contiguous()  # indexing gives (S, C)
+        return torch.take(x if x.is_contiguous() else x.contiguous(), flat).float()
 
 
 def _map_points(points: torch.Tensor, tq: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
