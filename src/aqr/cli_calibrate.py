@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from aqr.stats import DEFAULT_TAIL_UNIT, TAIL_UNITS
+
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL and --checkpoint, as :func:`aqr.models.load` takes them."""
@@ -23,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="statistics file to write (e.g. model.aqr.safetensors)")
     p.add_argument("--num-quantiles", "-K", type=int, default=101, help="K knots (101 = percentiles p0..p100)")
     p.add_argument("--tail", default="average", help="default tail strategy stored with the statistics")
-    p.add_argument("--tail-unit", choices=("values", "images"), default="images",
+    p.add_argument("--tail-unit", choices=TAIL_UNITS, default=DEFAULT_TAIL_UNIT,
                    help="Average Sample Tails: a 'batch of 100' is 100 activation values or 100 images")
     p.add_argument("--layers", default="all", help="all, top-half, bottom-half or comma-separated layer names")
     p.add_argument("--max-samples", type=int, default=100_000, help="values kept per channel for the quantiles")

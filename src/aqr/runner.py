@@ -30,10 +30,10 @@ from torch import nn
 
 from aqr.grid import STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key, eval_indices, parse_range
 from aqr.results import ResultsDB
+from aqr.stats import DEFAULT_TAIL_UNIT, StatsError
 
 DEFAULT_K = 101
 DEFAULT_MAX_SAMPLES = 100_000
-DEFAULT_TAIL_UNIT = "images"
 
 
 @dataclass(frozen=True)
@@ -235,11 +235,9 @@ def build_method(cell: Cell, cache_dir: str | Path) -> nn.Module:
         # their default ViT learning rate scales with the batch size, which only the cell knows
         options.setdefault("batch_size", cell.batch_size)
     if cell.method == "aqr":
-        from aqr.stats import StatsError, same_weights, weights_summary
-
         path = ensure_stats(cell, cache_dir)
         stats = _load_stats(str(path))
-        if stats.weights_summary is not None and not same_weights(stats.weights_summary, weights_summary(model)):
+        if not stats.computed_with(model):
             # A library user gets a warning; a benchmark cell must not score stale statistics.
             raise StatsError(f"{path} was computed with other weights than {cell.model.model} has now "
                              "(was the checkpoint rewritten during the run?)")

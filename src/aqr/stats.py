@@ -41,6 +41,7 @@ from aqr.fastmap import as_acb, run_compiled
 from aqr.qmap import TAILS, sort_rows, sorted_quantiles
 
 TAIL_UNITS = ("values", "images")  # what one "batch of 100" of Average Sample Tails holds
+DEFAULT_TAIL_UNIT = "images"
 TAIL_INPUTS_KEPT = 10_000  # inputs whose per-channel extremes are kept (a uniform sample beyond)
 
 FORMAT = "aqr-source-stats"
@@ -154,12 +155,16 @@ class SourceStats:
                     f"layer {name!r}: statistics are for {_describe(layer.info)}, model has "
                     f"{_describe(by_name[name]) if name in by_name else 'no such normalization layer'}"
                 )
-        if self.weights_summary is not None and not same_weights(self.weights_summary, weights_summary(model)):
+        if not self.computed_with(model):
             warnings.warn(
                 "the model's weights differ from those the statistics were computed with (same "
                 "architecture, other checkpoint?); recalibrate if this is unintended",
                 stacklevel=3,
             )
+
+    def computed_with(self, model: nn.Module) -> bool:
+        """Whether ``model``'s weights are those the statistics were computed with (True if unrecorded)."""
+        return self.weights_summary is None or same_weights(self.weights_summary, weights_summary(model))
 
     # ---- files --------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
@@ -477,7 +482,7 @@ def calibrate(
     *,
     tail_batch: int = 100,
     tail_repeats: int = 1000,
-    tail_unit: str = "images",
+    tail_unit: str = DEFAULT_TAIL_UNIT,
     max_samples: int = 100_000,
     max_batches: int | None = None,
     seed: int = 0,
