@@ -79,7 +79,7 @@ class _LayerMap:
     """The recalibration of one layer, with its source tensors cached per device."""
 
     def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str,
-                 subsets: SubsetCache | None = None) -> None:
+                 subsets: SubsetCache | None = None, logits_checked: bool = False) -> None:
         self.info = stats.layers[name].info
         self.tail = tail
         self.on_nonfinite = config.on_nonfinite
@@ -88,7 +88,7 @@ class _LayerMap:
         self._cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self.config = config
         self.subsets = subsets or SubsetCache(config.target_samples)
-        self.logits_checked = False  # set by AQR, whose forward checks the logits for NaN/Inf
+        self.logits_checked = logits_checked  # AQR's forward checks the logits for NaN/Inf
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         if device not in self._cache:
@@ -128,12 +128,12 @@ class _LayerMap:
         )
 
 
-def _layer_maps(stats: SourceStats, config: AQRConfig) -> dict[str, _LayerMap]:
+def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False) -> dict[str, _LayerMap]:
     tail = config.tail or stats.tail
     infos = [layer.info for layer in stats.layers.values()]
     chosen = select_layers(infos, "all" if config.layers is None else config.layers, stats.layer_names)
     subsets = SubsetCache(config.target_samples)  # shared: layers of one shape share one index
-    return {info.name: _LayerMap(stats, info.name, config, tail, subsets) for info in chosen}
+    return {info.name: _LayerMap(stats, info.name, config, tail, subsets, logits_checked) for info in chosen}
 
 
 @contextlib.contextmanager
@@ -177,9 +177,8 @@ class AQR(nn.Module):
         self.model = model
         self.stats = stats
         self.config = AQRConfig(**options)  # type: ignore[arg-type]
-        self._maps = _layer_maps(stats, self.config)
-        for m in self._maps.values():  # "skip" needs no check; "raise" is checked in forward
-            m.logits_checked = True
+        # "skip" needs no check; "raise" is checked on the logits in forward
+        self._maps = _layer_maps(stats, self.config, logits_checked=True)
 
     @property
     def layer_names(self) -> list[str]:
