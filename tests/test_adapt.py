@@ -225,7 +225,7 @@ def test_bad_fast_options():
 @pytest.mark.parametrize("tail", aqr.TAILS)
 def test_gpu_path_matches_cpu_path(tail):
     """The GPU path (table and map in one compilable function, no host reads) is run here on CPU tensors."""
-    from aqr.fastmap import _fused_map, lookup_map
+    from aqr.fastmap import _map_sample, lookup_map
 
     g = torch.Generator().manual_seed(0)
     c, k = 6, 21
@@ -236,10 +236,10 @@ def test_gpu_path_matches_cpu_path(tail):
     x[:, 1] = 3.0  # a constant channel
     sample = x.transpose(0, 1).reshape(c, -1)
     want, ok = lookup_map(x, sample, sq, tail, loc, scale, 0.01, 64, compile=False)
-    got, finite = _fused_map(x, sample, sq, tail, loc, scale, 0.01, 64)
+    got, finite = _map_sample(x, sample, False, sq, tail, loc, scale, 0.01, 64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert bool(ok) and bool(finite)
-    compiled = torch.compile(_fused_map, dynamic=True)(x, sample, sq, tail, loc, scale, 0.01, 64)[0]
+    compiled = torch.compile(_map_sample, dynamic=True)(x, sample, False, sq, tail, loc, scale, 0.01, 64)[0]
     torch.testing.assert_close(compiled, want, atol=1e-4, rtol=1e-4)
     sample[2, 5] = float("nan")
-    assert not bool(_fused_map(x, sample, sq, tail, loc, scale, 0.01, 64)[1])
+    assert not bool(_map_sample(x, sample, False, sq, tail, loc, scale, 0.01, 64)[1])

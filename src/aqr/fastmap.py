@@ -120,9 +120,10 @@ def _map_points(points: torch.Tensor, tq: torch.Tensor, sq: torch.Tensor) -> tor
     return _eval_levels(_interp_levels(points.contiguous(), tq.contiguous(), branch_free=True), sq)
 
 
-def _map_sorted(
+def _map_sample(
     x: torch.Tensor,
-    ordered: torch.Tensor,
+    sample: torch.Tensor,
+    presorted: bool,
     sq: torch.Tensor,
     tail: str,
     loc: torch.Tensor,
@@ -131,13 +132,15 @@ def _map_sorted(
     cells: int,
     z: tuple[float, float, float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Map ``x`` (A, C, B) with the target knots of the sorted sample ``ordered`` (C, S).
+    """Map ``x`` (A, C, B) with the target knots of ``sample`` (C, S), sorted first unless ``presorted``.
 
     Builds the lookup table (tail lines, the exact map on the grid) and applies
     :func:`_lookup_kernel`; as one function, one ``torch.compile`` fuses the few dozen small table
-    ops with the map. Also returns a 0-d bool tensor: whether the sample's extremes are finite.
+    ops with the map (and the sort, where it runs here). Also returns a 0-d bool tensor: whether the
+    sample's extremes are finite.
     """
     k, c = sq.shape[1], sq.shape[0]
+    ordered = sample if presorted else sort_rows(sample)
     tq = sorted_quantiles(ordered, k)
     mean = std = None
     if tail in ("interval", "gaussian"):
@@ -160,21 +163,6 @@ def _map_sorted(
     return y, finite
 
 
-def _fused_map(
-    x: torch.Tensor,
-    sample: torch.Tensor,
-    sq: torch.Tensor,
-    tail: str,
-    loc: torch.Tensor,
-    scale: torch.Tensor,
-    gaussian_p: float,
-    cells: int,
-    z: tuple[float, float, float, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort, table and map in one function: what runs (compiled) on a GPU."""
-    return _map_sorted(x, sort_rows(sample), sq, tail, loc, scale, gaussian_p, cells, z)
-
-
 def lookup_map(
     x: torch.Tensor,
     sample: torch.Tensor,
@@ -194,7 +182,8 @@ def lookup_map(
     and nothing there waits for the device.
     """
     z = gaussian_z(sq.shape[1], gaussian_p) if tail == "gaussian" else None
-    if x.device.type != "cpu":
-        return run_compiled(_fused_map, compile, x, sample, sq, tail, loc, scale, gaussian_p, cells, z)
-    # numpy's sort is several times faster than torch's (or inductor's) on CPU: it runs eagerly.
-    return run_compiled(_map_sorted, compile, x, sort_rows(sample), sq, tail, loc, scale, gaussian_p, cells, z)
+    # numpy's sort is several times faster than torch's (or inductor's) on CPU: there it runs eagerly.
+    presorted = x.device.type == "cpu"
+    if presorted:
+        sample = sort_rows(sample)
+    return run_compiled(_map_sample, compile, x, sample, presorted, sq, tail, loc, scale, gaussian_p, cells, z)
