@@ -225,7 +225,7 @@ def test_bad_fast_options():
 @pytest.mark.parametrize("tail", aqr.TAILS)
 def test_gpu_path_matches_cpu_path(tail):
     """The GPU path (table and map in one compilable function, no host reads) is run here on CPU tensors."""
-    from aqr.fastmap import _map_sample, lookup_map
+    from aqr.fastmap import SubsetCache, _map_sample, lookup_map
 
     g = torch.Generator().manual_seed(0)
     c, k = 6, 21
@@ -235,7 +235,8 @@ def test_gpu_path_matches_cpu_path(tail):
     x[:, 0] = x[:, 0].round()  # tied target knots in channel 0
     x[:, 1] = 3.0  # a constant channel
     sample = x.transpose(0, 1).reshape(c, -1)
-    want, ok = lookup_map(x, sample, sq, tail, loc, scale, 0.01, 64, compile=False)
+    every_position = SubsetCache(x.shape[0] * x.shape[2])
+    want, ok = lookup_map(x, every_position, sq, tail, loc, scale, 0.01, 64, compile=False, native=False)
     got, finite = _map_sample(x, sample, False, sq, tail, loc, scale, 0.01, 64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert bool(ok) and bool(finite)

@@ -9,13 +9,14 @@ and hooks exist only while a forward pass (or the context manager) runs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from aqr.fastmap import SubsetCache, as_acb, lookup_map
+from aqr.fastmap import SubsetCache, as_acb, lookup_map, native_kernels, native_takes
+from aqr.native import Affine
 from aqr.layers import check_output, select_layers
 from aqr.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, quantile_map
 from aqr.stats import SOURCE_MOMENTS, NonFiniteActivationError, SourceStats
@@ -43,6 +44,8 @@ class AQRConfig:
         target_samples: positions per layer used for the target quantiles in fast mode.
         grid: cells of the lookup table between the first and last inner knots in fast mode.
         compile: fuse the fast kernel with ``torch.compile`` (falls back to eager with a warning).
+        native: on CPU, run the fast path in aqr's C kernels (:mod:`aqr.native`, built with the
+            system C compiler on first use); without a compiler it warns once and uses torch.
     """
 
     tail: str | None = None
@@ -54,6 +57,7 @@ class AQRConfig:
     target_samples: int = 8_192
     grid: int = 1024
     compile: bool = True
+    native: bool = True
 
     def __post_init__(self) -> None:
         if self.tail is not None and self.tail not in TAILS:
@@ -96,20 +100,11 @@ class _LayerMap:
         return self._cache[device]
 
     def __call__(self, _module: nn.Module, _inputs: object, output: object) -> torch.Tensor:
+        """Forward hook: the layer's output, recalibrated."""
         out = check_output(self.info, output)
-        sq, loc, scale = self._on(out.device)
         if self.config.mode == "fast":
-            x = as_acb(out, self.info.channel_dim)
-            y, finite = lookup_map(
-                x, self.subsets.rows(x), sq, self.tail, loc, scale,
-                self.config.gaussian_p, self.config.grid, self.config.compile,
-            )
-            y = y.reshape(out.shape)
-            if self.logits_checked and not host_reads_are_cheap(out.device):
-                # Reading ``finite`` would stall the GPU at every layer. A non-finite sample makes the
-                # whole map NaN, which reaches the logits, and AQR.forward checks those once.
-                return torch.where(finite, y, out) if self.on_nonfinite == "skip" else y
-            return y if bool(finite) else self._nonfinite(out)
+            return self._fast(out)
+        sq, loc, scale = self._on(out.device)
         dim = self.info.channel_dim % out.ndim
         tq = channel_quantiles(out, sq.shape[1], dim)
         # NaN sorts last and +-Inf sit at the ends, so finite end knots mean finite activations.
@@ -118,6 +113,56 @@ class _LayerMap:
         return quantile_map(
             out, sq, tq, self.tail, dim=dim, source_loc=loc, source_scale=scale, gaussian_p=self.config.gaussian_p
         )
+
+    def _fast(self, x: torch.Tensor, pre: Affine | None = None,
+              unmapped: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """The fast map of the layer output ``x``; with ``pre``, of ``pre[0] * x + pre[1]`` per
+        channel (a folded BatchNorm, whose own output ``unmapped()`` computes)."""
+        sq, loc, scale = self._on(x.device)
+        y, finite = lookup_map(
+            as_acb(x, self.info.channel_dim), self.subsets, sq, self.tail, loc, scale,
+            self.config.gaussian_p, self.config.grid, self.config.compile, self.config.native, pre,
+        )
+        y = y.reshape(x.shape)
+        if self.logits_checked and not host_reads_are_cheap(x.device):  # never folded: pre is None
+            # Reading ``finite`` would stall the GPU at every layer. A non-finite sample makes the
+            # whole map NaN, which reaches the logits, and AQR.forward checks those once.
+            return torch.where(finite, y, x) if self.on_nonfinite == "skip" else y
+        if bool(finite):
+            return y
+        return self._nonfinite(x if unmapped is None else unmapped())
+
+    def foldable(self, module: nn.Module) -> bool:
+        """Whether this layer is a BatchNorm with running statistics that the native map can absorb."""
+        return (
+            self.config.mode == "fast" and self.config.native
+            and isinstance(module, nn.modules.batchnorm._BatchNorm)
+            and module.track_running_stats and module.running_mean is not None and module.running_var is not None
+        )
+
+    def folded_forward(self, module: nn.modules.batchnorm._BatchNorm,
+                       forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A replacement ``forward`` for an eval-mode BatchNorm: the native map reads the BN's input
+        and applies its affine step itself, which saves the BN's pass over the activations.
+
+        Anything the native kernels do not take (training mode, GPU, float64, autograd) runs the
+        BN's own ``forward`` and the hook's map instead.
+        """
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if (module.training or not native_takes(x) or x.ndim < 2 or x.shape[1] != self.info.channels
+                    or native_kernels() is None):
+                return self(module, (x,), forward(x))
+            alpha = 1.0 / torch.sqrt(module.running_var.float() + module.eps)  # as ATen's eval batch_norm
+            if module.weight is not None:
+                alpha = alpha * module.weight.float()
+            beta = -module.running_mean.float() * alpha
+            if module.bias is not None:
+                beta = module.bias.float() + beta
+            x = x.contiguous()
+            return self._fast(x, (alpha.contiguous(), beta.contiguous()), lambda: forward(x))
+
+        return run
 
     def _nonfinite(self, out: torch.Tensor) -> torch.Tensor:
         if self.on_nonfinite == "skip":
@@ -139,7 +184,16 @@ def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = Fa
 @contextlib.contextmanager
 def _hooks(model: nn.Module, maps: dict[str, _LayerMap]) -> Iterator[None]:
     modules = dict(model.named_modules())
-    handles = [modules[name].register_forward_hook(fn) for name, fn in maps.items()]
+    handles = []
+    folded: dict[nn.Module, object] = {}  # module -> its own instance-level forward, if it had one
+    for name, layer_map in maps.items():
+        module = modules[name]
+        if layer_map.foldable(module):
+            # An eval-mode BatchNorm is folded into the map: its forward is replaced for the block.
+            folded[module] = module.__dict__.get("forward")
+            module.forward = layer_map.folded_forward(module, module.forward)  # type: ignore[method-assign]
+        else:
+            handles.append(module.register_forward_hook(layer_map))
     flags = {m: m.training for m in model.modules()}
     model.eval()  # BatchNorm must not update its running statistics
     try:
@@ -147,6 +201,11 @@ def _hooks(model: nn.Module, maps: dict[str, _LayerMap]) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+        for module, own in folded.items():
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own  # type: ignore[method-assign]
         for m, flag in flags.items():
             m.train(flag)
 
@@ -168,7 +227,12 @@ class AQR(nn.Module):
     ``AQR(model, stats)(x)`` returns ``model(x)`` computed under :func:`recalibrating`, without
     gradients. ``self.model`` is the original model, unchanged. Options are the fields of
     :class:`AQRConfig` (``tail``, ``layers``, ``source_moments``, ``gaussian_p``, ``on_nonfinite``,
-    ``mode``, ``target_samples``, ``grid``, ``compile``).
+    ``mode``, ``target_samples``, ``grid``, ``compile``, ``native``).
+
+    While a forward pass runs, a BatchNorm with running statistics has its ``forward`` replaced
+    (on CPU with the native kernels): the map reads the BN's input and applies its affine step
+    itself, one pass instead of two. The BN's forward hooks still run and see the recalibrated
+    output; hooks of other layers are attached as forward hooks.
     """
 
     def __init__(self, model: nn.Module, stats: SourceStats, **options: object) -> None:

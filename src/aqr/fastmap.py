@@ -1,4 +1,4 @@
-"""The fast recalibration path: subsampled target quantiles and a fused lookup-table map.
+"""The fast recalibration path: subsampled target quantiles and a lookup-table map.
 
 Two costs dominate a naive AQR layer: exact per-channel quantiles (a sort of every value) and the
 map itself (a binary search and several gathers per value, on a transposed copy). Here:
@@ -9,24 +9,29 @@ map itself (a binary search and several gathers per value, on a transposed copy)
    within 0.015 of the batch CDF with probability 0.95.
 2. The map is piecewise linear. Between the first and last inner knots it is tabulated on a uniform
    grid of ``grid`` cells per channel (the exact map at the grid points); outside, every tail
-   strategy is affine (:func:`aqr.qmap.tail_lines`). One elementwise kernel evaluates it directly
+   strategy is affine (:func:`aqr.qmap.tail_lines`). One elementwise pass evaluates it directly
    on the ``(A, C, B)`` view of the layer output: no transpose, no sort, no search.
-3. Building the table and applying it are one function, compiled once (``torch.compile`` when
-   available): the few dozen small table ops cost one call instead of a dispatch each. On a GPU
-   the sort joins it and nothing reads a value back from the device; on CPU the sort stays in
-   numpy, several times faster than torch's.
+3. On CPU (float32, no autograd) aqr's C kernels (:mod:`aqr.native`) do both steps: the sample's
+   quantiles from a fine histogram (each knot within one histogram bucket of the sorted sample's,
+   p0 and p100 exact), and the table with its map, with an eval-mode BatchNorm's affine step
+   folded in (see :class:`aqr.AQR`). Elsewhere, building the table and applying it are one
+   function, compiled once (``torch.compile`` when available); on a GPU the sort joins it and
+   nothing reads a value back from the device.
 
 The grid bends the map's kinks over one cell; with ``grid=1024`` cells and ``K=101`` knots a cell is
-a tenth of the median knot spacing of a Gaussian channel.
+a tenth of the median knot spacing of a Gaussian channel. On the zoo's three models the histogram
+moves no knot by more than 0.37 of a cell.
 """
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from collections.abc import Callable
 
 import torch
 
+from aqr.native import Affine, load_kernels, subset_quantiles, table_map
 from aqr.qmap import _eval_levels, _interp_levels, gaussian_z, sort_rows, sorted_quantiles, tail_lines
 
 _SUBSET_SEED = 0x5EED
@@ -88,31 +93,44 @@ def as_acb(out: torch.Tensor, channel_dim: int) -> torch.Tensor:
 
 
 class SubsetCache:
-    """Fixed random position subsets, one per ``(A, B)`` shape, so results are history-free."""
+    """Fixed random position subsets, one per ``(A, C, B)`` shape, so results are history-free."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._cache: dict[tuple[int, int, int, torch.device], torch.Tensor | None] = {}
+        self._cache: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
+        self._offsets: dict[tuple[object, ...], torch.Tensor] = {}
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``(C, S)`` float32 values of every channel at the subset positions of ``x`` (A, C, B)."""
+    def positions(self, x: torch.Tensor) -> torch.Tensor:
+        """``(S,)`` int64 flat offsets of the subset positions of channel 0 in contiguous ``x`` (A, C, B).
+
+        ``S = min(size, A * B)``; below ``size`` positions every position is taken. Channel ``c``'s
+        values are at these offsets plus ``c * B``.
+        """
         a, c, b = x.shape
         key = (a, c, b, x.device)
         if key not in self._cache:
             total = a * b
             if total <= self.size:
-                self._cache[key] = None
+                pos = torch.arange(total)
             else:
                 g = torch.Generator().manual_seed(_SUBSET_SEED + total)
                 pos = torch.randperm(total, generator=g)[: self.size].sort().values
-                # flat offsets into the (A, C, B) tensor, one row per channel: torch.take reads
-                # them about a third faster than advanced indexing plus a transposed copy
-                flat = (pos // b * (c * b) + pos % b)[None, :] + (torch.arange(c) * b)[:, None]
-                self._cache[key] = flat.to(x.device)
-        flat = self._cache[key]
-        if flat is None:
-            return x.transpose(0, 1).reshape(c, -1).float()
-        return torch.take(x if x.is_contiguous() else x.contiguous(), flat).float()
+            self._cache[key] = (pos // b * (c * b) + pos % b).to(x.device)
+        return self._cache[key]
+
+    def offsets(self, x: torch.Tensor) -> torch.Tensor:
+        """``(C, S)`` int64 flat offsets into contiguous ``x`` (A, C, B): each channel's subset positions."""
+        a, c, b = x.shape
+        key = (a, c, b, x.device, "offsets")
+        if key not in self._offsets:
+            # torch.take on flat offsets reads about a third faster than advanced indexing plus a
+            # transposed copy
+            self._offsets[key] = self.positions(x)[None, :] + (torch.arange(c, device=x.device) * b)[:, None]
+        return self._offsets[key]
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``(C, S)`` float32 values of every channel at the subset positions of ``x`` (A, C, B)."""
+        return torch.take(x if x.is_contiguous() else x.contiguous(), self.offsets(x)).float()
 
 
 def _map_points(points: torch.Tensor, tq: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
@@ -165,7 +183,7 @@ def _map_sample(
 
 def lookup_map(
     x: torch.Tensor,
-    sample: torch.Tensor,
+    subsets: SubsetCache,
     sq: torch.Tensor,
     tail: str,
     loc: torch.Tensor,
@@ -173,17 +191,52 @@ def lookup_map(
     gaussian_p: float,
     cells: int,
     compile: bool,
+    native: bool = True,
+    pre: Affine | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Map ``x`` (A, C, B) using target knots estimated from ``sample`` (C, S).
+    """Map ``x`` (A, C, B) using target knots estimated from its ``subsets`` positions.
+
+    With ``pre`` (per-channel scale and shift, native kernels only) the map applies to
+    ``scale * x + shift``: an eval-mode BatchNorm folded into the map.
 
     Also returns a 0-d bool tensor: whether the sample was finite (only the sampled positions are
-    checked; AQR checks the logits for the rest). Table and map are compiled together (each small
-    op would cost a dispatch on CPU and a kernel launch on a GPU); the sort joins them on a GPU,
-    and nothing there waits for the device.
+    checked; AQR checks the logits for the rest). On CPU with ``native``, aqr's C kernels do the
+    work (:mod:`aqr.native`). Otherwise table and map are compiled together (each small op would
+    cost a dispatch on CPU and a kernel launch on a GPU); the sort joins them on a GPU, and nothing
+    there waits for the device.
     """
     z = gaussian_z(sq.shape[1], gaussian_p) if tail == "gaussian" else None
+    if native and native_takes(x):
+        lib = native_kernels()
+        if lib is not None:
+            x = x.contiguous()
+            moments = tail in ("interval", "gaussian")
+            tq, mean, std, finite = subset_quantiles(lib, x, subsets.positions(x), sq.shape[1], moments, pre)
+            if not finite:
+                return x, torch.tensor(False)
+            return table_map(lib, x, tq, sq, tail, cells, mean, std, loc, scale, z, pre), torch.tensor(True)
+    if pre is not None:
+        raise ValueError("a folded affine step needs aqr's native kernels (CPU, float32)")
+    sample = subsets.rows(x)
     # numpy's sort is several times faster than torch's (or inductor's) on CPU: there it runs eagerly.
     presorted = x.device.type == "cpu"
     if presorted:
         sample = sort_rows(sample)
     return run_compiled(_map_sample, compile, x, sample, presorted, sq, tail, loc, scale, gaussian_p, cells, z)
+
+
+def native_takes(x: torch.Tensor) -> bool:
+    """Whether the native kernels can map ``x``: float32 on CPU, with no gradient to keep."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
+
+
+def native_kernels() -> ctypes.CDLL | None:
+    """aqr's C kernels, or ``None`` (warning once with the reason) when they cannot be built."""
+    lib, reason = load_kernels()
+    if lib is None and reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"aqr's C kernels are unavailable ({reason}); the fast path runs through torch", stacklevel=3)
+    return lib
+
+
+_WARNED: set[str] = set()

@@ -1,0 +1,219 @@
+"""aqr's C kernels (aqr.native): quantiles within one histogram bucket of the sorted sample, the map
+equal to the torch path's, the BatchNorm fold, and the fallback when no compiler is found."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import aqr
+from aqr import fastmap, native
+from aqr.qmap import gaussian_z, sort_rows, sorted_quantiles
+
+LIB, WHY = native.load_kernels()
+needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")
+
+
+def _sample(x: torch.Tensor, size: int = 8192) -> tuple[fastmap.SubsetCache, torch.Tensor]:
+    cache = fastmap.SubsetCache(size)
+    return cache, torch.take(x, cache.offsets(x))
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(128, 16, 1024), (64, 24, 1), (40, 12, 7), (3, 5, 200)])
+def test_quantiles_within_one_bucket_of_the_sorted_sample(shape):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g) * 3 + 1
+    x[:, 1] = torch.distributions.StudentT(1.5).sample(x[:, 1].shape)  # heavy tails: outliers stretch the range
+    cache, sample = _sample(x)
+    want = sorted_quantiles(sort_rows(sample), 101)
+    tq, mean, std, finite = native.subset_quantiles(LIB, x, cache.positions(x), 101)
+    assert finite
+    s = sample.shape[1]
+    width = (sample.max(1).values - sample.min(1).values) / max(16, s // 2)
+    assert bool(((tq - want).abs() <= width[:, None] * 1.001 + 1e-6).all())
+    assert bool((tq.diff(dim=1) >= 0).all())
+    assert torch.equal(tq[:, 0], want[:, 0]) and torch.equal(tq[:, -1], want[:, -1])  # p0, p100 exact
+    torch.testing.assert_close(mean.squeeze(1), sample.mean(1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(std.squeeze(1), sample.std(1, correction=0), atol=1e-5, rtol=1e-5)
+    if s <= 512:  # small samples are sorted whole
+        assert torch.equal(tq, want)
+
+
+@needs_kernels
+def test_crowded_buckets_and_ties_are_exact():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 4, 256, generator=g)
+    x[:, 0] = torch.randint(0, 3, (64, 256), generator=g).float()  # three values, heavily tied
+    x[:, 1, :100] = 0.0  # a spike of zeros inside a continuous channel
+    x[:, 2] = 7.0  # constant
+    cache, sample = _sample(x)
+    want = sorted_quantiles(sort_rows(sample), 101)
+    tq = native.subset_quantiles(LIB, x, cache.positions(x), 101, moments=False)[0]
+    assert torch.equal(tq[0], want[0]) and torch.equal(tq[2], want[2])
+    zeros = want[1] == 0
+    assert zeros.sum() > 10 and torch.equal(tq[1][zeros], want[1][zeros])
+
+
+@needs_kernels
+def test_nonfinite_sample_is_reported():
+    x = torch.randn(32, 3, 300)
+    x[5, 1, 7] = float("nan")
+    cache = fastmap.SubsetCache(100_000)
+    tq, _, _, finite = native.subset_quantiles(LIB, x, cache.positions(x), 11)
+    assert not finite and bool(tq[1].isnan().all()) and bool(tq[0].isfinite().all())
+    x[5, 1, 7] = float("inf")
+    assert not native.subset_quantiles(LIB, x, cache.positions(x), 11)[3]
+
+
+@needs_kernels
+@pytest.mark.parametrize("tail", aqr.TAILS)
+@pytest.mark.parametrize("shape", [(16, 6, 300), (500, 10, 1), (50, 9, 3)])
+def test_native_map_equals_the_torch_path(tail, shape):
+    """Given the same knots, the C table and map give the torch path's values (both layouts)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g) * 2 + 1
+    x[:, 0] = x[:, 0].round()  # tied knots
+    x[:, 1] = 3.0  # constant channel
+    c = shape[1]
+    sq = torch.randn(c, 4000, generator=g).sort(1).values[:, torch.linspace(0, 3999, 21).long()]
+    loc, scale = torch.randn(c, 1, generator=g) * 0.1, torch.rand(c, 1, generator=g) + 0.5
+    cache, sample = _sample(x)
+    tq = sorted_quantiles(sort_rows(sample), 21)
+    mean, std = sample.mean(1, keepdim=True), sample.std(1, correction=0, keepdim=True)
+    z = gaussian_z(21, 0.01) if tail == "gaussian" else None
+    want, _ = fastmap._map_sample(x, sample, False, sq, tail, loc, scale, 0.01, 64, z)
+    got = native.table_map(LIB, x, tq, sq, tail, 64, mean, std, loc, scale, z)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+@needs_kernels
+def test_folded_affine_equals_mapping_the_affine_output():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 8, 100, generator=g)
+    a, b = torch.randn(8, generator=g), torch.randn(8, generator=g)  # negative scales reverse the order
+    y = x * a.view(1, -1, 1) + b.view(1, -1, 1)
+    sq = torch.randn(8, 2000, generator=g).sort(1).values[:, torch.linspace(0, 1999, 101).long()]
+    cache = fastmap.SubsetCache(8192)
+    tq_y = native.subset_quantiles(LIB, y, cache.positions(y), 101)[0]
+    tq_x = native.subset_quantiles(LIB, x, cache.positions(x), 101, pre=(a, b))[0]
+    torch.testing.assert_close(tq_x, tq_y, atol=1e-5, rtol=1e-5)
+    want = native.table_map(LIB, y, tq_y, sq, "average", 256)
+    got = native.table_map(LIB, x, tq_x, sq, "average", 256, pre=(a, b))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+class _BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.bn_batch = nn.BatchNorm2d(8, track_running_stats=False)  # cannot be folded
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn_batch(self.bn(self.conv(x))))
+        return self.head(h.mean((2, 3)))
+
+
+def _bn_net() -> _BNNet:
+    torch.manual_seed(5)
+    net = _BNNet()
+    with torch.no_grad():
+        net.bn.running_mean.uniform_(-0.5, 0.5)
+        net.bn.running_var.uniform_(0.5, 2.0)
+        net.bn.weight.uniform_(-1.5, 1.5)
+    return net.eval()
+
+
+@needs_kernels
+def test_batchnorm_fold_matches_the_hook_path_and_restores_the_model():
+    net = _bn_net()
+    stats = aqr.calibrate(net, [torch.rand(16, 3, 12, 12) for _ in range(4)])
+    x = torch.rand(16, 3, 12, 12) * 1.3
+    own_forward = net.bn_batch.forward
+    replaced = []  # whether each BatchNorm's forward was replaced while it ran
+    for m in (net.bn, net.bn_batch):
+        m.register_forward_pre_hook(lambda mod, _args: replaced.append("forward" in mod.__dict__))
+    folded = aqr.AQR(net, stats)(x)
+    assert replaced == [True, False]  # the running-stats BN is folded, the batch-stats one hooked
+    replaced.clear()
+    hooked = aqr.AQR(net, stats, native=False)(x)
+    assert replaced == [False, False]
+    torch.testing.assert_close(folded, hooked, atol=1e-4, rtol=1e-4)
+    assert "forward" not in net.bn.__dict__ and net.bn_batch.forward == own_forward
+    net.bn.forward = own_user_forward = net.bn.forward  # an instance-level forward survives
+    aqr.AQR(net, stats)(x)
+    assert net.bn.__dict__["forward"] is own_user_forward
+
+
+@needs_kernels
+def test_folded_layer_nonfinite_policies():
+    net = _bn_net()
+    stats = aqr.calibrate(net, [torch.rand(16, 3, 12, 12) for _ in range(4)])
+    x = torch.rand(16, 3, 12, 12)
+    x[0, :, 3, 3] = float("nan")
+    with pytest.raises(aqr.NonFiniteActivationError, match="'bn'"):
+        aqr.AQR(net, stats)(x)
+    with torch.no_grad():
+        out = aqr.AQR(net, stats, on_nonfinite="skip")(x)
+    assert out.shape == (16, 4)
+
+
+def test_no_compiler_falls_back_to_torch_with_a_warning(monkeypatch):
+    monkeypatch.setattr(fastmap, "load_kernels", lambda: (None, "no C compiler found (set CC)"))
+    monkeypatch.setattr(fastmap, "_WARNED", set())
+    x = torch.randn(8, 3, 50)
+    sq = torch.randn(3, 11).sort(1).values
+    one = torch.ones(3, 1)
+    with pytest.warns(UserWarning, match="no C compiler"):
+        y, finite = fastmap.lookup_map(x, fastmap.SubsetCache(400), sq, "average", one, one, 0.01, 32, False)
+    want, _ = fastmap.lookup_map(x, fastmap.SubsetCache(400), sq, "average", one, one, 0.01, 32, False, native=False)
+    assert bool(finite) and torch.equal(y, want)
+
+
+def test_build_failure_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("AQR_CACHE_DIR", str(tmp_path))
+    with pytest.raises(OSError, match="failed"):
+        native._build(["false"])  # a "compiler" that always fails
+    assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("tmp*"))
+
+
+@needs_kernels
+def test_kernels_run_on_torchs_openmp_team_where_found():
+    team = native.openmp_entry_points()
+    if team is None:
+        pytest.skip("no OpenMP runtime loaded in this process")
+    assert all(isinstance(addr, int) and addr for addr in team)
+
+
+def test_gradients_still_flow_where_autograd_is_on():
+    """Under ``recalibrating`` with autograd on, the map stays in torch (the C kernels keep no graph)."""
+    net = _bn_net()
+    stats = aqr.calibrate(net, [torch.rand(16, 3, 12, 12) for _ in range(4)])
+    x = torch.rand(16, 3, 12, 12, requires_grad=True)
+    with aqr.recalibrating(net, stats):
+        out = net(x)
+    out.square().sum().backward()
+    assert x.grad is not None and float(x.grad.abs().sum()) > 0
+
+
+@needs_kernels
+def test_portable_build_matches_the_avx2_build():
+    """Without -mavx2 (another CPU) the kernels' scalar loops give the same results."""
+    command = native.compile_command()
+    portable = native.load([arg for arg in command if arg not in ("-mavx2", "-mfma")])
+    g = torch.Generator().manual_seed(6)
+    for shape in [(20, 5, 203), (300, 9, 1)]:
+        x = torch.randn(shape, generator=g)
+        cache = fastmap.SubsetCache(8192)
+        want = native.subset_quantiles(LIB, x, cache.positions(x), 21)
+        got = native.subset_quantiles(portable, x, cache.positions(x), 21)
+        torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+        sq = torch.randn(shape[1], 21, generator=g).sort(1).values
+        torch.testing.assert_close(
+            native.table_map(portable, x, got[0], sq, "average", 128),
+            native.table_map(LIB, x, got[0], sq, "average", 128),
+            atol=1e-6, rtol=1e-6,
+        )
