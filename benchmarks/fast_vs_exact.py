@@ -5,7 +5,10 @@ the corrupted images from 5000 on (``--n`` of them), batches of ``--batch-size``
 one row per (corruption, severity) and the mean difference fast - exact in accuracy points.
 
     python benchmarks/fast_vs_exact.py --cifar-c /path/to/cifar10c [--n 1000] [--severities 5] \
-        [--target-samples 8192,4096]
+        [--target-samples 8192,4096] [--variants default native=0 "target_samples=4096,native=0"]
+
+``--variants`` names fast columns by their options (see ``benchmarks/aqr_variants.py``);
+``--target-samples`` is the shorthand for ``target_samples=S`` columns.
 
 The CIFAR-10-C folder is what ``aqr corrupt`` writes (or the released arrays).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +26,9 @@ import torch
 
 import aqr
 from aqr import data, models
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from aqr_variants import parse_variant  # noqa: E402  (the same option syntax)
 
 SHARED = Path(os.environ.get("AQR_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 CORRUPTIONS = [
@@ -55,6 +62,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--target-samples", default="8192",
                         help="comma-separated target_samples values: one fast column per value")
+    parser.add_argument("--variants", nargs="+", help="fast columns by options, e.g. default native=0 (overrides --target-samples)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.threads:
@@ -62,11 +70,12 @@ def main() -> None:
     model = models.load("resnet20", checkpoint=args.checkpoint)
     clean_x, _ = tensors(data.load_npz(args.clean))
     stats = aqr.calibrate(model, clean_x[:5000].split(500))
-    sizes = [int(v) for v in args.target_samples.split(",")]
+    variants = args.variants or [f"target_samples={v}" for v in args.target_samples.split(",")]
     exact = aqr.AQR(model, stats, mode="exact")
-    fast = {s: aqr.AQR(model, stats, target_samples=s) for s in sizes}
+    fast = {v: aqr.AQR(model, stats, **parse_variant(v)) for v in variants}
+    sizes = list(fast)  # column labels
     rows = []
-    print("| corruption | severity | exact | " + " | ".join(f"fast S={s} (diff)" for s in sizes) + " |")
+    print("| corruption | severity | exact | " + " | ".join(f"fast {s} (diff)" for s in sizes) + " |")
     print("|---|---|---|" + "---|" * len(sizes))
     for corruption in args.corruptions.split(","):
         for severity in (int(s) for s in args.severities.split(",")):
@@ -85,7 +94,7 @@ def main() -> None:
     for s in sizes:
         diffs = [r[f"fast_{s}"] - r["exact"] for r in rows]
         summary[s] = {"mean_diff": sum(diffs) / len(diffs), "mean_abs_diff": sum(map(abs, diffs)) / len(diffs)}
-        print(f"\nS={s}: mean fast - exact {summary[s]['mean_diff']:+.3f} points; mean |fast - exact| "
+        print(f"\n{s}: mean fast - exact {summary[s]['mean_diff']:+.3f} points; mean |fast - exact| "
               f"{summary[s]['mean_abs_diff']:.3f} points over {len(rows)} cells of {args.n} images "
               f"(one image = {100 / args.n:.2f} points)")
     if args.json:

@@ -41,7 +41,7 @@ MODELS = {
     "resnet20-gn": lambda: models.load("resnet20_gn") if "resnet20_gn" in models.zoo() else models.create("resnet20", norm="gn"),
     "vit": lambda: models.load("vit_ln") if "vit_ln" in models.zoo() else models.create("vit"),
 }
-METHODS = ["source", "ttn", "aqr", "aqr-exact", "tent", "sar"]
+METHODS = ["source", "ttn", "aqr", "aqr-torch", "aqr-exact", "tent", "sar"]  # aqr-torch: native=False
 
 
 def images(n: int, seed: int = 0) -> torch.Tensor:
@@ -74,6 +74,8 @@ def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: in
         return methods.create("aqr", model, stats=stats)
     if method == "aqr-exact":
         return methods.create("aqr", model, stats=stats, mode="exact")
+    if method == "aqr-torch":  # the fast path without aqr's C kernels (as on a machine with no compiler)
+        return methods.create("aqr", model, stats=stats, native=False)
     if method in ("tent", "sar"):
         arch = "vit" if "vit" in type(model.model).__name__.lower() else "cnn"
         return methods.create(method, model, arch=arch, batch_size=batch)

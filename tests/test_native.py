@@ -32,13 +32,16 @@ def test_quantiles_within_one_bucket_of_the_sorted_sample(shape):
     assert finite
     s = sample.shape[1]
     width = (sample.max(1).values - sample.min(1).values) / max(16, s // 2)
-    assert bool(((tq - want).abs() <= width[:, None] * 1.001 + 1e-6).all())
+    inner = (tq - want)[:, 1:-1].abs()
+    assert bool((inner <= width[:, None] * 1.001 + 1e-6).all())
     assert bool((tq.diff(dim=1) >= 0).all())
-    assert torch.equal(tq[:, 0], want[:, 0]) and torch.equal(tq[:, -1], want[:, -1])  # p0, p100 exact
+    assert torch.equal(tq[:, 0], x.amin((0, 2))) and torch.equal(tq[:, -1], x.amax((0, 2)))  # of every value
     torch.testing.assert_close(mean.squeeze(1), sample.mean(1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(std.squeeze(1), sample.std(1, correction=0), atol=1e-5, rtol=1e-5)
     if s <= 512:  # small samples are sorted whole
-        assert torch.equal(tq, want)
+        assert torch.equal(tq[:, 1:-1], want[:, 1:-1])
+    if s == shape[0] * shape[2]:  # every position sampled
+        assert torch.equal(tq[:, [0, -1]], want[:, [0, -1]])
 
 
 @needs_kernels
@@ -57,10 +60,10 @@ def test_crowded_buckets_and_ties_are_exact():
 
 
 @needs_kernels
-def test_nonfinite_sample_is_reported():
+def test_nonfinite_values_are_reported_even_outside_the_sample():
     x = torch.randn(32, 3, 300)
     x[5, 1, 7] = float("nan")
-    cache = fastmap.SubsetCache(100_000)
+    cache = fastmap.SubsetCache(1000)  # 1,000 of 9,600 positions: the NaN is most likely not among them
     tq, _, _, finite = native.subset_quantiles(LIB, x, cache.positions(x), 11)
     assert not finite and bool(tq[1].isnan().all()) and bool(tq[0].isfinite().all())
     x[5, 1, 7] = float("inf")

@@ -112,7 +112,8 @@ typedef struct {
     int64_t stride;     /* channel c's values are at x[pos[i] + c * stride] */
     const float *pre_scale, *pre_shift; /* (C) or NULL: the quantiles of pre_scale * x + pre_shift */
     int64_t S, K, nbins, crowded;
-    int64_t C;
+    int64_t A, C, B; /* the layout of the whole layer output src */
+    const float *src;
     const int64_t *rank_lo; /* (K) order statistic below each level (type-7 interpolation) */
     const float *frac;      /* (K) interpolation weight toward rank_lo + 1 */
     float *tq;              /* (C, K) out */
@@ -120,6 +121,8 @@ typedef struct {
     int32_t *finite;        /* (C) out: 1 when every sampled value is finite */
     char *scratch;          /* per part: quant_scratch_bytes */
     float *gathered;        /* (C, S) for channels-last layouts (transpose_part), else NULL */
+    float *ext_min, *ext_max; /* (C): the extremes of every value of each channel (extremes_part) */
+    int32_t *ext_nan;         /* (C): whether any value of the channel is NaN */
 } quant_args;
 
 /* Scratch sizes are rounded to 64 bytes, so every part's slice (and each array in it) is aligned. */
@@ -243,9 +246,18 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
         float mn, mx;
         int nan = min_max(buf, S, &mn, &mx);
         if (a->moments) moments_of(buf, S, a->moments + 2 * c);
-        a->finite[c] = !nan && isfinite(mn) && isfinite(mx);
+        /* p0 and p100 are the extremes of the whole layer output, as in the exact path: a sample's
+           extremes fall short of the batch's, and the tail strategies anchor on them. */
+        float lo_all = a->ext_min[c] * pa + pb, hi_all = a->ext_max[c] * pa + pb; /* monotone in x */
+        if (lo_all > hi_all) {
+            float t = lo_all;
+            lo_all = hi_all;
+            hi_all = t;
+        }
+        a->finite[c] = !nan && !a->ext_nan[c] && isfinite(lo_all) && isfinite(hi_all);
         if (!a->finite[c] || mn == mx) {
             for (int64_t k = 0; k < K; k++) out[k] = a->finite[c] ? mn : NAN;
+            if (a->finite[c]) out[0] = lo_all, out[K - 1] = hi_all;
             continue;
         }
         float scale = (float)NB / (mx - mn);
@@ -306,6 +318,60 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
             }
             out[k] = v[0] + (v[1] - v[0]) * a->frac[k];
         }
+        out[0] = lo_all;
+        out[K - 1] = hi_all;
+    }
+}
+
+/* Per-channel min, max and NaN flag of the whole layer output, channel-major layouts: one channel
+   is A rows of B contiguous values. */
+static void extremes_part(void *p, int part, int64_t c0, int64_t c1) {
+    (void)part;
+    quant_args *a = (quant_args *)p;
+    for (int64_t c = c0; c < c1; c++) {
+        float mn = INFINITY, mx = -INFINITY;
+        int nan = 0;
+        for (int64_t row = 0; row < a->A; row++) {
+            float rmn, rmx;
+            nan |= min_max(a->src + (row * a->C + c) * a->B, a->B, &rmn, &rmx);
+            mn = rmn < mn ? rmn : mn;
+            mx = rmx > mx ? rmx : mx;
+        }
+        a->ext_min[c] = mn;
+        a->ext_max[c] = mx;
+        a->ext_nan[c] = nan;
+    }
+}
+
+/* The same for channels-last layouts, over a range of rows into this part's own (C) arrays
+   (ext_min/ext_max/ext_nan + part * C); aqr_subset_quantiles combines the parts. */
+static void extremes_rows_part(void *p, int part, int64_t r0, int64_t r1) {
+    quant_args *a = (quant_args *)p;
+    const int64_t C = a->C, B = a->B;
+    float *mn = a->ext_min + (part + 1) * C, *mx = a->ext_max + (part + 1) * C;
+    int32_t *nan = a->ext_nan + (part + 1) * C; /* the caller set every slot to +inf, -inf, 0 */
+    for (int64_t row = r0; row < r1; row++) {
+        const float *xr = a->src + row * C * B;
+        int64_t c = 0;
+#ifdef __AVX2__
+        if (B == 1) {
+            for (; c + 8 <= C; c += 8) {
+                __m256 v = _mm256_loadu_ps(xr + c);
+                _mm256_storeu_ps(mn + c, _mm256_min_ps(_mm256_loadu_ps(mn + c), v));
+                _mm256_storeu_ps(mx + c, _mm256_max_ps(_mm256_loadu_ps(mx + c), v));
+                __m256i isnan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                _mm256_storeu_si256((__m256i *)(nan + c), _mm256_or_si256(_mm256_loadu_si256((const __m256i *)(nan + c)), isnan));
+            }
+        }
+#endif
+        for (; c < C; c++) {
+            for (int64_t b = 0; b < B; b++) {
+                float v = xr[c * B + b];
+                nan[c] |= v != v;
+                mn[c] = v < mn[c] ? v : mn[c];
+                mx[c] = v > mx[c] ? v : mx[c];
+            }
+        }
     }
 }
 
@@ -320,24 +386,49 @@ static void transpose_part(void *p, int part, int64_t i0, int64_t i1) {
     }
 }
 
-/* Per channel c: tq[c] = the K quantiles of pre_scale * x + pre_shift (NULL: of x) at pos + c * stride
-   (S positions), read from an nbins-bucket histogram (buckets with more than `crowded` values are
+/* x is a layer output (A, C, B). Per channel c: tq[c] = the K quantiles of pre_scale * x + pre_shift
+   (NULL: of x) at pos + c * B (S positions), but p0 and p100 over every value, read from an nbins-bucket histogram (buckets with more than `crowded` values are
    sorted), moments[c] = (mean, std) unless moments is NULL, finite[c] = whether those values are
    all finite (else tq[c] is NaN). Returns 0, or -1 when the scratch memory could not be allocated. */
-int aqr_subset_quantiles(const float *x, const int64_t *pos, int64_t stride, const float *pre_scale,
-                         const float *pre_shift, int64_t C, int64_t S, int64_t K,
+int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const int64_t *pos,
+                         const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
                          const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
                          float *tq, float *moments, int32_t *finite, int nthreads) {
-    int parts = num_parts(C, nthreads);
+    int parts = num_parts(C, nthreads), row_parts = num_parts(A, nthreads);
     char *scratch = malloc((size_t)(parts * quant_scratch_bytes(S, nbins, K)));
-    if (!scratch) return -1;
-    quant_args a = {x, pos, stride, pre_scale, pre_shift, S, K, nbins, crowded, C, rank_lo, frac, tq, moments, finite, scratch, NULL};
-    if (stride < ROWS_LAYOUT_BELOW && C > 1) {
+    /* extremes: (C) results, then one (C) slot per part of the channels-last pass */
+    float *ext = malloc(sizeof(float) * (size_t)(2 * C * (row_parts + 1)));
+    int32_t *ext_nan = malloc(sizeof(int32_t) * (size_t)(C * (row_parts + 1)));
+    if (!scratch || !ext || !ext_nan) {
+        free(scratch);
+        free(ext);
+        free(ext_nan);
+        return -1;
+    }
+    quant_args a = {x, pos, B, pre_scale, pre_shift, S, K, nbins, crowded, A, C, B, x, rank_lo, frac, tq, moments,
+                    finite, scratch, NULL, ext, ext + C * (row_parts + 1), ext_nan};
+    if (B >= ROWS_LAYOUT_BELOW) {
+        parallel_for(extremes_part, &a, C, parts);
+    } else {
+        for (int64_t i = 0; i < C * (row_parts + 1); i++) a.ext_min[i] = INFINITY, a.ext_max[i] = -INFINITY, a.ext_nan[i] = 0;
+        parallel_for(extremes_rows_part, &a, A, row_parts); /* a smaller team leaves slots as set */
+        for (int64_t c = 0; c < C; c++) {
+            for (int t = 1; t <= row_parts; t++) {
+                float pmn = a.ext_min[t * C + c], pmx = a.ext_max[t * C + c];
+                a.ext_min[c] = pmn < a.ext_min[c] ? pmn : a.ext_min[c];
+                a.ext_max[c] = pmx > a.ext_max[c] ? pmx : a.ext_max[c];
+                a.ext_nan[c] |= a.ext_nan[t * C + c] != 0;
+            }
+        }
+    }
+    if (B < ROWS_LAYOUT_BELOW && C > 1) {
         /* Channels-last: channel c's samples sit C * stride apart. Gather the sampled rows once,
            in order, into a (C, S) buffer, instead of reading every row once per channel. */
         a.gathered = malloc(sizeof(float) * (size_t)(C * S));
         if (!a.gathered) {
             free(scratch);
+            free(ext);
+            free(ext_nan);
             return -1;
         }
         parallel_for(transpose_part, &a, S, nthreads);
@@ -348,6 +439,8 @@ int aqr_subset_quantiles(const float *x, const int64_t *pos, int64_t stride, con
     parallel_for(quantiles_part, &a, C, parts);
     free(a.gathered);
     free(scratch);
+    free(ext);
+    free(ext_nan);
     return 0;
 }
 
@@ -554,34 +647,41 @@ static void tables_part(void *p, int part, int64_t c0, int64_t c1) {
     }
 }
 
+/* Channels per block in rows_part: 16 floats are one cache line, and 16 tables (128 KB at 1024
+   cells) stay in L2 while every row's block is mapped. */
+enum { CHANNEL_BLOCK = 16 };
+
 static void rows_part(void *p, int part, int64_t r0, int64_t r1) {
     (void)part;
     rows_args *r = (rows_args *)p;
     map_args *a = r->a;
     const int64_t C = a->C, B = a->B, cells = a->cells, stride = 2 * (cells + 2);
-    for (int64_t row = r0; row < r1; row++) {
-        const float *xp = a->x + row * C * B;
-        float *yp = a->y + row * C * B;
-        int64_t c = 0;
+    for (int64_t c0 = 0; c0 < C; c0 += CHANNEL_BLOCK) {
+        const int64_t c1 = c0 + CHANNEL_BLOCK < C ? c0 + CHANNEL_BLOCK : C;
+        for (int64_t row = r0; row < r1; row++) {
+            const float *xp = a->x + row * C * B;
+            float *yp = a->y + row * C * B;
+            int64_t c = c0;
 #ifdef __AVX2__
-        if (B == 1) { /* eight channels at a time: lanes gather from eight tables */
-            const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-            const __m256 vtop = _mm256_set1_ps((float)(cells + 1));
-            const long long *pairs = (const long long *)r->tabs;
-            for (; c + 8 <= C; c += 8) {
-                __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + c), _mm256_loadu_ps(r->pa + c)),
-                                         _mm256_loadu_ps(r->pb + c));
-                __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, _mm256_loadu_ps(r->lo + c)),
-                                                       _mm256_loadu_ps(r->inv + c)), one);
-                t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* NaN -> cell 0, as in map_row */
-                __m256i cell = _mm256_add_epi32(_mm256_cvttps_epi32(t),
-                                                _mm256_loadu_si256((const __m256i *)(r->pair_base + c)));
-                _mm256_storeu_ps(yp + c, pair_lookup(pairs, cell, v));
+            if (B == 1) { /* eight channels at a time: lanes gather from eight tables */
+                const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+                const __m256 vtop = _mm256_set1_ps((float)(cells + 1));
+                const long long *pairs = (const long long *)r->tabs;
+                for (; c + 8 <= c1; c += 8) {
+                    __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + c), _mm256_loadu_ps(r->pa + c)),
+                                             _mm256_loadu_ps(r->pb + c));
+                    __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, _mm256_loadu_ps(r->lo + c)),
+                                                           _mm256_loadu_ps(r->inv + c)), one);
+                    t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* NaN -> cell 0, as in map_row */
+                    __m256i cell = _mm256_add_epi32(_mm256_cvttps_epi32(t),
+                                                    _mm256_loadu_si256((const __m256i *)(r->pair_base + c)));
+                    _mm256_storeu_ps(yp + c, pair_lookup(pairs, cell, v));
+                }
             }
-        }
 #endif
-        for (; c < C; c++) {
-            map_row(xp + c * B, yp + c * B, B, r->pa[c], r->pb[c], r->lo[c], r->inv[c], r->tabs + c * stride, cells);
+            for (; c < c1; c++) {
+                map_row(xp + c * B, yp + c * B, B, r->pa[c], r->pb[c], r->lo[c], r->inv[c], r->tabs + c * stride, cells);
+            }
         }
     }
 }

@@ -6,7 +6,9 @@ map itself (a binary search and several gathers per value, on a transposed copy)
 1. Target quantiles come from a fixed random subset of at most ``target_samples`` positions per
    layer (the same positions for every channel, drawn once per tensor shape with a fixed seed, so a
    batch's result never depends on earlier batches). By DKW, 8,192 values keep the sample CDF
-   within 0.015 of the batch CDF with probability 0.95.
+   within 0.015 of the batch CDF with probability 0.95. p0 and p100 are the batch's own extremes
+   (one pass over the values), as in the exact path: the tail strategies anchor on them, and a
+   sample's extremes fall short of the batch's.
 2. The map is piecewise linear. Between the first and last inner knots it is tabulated on a uniform
    grid of ``grid`` cells per channel (the exact map at the grid points); outside, every tail
    strategy is affine (:func:`aqr.qmap.tail_lines`). One elementwise pass evaluates it directly
@@ -154,12 +156,15 @@ def _map_sample(
 
     Builds the lookup table (tail lines, the exact map on the grid) and applies
     :func:`_lookup_kernel`; as one function, one ``torch.compile`` fuses the few dozen small table
-    ops with the map (and the sort, where it runs here). Also returns a 0-d bool tensor: whether the
-    sample's extremes are finite.
+    ops with the map (and the sort, where it runs here). Also returns a 0-d bool tensor: whether
+    every value of ``x`` is finite (its extremes are).
     """
     k, c = sq.shape[1], sq.shape[0]
     ordered = sample if presorted else sort_rows(sample)
     tq = sorted_quantiles(ordered, k)
+    # p0 and p100 are the extremes of every value, as in the exact path: the sample's fall short of
+    # the batch's, and the tail strategies anchor on them. A NaN anywhere makes them NaN.
+    tq = torch.cat([x.amin(dim=(0, 2)).float()[:, None], tq[:, 1 : k - 1], x.amax(dim=(0, 2)).float()[:, None]], dim=1)
     mean = std = None
     if tail in ("interval", "gaussian"):
         mean = ordered.mean(dim=1, keepdim=True)

@@ -93,7 +93,7 @@ def load_kernels() -> tuple[ctypes.CDLL | None, str]:
 def load(command: list[str]) -> ctypes.CDLL:
     """Build the kernels with ``command`` (cached) and load them, on torch's OpenMP team if found."""
     lib = ctypes.CDLL(str(_build(command)))
-    lib.aqr_subset_quantiles.argtypes = [_P, _P, _I, _P, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
+    lib.aqr_subset_quantiles.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
     lib.aqr_table_map.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I, ctypes.c_int]
     lib.aqr_use_openmp.argtypes = [_P, _P, _P]
     team = openmp_entry_points()
@@ -164,9 +164,10 @@ def subset_quantiles(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
     """Quantiles ``(C, K)`` of ``x`` (A, C, B; float32, contiguous) at flat ``positions`` (S,) of channel 0.
 
-    Channel ``c`` is read at ``positions + c * B`` (and transformed by ``pre`` first, if given).
-    Also returns the sample's mean and std ``(C, 1)`` (``None`` unless ``moments``) and whether
-    every sampled value was finite (the knots of a channel that was not are NaN).
+    Channel ``c`` is read at ``positions + c * B`` (and transformed by ``pre`` first, if given);
+    p0 and p100 are the extremes of all of the channel's values, as in the exact path. Also returns
+    the sample's mean and std ``(C, 1)`` (``None`` unless ``moments``) and whether every value was
+    finite (the knots of a channel that was not are NaN).
     """
     c, s = x.shape[1], positions.shape[0]
     rank_lo, frac = _ranks(s, num_quantiles)
@@ -174,7 +175,7 @@ def subset_quantiles(
     stats = torch.empty(c, 2) if moments else None
     finite = torch.empty(c, dtype=torch.int32)
     status = lib.aqr_subset_quantiles(
-        _ptr(x), _ptr(positions), x.shape[2], *_affine_ptrs(pre), c, s, num_quantiles, _ptr(rank_lo),
+        _ptr(x), x.shape[0], c, x.shape[2], _ptr(positions), *_affine_ptrs(pre), s, num_quantiles, _ptr(rank_lo),
         _ptr(frac), max(16, s // 2), crowded_bucket(s), _ptr(tq), None if stats is None else _ptr(stats),
         _ptr(finite), torch.get_num_threads(),
     )
