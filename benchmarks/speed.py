@@ -1,9 +1,9 @@
 """Per-batch cost of each adaptation method, as a ratio to the unadapted forward pass.
 
 Everything is measured in one process, side by side: for each model and batch size, every method
-runs ``--warmup`` batches (torch.compile happens there) and then ``--repeats`` timed batches; the
-table reports the median wall time per batch and its ratio to the plain forward of the same model
-and batch size. A second part measures AQR's calibration on ``--calib-images`` source images: wall
+runs ``--warmup`` batches (torch.compile happens there), then ``--repeats`` rounds time each method
+once, back to back. The table reports the median wall time per batch and the median over rounds of
+its ratio to the plain forward of the same round (drift of a shared machine cancels within a round). A second part measures AQR's calibration on ``--calib-images`` source images: wall
 time against one plain forward pass over the same images, and peak resident memory of a fresh
 process doing only that calibration against one doing only the forward pass.
 
@@ -55,18 +55,14 @@ def images(n: int, seed: int = 0) -> torch.Tensor:
     return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 
-def timed(fn, x: torch.Tensor, warmup: int, repeats: int) -> float:
+def run_once(fn, x: torch.Tensor, method: str) -> float:
+    """Wall time of one batch (gradients on for the methods that take a backward pass)."""
     sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn(x)
-    sync()
-    times = []
-    for _ in range(repeats):
+    with torch.no_grad() if method not in ("tent", "sar") else torch.enable_grad():
         start = time.perf_counter()
         fn(x)
         sync()  # GPU work is asynchronous: a batch is done when its kernels are
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time.perf_counter() - start
 
 
 def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: int):
@@ -83,6 +79,9 @@ def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: in
 
 
 def per_batch(args: argparse.Namespace) -> list[dict]:
+    """Per model and batch size: every method warmed up, then ``repeats`` rounds that time each
+    method once, back to back. A method's ratio is the median over rounds of its time over the
+    plain forward's time in the same round, so the machine's drift cancels within a round."""
     rows = []
     source = images(args.calib_images if not args.quick else 1000)
     for name in args.models:
@@ -92,21 +91,26 @@ def per_batch(args: argparse.Namespace) -> list[dict]:
             x = images(batch, seed=1)
             x = (x + 0.1 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2))).clamp(0, 1)
             x = x.to(args.device)
-            base = None
+            runners = {"source": build("source", model, stats, batch)}  # the baseline of every ratio
             for method in args.methods:
                 try:
-                    runner = build(method, model, stats, batch)
+                    runners[method] = build(method, model, stats, batch)
                 except methods.NotApplicable:
                     rows.append({"model": name, "batch": batch, "method": method, "seconds": None, "ratio": None})
+            for method, runner in runners.items():
+                for _ in range(args.warmup):  # torch.compile happens here
+                    run_once(runner, x, method)
+            times: dict[str, list[float]] = {method: [] for method in runners}
+            for _ in range(args.repeats):
+                for method, runner in runners.items():
+                    times[method].append(run_once(runner, x, method))
+            for method in runners:
+                if method not in args.methods:
                     continue
-                with torch.no_grad() if method not in ("tent", "sar") else torch.enable_grad():
-                    seconds = timed(runner, x, args.warmup, args.repeats)
-                if method == "source":
-                    base = seconds
-                rows.append({"model": name, "batch": batch, "method": method, "seconds": seconds,
-                             "ratio": seconds / base if base else None})
-                print(f"{name:12s} batch {batch:4d} {method:10s} {seconds * 1e3:9.1f} ms  x{rows[-1]['ratio'] or 0:.2f}",
-                      flush=True)
+                ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))
+                seconds = statistics.median(times[method])
+                rows.append({"model": name, "batch": batch, "method": method, "seconds": seconds, "ratio": ratio})
+                print(f"{name:12s} batch {batch:4d} {method:10s} {seconds * 1e3:9.1f} ms  x{ratio:.2f}", flush=True)
     return rows
 
 

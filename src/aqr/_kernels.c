@@ -209,6 +209,22 @@ static void moments_of(const float *v, int64_t n, float *out) {
     out[1] = (float)sqrt(var > 0 ? var : 0);
 }
 
+/* Min, max and NaN flag of every value of channel c, channel-major layouts: A rows of B contiguous
+   values. Run just before the channel's sample is gathered, it also brings those rows into cache. */
+static void channel_extremes(quant_args *a, int64_t c) {
+    float mn = INFINITY, mx = -INFINITY;
+    int nan = 0;
+    for (int64_t row = 0; row < a->A; row++) {
+        float rmn, rmx;
+        nan |= min_max(a->src + (row * a->C + c) * a->B, a->B, &rmn, &rmx);
+        mn = rmn < mn ? rmn : mn;
+        mx = rmx > mx ? rmx : mx;
+    }
+    a->ext_min[c] = mn;
+    a->ext_max[c] = mx;
+    a->ext_nan[c] = nan;
+}
+
 static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
     quant_args *a = (quant_args *)p;
     const int64_t S = a->S, K = a->K;
@@ -239,6 +255,7 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
         float *out = a->tq + c * K;
         float pa = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
         if (a->pos) {
+            channel_extremes(a, c);
             for (int64_t i = 0; i < S; i++) buf[i] = xc[a->pos[i]] * pa + pb;
         } else { /* already gathered, channel by channel (transpose_part) */
             for (int64_t i = 0; i < S; i++) buf[i] = xc[i] * pa + pb;
@@ -323,27 +340,7 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
     }
 }
 
-/* Per-channel min, max and NaN flag of the whole layer output, channel-major layouts: one channel
-   is A rows of B contiguous values. */
-static void extremes_part(void *p, int part, int64_t c0, int64_t c1) {
-    (void)part;
-    quant_args *a = (quant_args *)p;
-    for (int64_t c = c0; c < c1; c++) {
-        float mn = INFINITY, mx = -INFINITY;
-        int nan = 0;
-        for (int64_t row = 0; row < a->A; row++) {
-            float rmn, rmx;
-            nan |= min_max(a->src + (row * a->C + c) * a->B, a->B, &rmn, &rmx);
-            mn = rmn < mn ? rmn : mn;
-            mx = rmx > mx ? rmx : mx;
-        }
-        a->ext_min[c] = mn;
-        a->ext_max[c] = mx;
-        a->ext_nan[c] = nan;
-    }
-}
-
-/* The same for channels-last layouts, over a range of rows into this part's own (C) arrays
+/* Extremes for channels-last layouts, over a range of rows into this part's own (C) arrays
    (ext_min/ext_max/ext_nan + part * C); aqr_subset_quantiles combines the parts. */
 static void extremes_rows_part(void *p, int part, int64_t r0, int64_t r1) {
     quant_args *a = (quant_args *)p;
@@ -407,9 +404,7 @@ int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const 
     }
     quant_args a = {x, pos, B, pre_scale, pre_shift, S, K, nbins, crowded, A, C, B, x, rank_lo, frac, tq, moments,
                     finite, scratch, NULL, ext, ext + C * (row_parts + 1), ext_nan};
-    if (B >= ROWS_LAYOUT_BELOW) {
-        parallel_for(extremes_part, &a, C, parts);
-    } else {
+    if (B < ROWS_LAYOUT_BELOW) { /* channel-major layouts get theirs in quantiles_part */
         for (int64_t i = 0; i < C * (row_parts + 1); i++) a.ext_min[i] = INFINITY, a.ext_max[i] = -INFINITY, a.ext_nan[i] = 0;
         parallel_for(extremes_rows_part, &a, A, row_parts); /* a smaller team leaves slots as set */
         for (int64_t c = 0; c < C; c++) {

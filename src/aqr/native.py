@@ -2,11 +2,18 @@
 
 Two calls per layer replace the sort, the table and the compiled map of :mod:`aqr.fastmap`:
 
-* :func:`subset_quantiles`: exact quantiles of the sampled positions of each channel. A histogram
-  locates the buckets that hold the needed order statistics and only those are sorted, so the knots
-  equal those of a full sort of the sample (about 4x cheaper than numpy's sort of 8,192 values).
+* :func:`subset_quantiles`: the quantiles of each channel's sampled positions, read from a
+  histogram of ``S / 2`` equal-width buckets. Each inner knot is within one bucket width (and its
+  rank within ``S / 256``) of the sorted sample's; a bucket holding more values than that (ties,
+  outliers) is sorted, so its knots are exact, and samples of up to 512 values are sorted whole.
+  p0 and p100 are the extremes of every value of the channel, as in the exact path.
 * :func:`table_map`: builds each channel's lookup table and maps the channel while the table is
-  in L1 cache, with AVX2 gathers where the CPU has them (about 2x the speed of inductor's kernel).
+  in cache, one 64-bit gather per (slope, intercept) pair where the CPU has AVX2. An eval-mode
+  BatchNorm's affine step can be folded into both calls (``pre``).
+
+On ResNet-20 at batch 128 the two take about 45 ms per batch on 2 cores, against about 95 ms for
+the compiled torch path (sort in numpy, table and map from inductor). Parallel work runs on the
+OpenMP team torch itself uses (:func:`openmp_entry_points`).
 
 The shared library is cached under ``$AQR_CACHE_DIR`` (default ``~/.cache/aqr``), named by a hash
 of the source, the compiler command and the flags. Without a working compiler :func:`load_kernels`
