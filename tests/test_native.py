@@ -220,3 +220,24 @@ def test_portable_build_matches_the_avx2_build():
             native.table_map(LIB, x, got[0], sq, "average", 128),
             atol=1e-6, rtol=1e-6,
         )
+
+
+@needs_kernels
+@pytest.mark.parametrize("tail", aqr.TAILS)
+def test_one_pass_recalibrate_equals_quantiles_then_map(tail):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(24, 7, 400, generator=g) * 1.5 - 0.3
+    x[:, 2] = 1.0  # constant channel
+    a, b = torch.randn(7, generator=g), torch.randn(7, generator=g)
+    sq = torch.randn(7, 3000, generator=g).sort(1).values[:, torch.linspace(0, 2999, 101).long()]
+    loc, scale = torch.randn(7, 1, generator=g) * 0.1, torch.rand(7, 1, generator=g) + 0.5
+    z = gaussian_z(101, 0.01) if tail == "gaussian" else None
+    pos = fastmap.SubsetCache(4096).positions(x)
+    for pre in (None, (a, b)):
+        tq, mean, std, finite = native.subset_quantiles(LIB, x, pos, 101, True, pre)
+        want = native.table_map(LIB, x, tq, sq, tail, 256, mean, std, loc, scale, z, pre)
+        got, ok = native.recalibrate(LIB, x, pos, sq, tail, 256, loc, scale, z, pre)
+        assert ok and finite
+        assert torch.equal(got, want)
+    x[3, 4, 5] = float("inf")
+    assert not native.recalibrate(LIB, x, pos, sq, tail, 256, loc, scale, z)[1]

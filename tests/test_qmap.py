@@ -179,7 +179,7 @@ def test_interval_tail_rescales_by_batch_std_and_gamma():
     torch.testing.assert_close(y[0, 2:6], torch.tensor([-1.0, -0.5, 0.0, 0.5]))
 
 
-@pytest.mark.parametrize("p", [1e-4, 1e-3, 1e-2])
+@pytest.mark.parametrize("p", [1e-4, 1e-3, 1e-2, 0.25])  # 0.25 is the level of p1 here: z(p1) = z(p0)
 def test_gaussian_tail_is_affine_and_independent_of_p(p):
     mean, std = float(X.mean()), float(X.std(correction=0))
     y = aqr.quantile_map(X, SQ, TQ, tail="gaussian", source_loc=LOC, source_scale=SCALE, gaussian_p=p)

@@ -121,9 +121,12 @@ typedef struct {
     int32_t *finite;        /* (C) out: 1 when every sampled value is finite */
     char *scratch;          /* per part: quant_scratch_bytes */
     float *gathered;        /* (C, S) for channels-last layouts (transpose_part), else NULL */
-    float *ext_min, *ext_max; /* (C): the extremes of every value of each channel (extremes_part) */
+    float *ext_min, *ext_max; /* (C): the extremes of every value of each channel */
     int32_t *ext_nan;         /* (C): whether any value of the channel is NaN */
+    struct map_args *then_map; /* aqr_recalibrate: map each finite channel right after its quantiles */
 } quant_args;
+
+static void after_channel(quant_args *a, int part, int64_t c);
 
 /* Scratch sizes are rounded to 64 bytes, so every part's slice (and each array in it) is aligned. */
 static int64_t round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
@@ -250,7 +253,8 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
         index[k] = at;
     }
     memset(crowd, 0, (size_t)NB);
-    for (int64_t c = c0; c < c1; c++) {
+    /* after_channel runs after every channel, also those that `continue` early */
+    for (int64_t c = c0; c < c1; after_channel(a, part, c), c++) {
         const float *xc = a->x + c * a->stride;
         float *out = a->tq + c * K;
         float pa = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
@@ -403,7 +407,7 @@ int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const 
         return -1;
     }
     quant_args a = {x, pos, B, pre_scale, pre_shift, S, K, nbins, crowded, A, C, B, x, rank_lo, frac, tq, moments,
-                    finite, scratch, NULL, ext, ext + C * (row_parts + 1), ext_nan};
+                    finite, scratch, NULL, ext, ext + C * (row_parts + 1), ext_nan, NULL};
     if (B < ROWS_LAYOUT_BELOW) { /* channel-major layouts get theirs in quantiles_part */
         for (int64_t i = 0; i < C * (row_parts + 1); i++) a.ext_min[i] = INFINITY, a.ext_max[i] = -INFINITY, a.ext_nan[i] = 0;
         parallel_for(extremes_rows_part, &a, A, row_parts); /* a smaller team leaves slots as set */
@@ -448,7 +452,7 @@ int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const 
 /* Tail strategies (aqr.qmap.TAILS); "standard" and "average" differ only in the source knots. */
 enum { TAIL_EQ1 = 0, TAIL_NONE = 1, TAIL_CLIP = 2, TAIL_INTERVAL = 3, TAIL_GAUSSIAN = 4 };
 
-typedef struct {
+typedef struct map_args {
     const float *x;
     float *y;
     int64_t A, C, B;
@@ -456,7 +460,8 @@ typedef struct {
     const float *tq, *sq;               /* (C, K) */
     int64_t K;
     int tail;
-    const float *mean, *std;  /* (C): the sample's moments (interval, gaussian) */
+    const float *mean, *std;  /* (C): the sample's moments (interval, gaussian), mstride apart */
+    int64_t mstride;
     const float *loc, *scale; /* (C): the source's (gaussian; scale also interval) */
     const double *z;          /* (4): probits at p0, p1, p_{K-2}, p100 (gaussian) */
     int64_t cells;
@@ -474,7 +479,8 @@ static void tail_lines(const map_args *a, int64_t c, float lines[4]) {
     float s0 = sq[0], s1 = sq[1], s98 = sq[K - 2], s99 = sq[K - 1];
     float std = 1.0f, scale = 0.0f;
     if (a->tail == TAIL_INTERVAL || a->tail == TAIL_GAUSSIAN) {
-        std = a->std[c] > 0 ? a->std[c] : 1.0f; /* constant channel: no spread to rescale */
+        float sd = a->std[c * a->mstride];
+        std = sd > 0 ? sd : 1.0f; /* constant channel: no spread to rescale */
         scale = a->scale[c];
     }
     switch (a->tail) {
@@ -490,14 +496,12 @@ static void tail_lines(const map_args *a, int64_t c, float lines[4]) {
         return;
     }
     case TAIL_GAUSSIAN: {
-        const double *z = a->z;
-        float dz_lo = (float)(z[1] - z[0]), dz_hi = (float)(z[3] - z[2]);
+        const double *z = a->z; /* the slopes' probit differences cancel: both are scale / std */
         float z0 = (float)z[0], z98 = (float)z[2];
-        float mean = a->mean[c], loc = a->loc[c];
-        lines[0] = (scale * dz_lo) / (std * dz_lo);
-        lines[2] = (scale * dz_hi) / (std * dz_hi);
-        lines[1] = (loc + scale * z0) - lines[0] * (mean + std * z0);
-        lines[3] = s98 - lines[2] * (mean + std * z98);
+        float mean = a->mean[c * a->mstride], loc = a->loc[c], s = scale / std;
+        lines[0] = s, lines[2] = s;
+        lines[1] = (loc + scale * z0) - s * (mean + std * z0);
+        lines[3] = s98 - s * (mean + std * z98);
         return;
     }
     default: /* Eq. 1 on the edge intervals, extended linearly beyond */
@@ -601,21 +605,27 @@ static int64_t map_scratch_bytes(int64_t K, int64_t cells) {
     return round64((int64_t)sizeof(int64_t) * K + (int64_t)sizeof(float) * (3 * cells + 5));
 }
 
-static void map_part(void *p, int part, int64_t c0, int64_t c1) {
-    map_args *a = (map_args *)p;
+/* Build channel c's table in this part's scratch and map all of the channel's rows. */
+static void map_channel(map_args *a, int part, int64_t c) {
     const int64_t cells = a->cells;
     int64_t *run_start = (int64_t *)(a->scratch + part * map_scratch_bytes(a->K, cells));
     float *tab = (float *)(run_start + a->K); /* 8-byte aligned: the pairs are gathered as int64 */
     float *values = tab + 2 * (cells + 2);
-    for (int64_t c = c0; c < c1; c++) {
-        float lo, inv;
-        build_table(a, c, values, tab, run_start, &lo, &inv);
-        float pa = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
-        for (int64_t r = 0; r < a->A; r++) {
-            int64_t at = (r * a->C + c) * a->B;
-            map_row(a->x + at, a->y + at, a->B, pa, pb, lo, inv, tab, cells);
-        }
+    float lo, inv;
+    build_table(a, c, values, tab, run_start, &lo, &inv);
+    float pa = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
+    for (int64_t r = 0; r < a->A; r++) {
+        int64_t at = (r * a->C + c) * a->B;
+        map_row(a->x + at, a->y + at, a->B, pa, pb, lo, inv, tab, cells);
     }
+}
+
+static void map_part(void *p, int part, int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; c++) map_channel((map_args *)p, part, c);
+}
+
+static void after_channel(quant_args *a, int part, int64_t c) {
+    if (a->then_map && a->finite[c]) map_channel(a->then_map, part, c);
 }
 
 /* Channels-last layouts (B small, e.g. a ViT's LayerNorm over (tokens, C)): every channel's table
@@ -691,7 +701,7 @@ int aqr_table_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, con
     int parts = num_parts(C, nthreads);
     char *scratch = malloc((size_t)(parts * map_scratch_bytes(K, cells)));
     if (!scratch) return -1;
-    map_args a = {x, y, A, C, B, pre_scale, pre_shift, tq, sq, K, tail, mean, std, loc, scale, z, cells, scratch};
+    map_args a = {x, y, A, C, B, pre_scale, pre_shift, tq, sq, K, tail, mean, std, 1, loc, scale, z, cells, scratch};
     if (B >= ROWS_LAYOUT_BELOW) {
         parallel_for(map_part, &a, C, parts);
         free(scratch);
@@ -710,5 +720,37 @@ int aqr_table_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, con
     free(tabs);
     free(pair_base);
     free(scratch);
+    return status;
+}
+
+/* Channel-major layouts (B >= ROWS_LAYOUT_BELOW): aqr_subset_quantiles and aqr_table_map in one
+   pass per channel. A channel's values are read for its extremes and sample, then mapped while
+   they are still in cache, which saves one read of the layer output from memory. Channels whose
+   values are not all finite are left unmapped (finite[c] = 0). moments (C, 2) is required by the
+   parametric tails. Returns 0, or -1 when scratch memory failed. */
+int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, const int64_t *pos,
+                    const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
+                    const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
+                    const float *sq, int tail, const float *loc, const float *scale, const double *z,
+                    int64_t cells, float *tq, float *moments, int32_t *finite, int nthreads) {
+    if (B < ROWS_LAYOUT_BELOW) return -2;
+    int parts = num_parts(C, nthreads);
+    char *qscratch = malloc((size_t)(parts * quant_scratch_bytes(S, nbins, K)));
+    char *mscratch = malloc((size_t)(parts * map_scratch_bytes(K, cells)));
+    float *ext = malloc(sizeof(float) * (size_t)(2 * C));
+    int32_t *ext_nan = malloc(sizeof(int32_t) * (size_t)C);
+    int status = -1;
+    if (qscratch && mscratch && ext && ext_nan) {
+        map_args m = {x, y, A, C, B, pre_scale, pre_shift, tq, sq, K, tail, moments, moments ? moments + 1 : NULL,
+                      2, loc, scale, z, cells, mscratch};
+        quant_args q = {x, pos, B, pre_scale, pre_shift, S, K, nbins, crowded, A, C, B, x, rank_lo, frac, tq, moments,
+                        finite, qscratch, NULL, ext, ext + C, ext_nan, &m};
+        parallel_for(quantiles_part, &q, C, parts);
+        status = 0;
+    }
+    free(qscratch);
+    free(mscratch);
+    free(ext);
+    free(ext_nan);
     return status;
 }

@@ -33,7 +33,9 @@ from collections.abc import Callable
 
 import torch
 
-from aqr.native import Affine, load_kernels, subset_quantiles, table_map
+from aqr.native import (
+    PARAMETRIC_TAILS, ROWS_LAYOUT_BELOW, Affine, load_kernels, recalibrate, subset_quantiles, table_map,
+)
 from aqr.qmap import _eval_levels, _interp_levels, gaussian_z, sort_rows, sorted_quantiles, tail_lines
 
 _SUBSET_SEED = 0x5EED
@@ -215,7 +217,10 @@ def lookup_map(
         lib = native_kernels()
         if lib is not None:
             x = x.contiguous()
-            moments = tail in ("interval", "gaussian")
+            if x.shape[2] >= ROWS_LAYOUT_BELOW:  # one pass per channel, quantiles then map
+                y, finite = recalibrate(lib, x, subsets.positions(x), sq, tail, cells, loc, scale, z, pre)
+                return (y, torch.tensor(True)) if finite else (x, torch.tensor(False))
+            moments = tail in PARAMETRIC_TAILS
             tq, mean, std, finite = subset_quantiles(lib, x, subsets.positions(x), sq.shape[1], moments, pre)
             if not finite:
                 return x, torch.tensor(False)

@@ -102,6 +102,8 @@ def load(command: list[str]) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build(command)))
     lib.aqr_subset_quantiles.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
     lib.aqr_table_map.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I, ctypes.c_int]
+    lib.aqr_recalibrate.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _P, _P, _P,
+                                    _I, _P, _P, _P, ctypes.c_int]
     lib.aqr_use_openmp.argtypes = [_P, _P, _P]
     team = openmp_entry_points()
     if team is not None:
@@ -193,6 +195,53 @@ def subset_quantiles(
 
 
 TAIL_CODES = {"standard": 0, "average": 0, "none": 1, "clip": 2, "interval": 3, "gaussian": 4}
+PARAMETRIC_TAILS = ("interval", "gaussian")  # the tails that read the sample's mean and std
+ROWS_LAYOUT_BELOW = 16  # as in _kernels.c: fewer values per (row, channel) count as channels-last
+
+
+def _per_channel(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if t is None else t.reshape(-1).contiguous().float() for t in tensors]
+
+
+def recalibrate(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    sq: torch.Tensor,
+    tail: str,
+    cells: int,
+    loc: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    z: tuple[float, float, float, float] | None = None,
+    pre: Affine | None = None,
+) -> tuple[torch.Tensor, bool]:
+    """:func:`subset_quantiles` then :func:`table_map`, in one pass per channel (channel-major ``x``).
+
+    A channel is mapped right after its quantiles, while its values are still in cache. Returns the
+    mapped ``x`` and whether every value was finite; if not, the output's non-finite channels hold
+    no values (they are never written).
+    """
+    a, c, b = x.shape
+    if b < ROWS_LAYOUT_BELOW:
+        raise ValueError(f"recalibrate takes channel-major layouts ({ROWS_LAYOUT_BELOW}+ values per row and channel), got {b}")
+    s, k = positions.shape[0], sq.shape[1]
+    rank_lo, frac = _ranks(s, k)
+    y = torch.empty_like(x)
+    tq = torch.empty(c, k)
+    moments = torch.empty(c, 2) if tail in PARAMETRIC_TAILS else None
+    finite = torch.empty(c, dtype=torch.int32)
+    sq = sq.contiguous().float()
+    loc, scale = _per_channel(loc, scale)
+    zs = None if z is None else torch.tensor(z, dtype=torch.float64)
+    status = lib.aqr_recalibrate(
+        _ptr(x), _ptr(y), a, c, b, _ptr(positions), *_affine_ptrs(pre), s, k, _ptr(rank_lo), _ptr(frac),
+        max(16, s // 2), crowded_bucket(s), _ptr(sq), TAIL_CODES[tail],
+        *(None if t is None else _ptr(t) for t in (loc, scale, zs)), cells, _ptr(tq),
+        None if moments is None else _ptr(moments), _ptr(finite), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise NativeKernelError(f"aqr_recalibrate could not allocate scratch memory for {c} x {s} values")
+    return y, bool(finite.all())
 
 
 def table_map(
@@ -218,12 +267,12 @@ def table_map(
     a, c, b = x.shape
     if tail not in TAIL_CODES:
         raise ValueError(f"unknown tail strategy {tail!r}")
-    parametric = tail in ("interval", "gaussian")
+    parametric = tail in PARAMETRIC_TAILS
     if parametric and (mean is None or std is None or scale is None or (tail == "gaussian" and (loc is None or z is None))):
         raise ValueError(f'tail="{tail}" needs the sample mean and std and the source moments')
     y = torch.empty_like(x)
     tq, sq = tq.contiguous().float(), sq.contiguous().float()
-    per_channel = [None if t is None else t.reshape(-1).contiguous().float() for t in (mean, std, loc, scale)]
+    per_channel = _per_channel(mean, std, loc, scale)
     zs = None if z is None else torch.tensor(z, dtype=torch.float64)
     status = lib.aqr_table_map(
         _ptr(x), _ptr(y), a, c, b, *_affine_ptrs(pre), _ptr(tq), _ptr(sq), tq.shape[1], TAIL_CODES[tail],

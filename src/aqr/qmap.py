@@ -253,11 +253,12 @@ def tail_lines(
         a = scale / std
         return a, s0 - a * t0, a, s98 - a * t98
     loc = _per_channel(source_loc, "source_loc", tail, sq)
-    z0, z1, z98, z99 = z if z is not None else gaussian_z(k, gaussian_p)
-    # Q^T(p) = mean + std z(p), Q^S(p) = loc + scale z(p); lower anchored at Q^S(p0), upper at p_{K-2}^S
-    a_lo = (scale * (z1 - z0)) / (std * (z1 - z0))
-    a_hi = (scale * (z99 - z98)) / (std * (z99 - z98))
-    return a_lo, (loc + scale * z0) - a_lo * (mean + std * z0), a_hi, s98 - a_hi * (mean + std * z98)
+    z0, _, z98, _ = z if z is not None else gaussian_z(k, gaussian_p)
+    # Q^T(p) = mean + std z(p), Q^S(p) = loc + scale z(p); lower anchored at Q^S(p0), upper at p_{K-2}^S.
+    # Both slopes, (Q^S(p1) - Q^S(p0)) / (Q^T(p1) - Q^T(p0)) and the upper one, are scale / std: the
+    # probit differences cancel (computing them would give 0 / 0 when gaussian_p = 1 / (K - 1)).
+    a = scale / std
+    return a, (loc + scale * z0) - a * (mean + std * z0), a, s98 - a * (mean + std * z98)
 
 
 def _slope(rise: torch.Tensor, run: torch.Tensor) -> torch.Tensor:
