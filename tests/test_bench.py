@@ -402,3 +402,16 @@ def test_image_tail_statistics_are_cached_apart(tiny: GridSpec, tmp_path: Path) 
         assert run_cell(cell, tmp_path / "cache").status == "ok"
     units = {v: aqr.SourceStats.load(p).tail_unit for v, p in paths.items()}
     assert units == {"aqr": "images", "aqr[tail=average,tail_unit=values]": "values"}
+
+
+def test_aqr_cell_keys_follow_the_fast_path_version(monkeypatch) -> None:
+    """A change of AQR's default fast path must not reuse rows computed before it."""
+    from aqr import grid
+
+    files = {"weights": "a", "source": "b", "eval": "c", "labels": "d"}
+    aqr_cell = next(c for c in preset("smoke").cells() if c.method == "aqr")
+    other = next(c for c in preset("smoke").cells() if c.method != "aqr")
+    before = cell_key(aqr_cell, files, "1.0"), cell_key(other, files, "1.0")
+    monkeypatch.setattr(grid, "AQR_FAST_PATH_VERSION", grid.AQR_FAST_PATH_VERSION + 1)
+    assert cell_key(aqr_cell, files, "1.0") != before[0]
+    assert cell_key(other, files, "1.0") == before[1]

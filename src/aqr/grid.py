@@ -25,6 +25,10 @@ PROTOCOL_VERSION = 1
 # Part of AQR cells' keys only: bump when AQR's default source statistics change.
 # 1: Average Sample Tails over 100 activation values; 2: over 100 images (tail_unit="images").
 AQR_STATS_VERSION = 2
+# Part of AQR cells' keys only: bump when the default fast path changes its results.
+# 1: p0/p100 and inner knots from the sample (numpy sort); 2: p0/p100 from every value, inner knots
+# from the sample's histogram (aqr.native), 2026-11-26.
+AQR_FAST_PATH_VERSION = 2
 
 PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke")
 TAIL_NAMES = ("standard", "average", "none", "clip", "interval", "gaussian")
@@ -179,6 +183,7 @@ def cell_key(cell: Cell, fingerprints: Mapping[str, str], version: str) -> str:
     }
     if cell.method == "aqr":
         payload["aqr_stats_version"] = AQR_STATS_VERSION
+        payload["aqr_fast_path_version"] = AQR_FAST_PATH_VERSION
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:32]
 
 
