@@ -241,3 +241,16 @@ def test_one_pass_recalibrate_equals_quantiles_then_map(tail):
         assert torch.equal(got, want)
     x[3, 4, 5] = float("inf")
     assert not native.recalibrate(LIB, x, pos, sq, tail, 256, loc, scale, z)[1]
+
+
+@needs_kernels
+def test_missing_tail_inputs_are_named_not_dereferenced():
+    x = torch.randn(4, 3, 64)
+    pos = fastmap.SubsetCache(256).positions(x)
+    sq = torch.randn(3, 11).sort(1).values
+    with pytest.raises(ValueError, match="gaussian"):
+        native.recalibrate(LIB, x, pos, sq, "gaussian", 32, scale=torch.ones(3))  # no loc, no z
+    with pytest.raises(ValueError, match="interval"):
+        native.table_map(LIB, x, sq, sq, "interval", 32)  # no sample moments
+    with pytest.raises(ValueError, match="unknown tail"):
+        native.recalibrate(LIB, x, pos, sq, "median", 32)

@@ -118,7 +118,7 @@ typedef struct {
     const float *frac;      /* (K) interpolation weight toward rank_lo + 1 */
     float *tq;              /* (C, K) out */
     float *moments;         /* (C, 2) out: mean, std (population); NULL: not wanted */
-    int32_t *finite;        /* (C) out: 1 when every sampled value is finite */
+    int32_t *finite;        /* (C) out: 1 when every value of the channel is finite */
     char *scratch;          /* per part: quant_scratch_bytes */
     float *gathered;        /* (C, S) for channels-last layouts (transpose_part), else NULL */
     float *ext_min, *ext_max; /* (C): the extremes of every value of each channel */
@@ -388,16 +388,21 @@ static void transpose_part(void *p, int part, int64_t i0, int64_t i1) {
 }
 
 /* x is a layer output (A, C, B). Per channel c: tq[c] = the K quantiles of pre_scale * x + pre_shift
-   (NULL: of x) at pos + c * B (S positions), but p0 and p100 over every value, read from an nbins-bucket histogram (buckets with more than `crowded` values are
-   sorted), moments[c] = (mean, std) unless moments is NULL, finite[c] = whether those values are
-   all finite (else tq[c] is NaN). Returns 0, or -1 when the scratch memory could not be allocated. */
+   (NULL: of x) at pos + c * B (S positions), read from an nbins-bucket histogram (buckets with more
+   than `crowded` values are sorted), except p0 and p100, taken over every value; moments[c] =
+   (mean, std) of the sample unless moments is NULL; finite[c] = whether every value of the channel
+   is finite (else tq[c] is NaN). Returns 0, or -1 when the scratch memory could not be allocated. */
 int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const int64_t *pos,
                          const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
                          const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
                          float *tq, float *moments, int32_t *finite, int nthreads) {
-    int parts = num_parts(C, nthreads), row_parts = num_parts(A, nthreads);
+    /* Channels-last (rows): channel c's samples sit C * B apart. Its extremes come from one pass
+       over the rows and its sample is gathered once into a (C, S) buffer, instead of reading every
+       row once per channel. Channel-major layouts do both per channel, in quantiles_part. */
+    const int rows = B < ROWS_LAYOUT_BELOW && C > 1;
+    int parts = num_parts(C, nthreads), row_parts = rows ? num_parts(A, nthreads) : 0;
     char *scratch = malloc((size_t)(parts * quant_scratch_bytes(S, nbins, K)));
-    /* extremes: (C) results, then one (C) slot per part of the channels-last pass */
+    /* extremes: (C) results, then one (C) slot per part of the rows pass */
     float *ext = malloc(sizeof(float) * (size_t)(2 * C * (row_parts + 1)));
     int32_t *ext_nan = malloc(sizeof(int32_t) * (size_t)(C * (row_parts + 1)));
     if (!scratch || !ext || !ext_nan) {
@@ -408,7 +413,7 @@ int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const 
     }
     quant_args a = {x, pos, B, pre_scale, pre_shift, S, K, nbins, crowded, A, C, B, x, rank_lo, frac, tq, moments,
                     finite, scratch, NULL, ext, ext + C * (row_parts + 1), ext_nan, NULL};
-    if (B < ROWS_LAYOUT_BELOW) { /* channel-major layouts get theirs in quantiles_part */
+    if (rows) {
         for (int64_t i = 0; i < C * (row_parts + 1); i++) a.ext_min[i] = INFINITY, a.ext_max[i] = -INFINITY, a.ext_nan[i] = 0;
         parallel_for(extremes_rows_part, &a, A, row_parts); /* a smaller team leaves slots as set */
         for (int64_t c = 0; c < C; c++) {
@@ -419,10 +424,6 @@ int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const 
                 a.ext_nan[c] |= a.ext_nan[t * C + c] != 0;
             }
         }
-    }
-    if (B < ROWS_LAYOUT_BELOW && C > 1) {
-        /* Channels-last: channel c's samples sit C * stride apart. Gather the sampled rows once,
-           in order, into a (C, S) buffer, instead of reading every row once per channel. */
         a.gathered = malloc(sizeof(float) * (size_t)(C * S));
         if (!a.gathered) {
             free(scratch);
@@ -463,7 +464,7 @@ typedef struct map_args {
     const float *mean, *std;  /* (C): the sample's moments (interval, gaussian), mstride apart */
     int64_t mstride;
     const float *loc, *scale; /* (C): the source's (gaussian; scale also interval) */
-    const double *z;          /* (4): probits at p0, p1, p_{K-2}, p100 (gaussian) */
+    const double *z;          /* (2): probits at p0 and p_{K-2} (gaussian) */
     int64_t cells;
     char *scratch; /* per part: map_scratch_bytes */
 } map_args;
@@ -497,7 +498,7 @@ static void tail_lines(const map_args *a, int64_t c, float lines[4]) {
     }
     case TAIL_GAUSSIAN: {
         const double *z = a->z; /* the slopes' probit differences cancel: both are scale / std */
-        float z0 = (float)z[0], z98 = (float)z[2];
+        float z0 = (float)z[0], z98 = (float)z[1];
         float mean = a->mean[c * a->mstride], loc = a->loc[c], s = scale / std;
         lines[0] = s, lines[2] = s;
         lines[1] = (loc + scale * z0) - s * (mean + std * z0);

@@ -152,7 +152,7 @@ def _map_sample(
     scale: torch.Tensor,
     gaussian_p: float,
     cells: int,
-    z: tuple[float, float, float, float] | None = None,
+    z: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Map ``x`` (A, C, B) with the target knots of ``sample`` (C, S), sorted first unless ``presorted``.
 
@@ -183,7 +183,7 @@ def _map_sample(
     icpt = torch.cat([b_lo, cell_icpt, b_hi], dim=1)
     base = (torch.arange(c, device=x.device, dtype=torch.int32) * (cells + 2)).view(1, c, 1)
     y = _lookup_kernel(x, lo.reshape(1, c, 1), inv.reshape(1, c, 1), slope.reshape(-1), icpt.reshape(-1), base, cells)
-    # NaN sorts last and +-Inf sit at the ends, so finite end knots mean a finite sample.
+    # p0 and p100 are x's own extremes: finite extremes mean finite values.
     finite = torch.isfinite(tq[:, 0]).all() & torch.isfinite(tq[:, -1]).all()
     return y, finite
 
@@ -206,8 +206,8 @@ def lookup_map(
     With ``pre`` (per-channel scale and shift, native kernels only) the map applies to
     ``scale * x + shift``: an eval-mode BatchNorm folded into the map.
 
-    Also returns a 0-d bool tensor: whether the sample was finite (only the sampled positions are
-    checked; AQR checks the logits for the rest). On CPU with ``native``, aqr's C kernels do the
+    Also returns a 0-d bool tensor: whether every value of ``x`` was finite (read off its per-channel
+    extremes, which p0 and p100 are). On CPU with ``native``, aqr's C kernels do the
     work (:mod:`aqr.native`). Otherwise table and map are compiled together (each small op would
     cost a dispatch on CPU and a kernel launch on a GPU); the sort joins them on a GPU, and nothing
     there waits for the device.

@@ -149,8 +149,17 @@ def _ptr(t: torch.Tensor) -> int:
 Affine = tuple[torch.Tensor, torch.Tensor]  # per-channel (scale, shift), float32 (C,): read scale * x + shift
 
 
+def _ptr_or_null(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _affine_ptrs(pre: Affine | None) -> tuple[int | None, int | None]:
     return (None, None) if pre is None else (_ptr(pre[0]), _ptr(pre[1]))
+
+
+def _histogram(samples: int) -> tuple[int, int]:
+    """Buckets of the sample's histogram (two values each on average) and :func:`crowded_bucket`."""
+    return max(16, samples // 2), crowded_bucket(samples)
 
 
 def crowded_bucket(samples: int) -> int:
@@ -185,8 +194,7 @@ def subset_quantiles(
     finite = torch.empty(c, dtype=torch.int32)
     status = lib.aqr_subset_quantiles(
         _ptr(x), x.shape[0], c, x.shape[2], _ptr(positions), *_affine_ptrs(pre), s, num_quantiles, _ptr(rank_lo),
-        _ptr(frac), max(16, s // 2), crowded_bucket(s), _ptr(tq), None if stats is None else _ptr(stats),
-        _ptr(finite), torch.get_num_threads(),
+        _ptr(frac), *_histogram(s), _ptr(tq), _ptr_or_null(stats), _ptr(finite), torch.get_num_threads(),
     )
     if status != 0:
         raise NativeKernelError(f"aqr_subset_quantiles could not allocate scratch memory for {c} x {s} values")
@@ -203,6 +211,16 @@ def _per_channel(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [None if t is None else t.reshape(-1).contiguous().float() for t in tensors]
 
 
+def _tail_code(tail: str, moments: bool, loc: torch.Tensor | None, scale: torch.Tensor | None,
+               z: tuple[float, float] | None) -> int:
+    """The kernels' code for ``tail``, after checking that what it reads is given (a NULL would crash)."""
+    if tail not in TAIL_CODES:
+        raise ValueError(f"unknown tail strategy {tail!r}")
+    if tail in PARAMETRIC_TAILS and (not moments or scale is None or (tail == "gaussian" and (loc is None or z is None))):
+        raise ValueError(f'tail="{tail}" needs the sample mean and std and the source moments')
+    return TAIL_CODES[tail]
+
+
 def recalibrate(
     lib: ctypes.CDLL,
     x: torch.Tensor,
@@ -212,7 +230,7 @@ def recalibrate(
     cells: int,
     loc: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
-    z: tuple[float, float, float, float] | None = None,
+    z: tuple[float, float] | None = None,
     pre: Affine | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """:func:`subset_quantiles` then :func:`table_map`, in one pass per channel (channel-major ``x``).
@@ -224,6 +242,7 @@ def recalibrate(
     a, c, b = x.shape
     if b < ROWS_LAYOUT_BELOW:
         raise ValueError(f"recalibrate takes channel-major layouts ({ROWS_LAYOUT_BELOW}+ values per row and channel), got {b}")
+    code = _tail_code(tail, True, loc, scale, z)
     s, k = positions.shape[0], sq.shape[1]
     rank_lo, frac = _ranks(s, k)
     y = torch.empty_like(x)
@@ -235,9 +254,8 @@ def recalibrate(
     zs = None if z is None else torch.tensor(z, dtype=torch.float64)
     status = lib.aqr_recalibrate(
         _ptr(x), _ptr(y), a, c, b, _ptr(positions), *_affine_ptrs(pre), s, k, _ptr(rank_lo), _ptr(frac),
-        max(16, s // 2), crowded_bucket(s), _ptr(sq), TAIL_CODES[tail],
-        *(None if t is None else _ptr(t) for t in (loc, scale, zs)), cells, _ptr(tq),
-        None if moments is None else _ptr(moments), _ptr(finite), torch.get_num_threads(),
+        *_histogram(s), _ptr(sq), code, _ptr_or_null(loc), _ptr_or_null(scale), _ptr_or_null(zs), cells,
+        _ptr(tq), _ptr_or_null(moments), _ptr(finite), torch.get_num_threads(),
     )
     if status != 0:
         raise NativeKernelError(f"aqr_recalibrate could not allocate scratch memory for {c} x {s} values")
@@ -255,7 +273,7 @@ def table_map(
     std: torch.Tensor | None = None,
     loc: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
-    z: tuple[float, float, float, float] | None = None,
+    z: tuple[float, float] | None = None,
     pre: Affine | None = None,
 ) -> torch.Tensor:
     """``x`` (A, C, B, float32, contiguous) mapped with each channel's ``cells``-cell table.
@@ -265,19 +283,14 @@ def table_map(
     probits ``z`` are read by the parametric tails only). With ``pre``, maps ``scale * x + shift``.
     """
     a, c, b = x.shape
-    if tail not in TAIL_CODES:
-        raise ValueError(f"unknown tail strategy {tail!r}")
-    parametric = tail in PARAMETRIC_TAILS
-    if parametric and (mean is None or std is None or scale is None or (tail == "gaussian" and (loc is None or z is None))):
-        raise ValueError(f'tail="{tail}" needs the sample mean and std and the source moments')
+    code = _tail_code(tail, mean is not None and std is not None, loc, scale, z)
     y = torch.empty_like(x)
     tq, sq = tq.contiguous().float(), sq.contiguous().float()
     per_channel = _per_channel(mean, std, loc, scale)
     zs = None if z is None else torch.tensor(z, dtype=torch.float64)
     status = lib.aqr_table_map(
-        _ptr(x), _ptr(y), a, c, b, *_affine_ptrs(pre), _ptr(tq), _ptr(sq), tq.shape[1], TAIL_CODES[tail],
-        *(None if t is None else _ptr(t) for t in per_channel), None if zs is None else _ptr(zs), cells,
-        torch.get_num_threads(),
+        _ptr(x), _ptr(y), a, c, b, *_affine_ptrs(pre), _ptr(tq), _ptr(sq), tq.shape[1], code,
+        *map(_ptr_or_null, per_channel), _ptr_or_null(zs), cells, torch.get_num_threads(),
     )
     if status != 0:
         raise NativeKernelError(f"aqr_table_map could not allocate scratch memory for a {cells}-cell table")

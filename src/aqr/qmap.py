@@ -123,10 +123,13 @@ def _eval_levels(u: torch.Tensor, source_q: torch.Tensor) -> torch.Tensor:
     return a + (source_q.gather(1, i + 1) - a) * frac
 
 
-def gaussian_z(num_quantiles: int, gaussian_p: float) -> tuple[float, float, float, float]:
-    """Standard normal quantiles at the levels of Gaussian Estimation: p0 (``gaussian_p``), p1, p_{K-2}, p100."""
-    k, q = num_quantiles, NormalDist().inv_cdf
-    return q(gaussian_p), q(1.0 / (k - 1)), q((k - 2) / (k - 1)), q(1.0 - gaussian_p)
+def gaussian_z(num_quantiles: int, gaussian_p: float) -> tuple[float, float]:
+    """Standard normal quantiles at the two anchors of Gaussian Estimation: p0 (``gaussian_p``) and p_{K-2}.
+
+    (The slopes need no probits: their differences cancel, see :func:`tail_lines`.)
+    """
+    q = NormalDist().inv_cdf
+    return q(gaussian_p), q((num_quantiles - 2) / (num_quantiles - 1))
 
 
 def quantile_map(
@@ -223,7 +226,7 @@ def tail_lines(
     source_loc: torch.Tensor | None = None,
     source_scale: torch.Tensor | None = None,
     gaussian_p: float = DEFAULT_GAUSSIAN_P,
-    z: tuple[float, float, float, float] | None = None,
+    z: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every tail strategy is affine on each edge region: ``(a_lo, b_lo, a_hi, b_hi)``, each ``(C, 1)``.
 
@@ -253,7 +256,7 @@ def tail_lines(
         a = scale / std
         return a, s0 - a * t0, a, s98 - a * t98
     loc = _per_channel(source_loc, "source_loc", tail, sq)
-    z0, _, z98, _ = z if z is not None else gaussian_z(k, gaussian_p)
+    z0, z98 = z if z is not None else gaussian_z(k, gaussian_p)
     # Q^T(p) = mean + std z(p), Q^S(p) = loc + scale z(p); lower anchored at Q^S(p0), upper at p_{K-2}^S.
     # Both slopes, (Q^S(p1) - Q^S(p0)) / (Q^T(p1) - Q^T(p0)) and the upper one, are scale / std: the
     # probit differences cancel (computing them would give 0 / 0 when gaussian_p = 1 / (K - 1)).
