@@ -3,7 +3,7 @@
 Protocol (see ../shared/data/README.md): test images 5000-9999 of the lossless CIFAR-10 test set,
 corrupted like CIFAR-10-C gaussian_noise severity 5 (x/255 + N(0, 0.10), clipped to [0, 1], stored
 as uint8 by truncation like the released arrays; fixed seed), batches of 128 in order, every method
-episodic. AQR (when ``aqr.adapt`` is importable) calibrates on the clean images 0-4999.
+episodic. AQR calibrates on the clean images 0-4999.
 
 The model is ``aqr.models.load("resnet20", checkpoint=...)`` (He et al. 2016 CIFAR variant in the
 layout of github.com/akamaster/pytorch_resnet_cifar10, BSD-2-Clause).
@@ -14,7 +14,6 @@ layout of github.com/akamaster/pytorch_resnet_cifar10, BSD-2-Clause).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from pathlib import Path
 
@@ -81,9 +80,6 @@ def main() -> None:
         options: dict = {"protocol": args.protocol}
         t0 = time.perf_counter()
         if name == "aqr":
-            if importlib.util.find_spec("aqr.adapt") is None:
-                print(f"  {name:6s}  skipped (aqr.adapt not available)")
-                continue
             from aqr.stats import calibrate
 
             clean_src = to_tensor(data["x"][:5000])

@@ -396,7 +396,6 @@ def test_seed_makes_outputs_reproducible_and_leaves_global_rng_alone(name: str) 
 
 # ---------------------------------------------------------------------------- AQR
 def test_aqr_behind_the_same_interface() -> None:
-    aqr_adapt = pytest.importorskip("aqr.adapt")
     import aqr
 
     net = conv_net("bn")
@@ -407,7 +406,7 @@ def test_aqr_behind_the_same_interface() -> None:
     m = create("aqr", net, stats=stats)
     x = images(seed=9, shift=0.5)
     out = m(x)
-    assert torch.allclose(out, aqr_adapt.AQR(net, stats)(x))
+    assert torch.allclose(out, aqr.AQR(net, stats)(x))
     assert torch.equal(create("aqr", net, stats=stats, protocol="online")(x), out)
     m.reset()
     assert same_state(before, state_of(net))

@@ -21,7 +21,6 @@ COMMANDS: dict[str, str] = {
     "report": "aqr.cli_report",
     "demo": "aqr.cli_demo",
     "synth": "aqr.cli_synth",
-    "bench-speed": "aqr.cli_speed",
 }
 
 

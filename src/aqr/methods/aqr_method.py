@@ -3,7 +3,6 @@
 A thin wrapper: ``aqr.adapt.AQR`` does the work (it never changes the model's parameters or buffers
 and runs under ``no_grad``); this module only gives it the same construction, ``reset()`` and
 protocol handling as the baselines. AQR is stateless, so both protocols give the same logits.
-``aqr.adapt`` is imported when a method is created, not when this module is imported.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ class AQRMethod(TTAMethod):
         return AQRMethodConfig(stats=stats, options=options)
 
     def configure_model(self, model: nn.Module) -> nn.Module:
-        from aqr.adapt import AQR  # lazy: the core may be absent or still being written
+        from aqr.adapt import AQR
 
         if self.config.stats is None:
             raise TypeError("the 'aqr' method needs stats= (from aqr.calibrate)")

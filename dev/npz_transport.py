@@ -1,14 +1,14 @@
 """Shrink an image ``.npz`` (``x`` uint8 N x H x W x 3) for a size-limited transfer, and restore it exactly.
 
-The GPU machine that trained ``zoo/resnet20_gn.pt`` accepts at most 64 MiB per call, and the JPEG-75
-CIFAR-10 training set is a 142 MB npz. Its images were JPEG-decoded once already, so re-encoding
+A lent GPU machine takes at most 64 MiB per call, and the JPEG-75 CIFAR-10 training set is a
+142 MB npz. Its images were JPEG-decoded once already, so re-encoding
 each at quality 75 (4:2:0) gives bytes that decode to almost the same pixels; ``pack`` keeps those
 bytes (minus the header they all share) plus the exact residual, and ``unpack`` rebuilds ``x``
 bit for bit and checks it against the SHA-256 of the original arrays, stored in the pack.
 
-    python tools/npz_transport.py pack ../shared/data/cifar10_train_jpeg75.npz .gpu/train.pack.npz
-    python tools/npz_transport.py unpack .gpu/train.pack.npz /tmp/train.npz
-    python tools/npz_transport.py restamp model.pt ../shared/data/cifar10_train_jpeg75.npz .gpu/train.pack.npz
+    python dev/npz_transport.py pack "$AQR_DATA_DIR/cifar10_train_jpeg75.npz" train.pack.npz
+    python dev/npz_transport.py unpack train.pack.npz train.npz
+    python dev/npz_transport.py restamp model.pt "$AQR_DATA_DIR/cifar10_train_jpeg75.npz" train.pack.npz
 
 ``restamp`` rewrites the ``data_sha256`` of a checkpoint trained on the rebuilt file (whose bytes differ
 from the original's, since zip members carry timestamps) to the original file's hash, after checking
