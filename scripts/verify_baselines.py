@@ -80,7 +80,7 @@ def main() -> None:
         options: dict = {"protocol": args.protocol}
         t0 = time.perf_counter()
         if name == "aqr":
-            from aqr.stats import calibrate
+            from aqr.core.stats import calibrate
 
             clean_src = to_tensor(data["x"][:5000])
             options["stats"] = calibrate(model, [clean_src[i : i + 500] for i in range(0, 5000, 500)])

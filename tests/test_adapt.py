@@ -133,7 +133,7 @@ def test_stats_subset_then_layer_halves_are_of_that_subset():
 @pytest.mark.parametrize("gpu_like", [False, True])
 def test_nan_activations_raise_naming_the_layer_or_are_skipped(gpu_like, monkeypatch):
     if gpu_like:  # the GPU path: no per-layer host reads, the logits are checked instead
-        monkeypatch.setattr(aqr.adapt, "host_reads_are_cheap", lambda device: False)
+        monkeypatch.setattr(aqr.core.adapt, "host_reads_are_cheap", lambda device: False)
     model = bn_cnn()
     stats = aqr.calibrate(model, loader(images(64)))
     x = images(8)
@@ -225,7 +225,7 @@ def test_bad_fast_options():
 @pytest.mark.parametrize("tail", aqr.TAILS)
 def test_gpu_path_matches_cpu_path(tail):
     """The GPU path (table and map in one compilable function, no host reads) is run here on CPU tensors."""
-    from aqr.fastmap import SubsetCache, _map_sample, lookup_map
+    from aqr.backends.torch_backend import SubsetCache, _map_sample, lookup_map
 
     g = torch.Generator().manual_seed(0)
     c, k = 6, 21

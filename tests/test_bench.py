@@ -320,7 +320,7 @@ def test_cli_calibrate_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixtu
     stats_file = tmp_path / "bn.aqr.safetensors"
     assert cli_main(["calibrate", spec.model, "--data", spec.source_data, "--indices", "0:48", "-K", "11",
                      "--out", str(stats_file), "--no-progress"]) == 0
-    from aqr.stats import SourceStats
+    from aqr.core.stats import SourceStats
 
     stats = SourceStats.load(stats_file)
     assert stats.num_quantiles == 11 and len(stats.layer_names) == 19

@@ -1,4 +1,4 @@
-"""aqr's C kernels (aqr.native): quantiles within one histogram bucket of the sorted sample, the map
+"""aqr's C kernels (aqr.backends.native): quantiles within one histogram bucket of the sorted sample, the map
 equal to the torch path's, the BatchNorm fold, and the fallback when no compiler is found."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import torch
 from torch import nn
 
 import aqr
-from aqr import fastmap, native
-from aqr.qmap import gaussian_z, sort_rows, sorted_quantiles
+from aqr.backends import native, torch_backend
+from aqr.core.qmap import gaussian_z, sort_rows, sorted_quantiles
 
 LIB, WHY = native.load_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")
 
 
-def _sample(x: torch.Tensor, size: int = 8192) -> tuple[fastmap.SubsetCache, torch.Tensor]:
-    cache = fastmap.SubsetCache(size)
+def _sample(x: torch.Tensor, size: int = 8192) -> tuple[torch_backend.SubsetCache, torch.Tensor]:
+    cache = torch_backend.SubsetCache(size)
     return cache, torch.take(x, cache.offsets(x))
 
 
@@ -63,7 +63,7 @@ def test_crowded_buckets_and_ties_are_exact():
 def test_nonfinite_values_are_reported_even_outside_the_sample():
     x = torch.randn(32, 3, 300)
     x[5, 1, 7] = float("nan")
-    cache = fastmap.SubsetCache(1000)  # 1,000 of 9,600 positions: the NaN is most likely not among them
+    cache = torch_backend.SubsetCache(1000)  # 1,000 of 9,600 positions: the NaN is most likely not among them
     tq, _, _, finite = native.subset_quantiles(LIB, x, cache.positions(x), 11)
     assert not finite and bool(tq[1].isnan().all()) and bool(tq[0].isfinite().all())
     x[5, 1, 7] = float("inf")
@@ -86,7 +86,7 @@ def test_native_map_equals_the_torch_path(tail, shape):
     tq = sorted_quantiles(sort_rows(sample), 21)
     mean, std = sample.mean(1, keepdim=True), sample.std(1, correction=0, keepdim=True)
     z = gaussian_z(21, 0.01) if tail == "gaussian" else None
-    want, _ = fastmap._map_sample(x, sample, False, sq, tail, loc, scale, 0.01, 64, z)
+    want, _ = torch_backend._map_sample(x, sample, False, sq, tail, loc, scale, 0.01, 64, z)
     got = native.table_map(LIB, x, tq, sq, tail, 64, mean, std, loc, scale, z)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
 
@@ -98,7 +98,7 @@ def test_folded_affine_equals_mapping_the_affine_output():
     a, b = torch.randn(8, generator=g), torch.randn(8, generator=g)  # negative scales reverse the order
     y = x * a.view(1, -1, 1) + b.view(1, -1, 1)
     sq = torch.randn(8, 2000, generator=g).sort(1).values[:, torch.linspace(0, 1999, 101).long()]
-    cache = fastmap.SubsetCache(8192)
+    cache = torch_backend.SubsetCache(8192)
     tq_y = native.subset_quantiles(LIB, y, cache.positions(y), 101)[0]
     tq_x = native.subset_quantiles(LIB, x, cache.positions(x), 101, pre=(a, b))[0]
     torch.testing.assert_close(tq_x, tq_y, atol=1e-5, rtol=1e-5)
@@ -165,14 +165,14 @@ def test_folded_layer_nonfinite_policies():
 
 
 def test_no_compiler_falls_back_to_torch_with_a_warning(monkeypatch):
-    monkeypatch.setattr(fastmap, "load_kernels", lambda: (None, "no C compiler found (set CC)"))
-    monkeypatch.setattr(fastmap, "_WARNED", set())
+    monkeypatch.setattr(torch_backend, "load_kernels", lambda: (None, "no C compiler found (set CC)"))
+    monkeypatch.setattr(torch_backend, "_WARNED", set())
     x = torch.randn(8, 3, 50)
     sq = torch.randn(3, 11).sort(1).values
     one = torch.ones(3, 1)
     with pytest.warns(UserWarning, match="no C compiler"):
-        y, finite = fastmap.lookup_map(x, fastmap.SubsetCache(400), sq, "average", one, one, 0.01, 32, False)
-    want, _ = fastmap.lookup_map(x, fastmap.SubsetCache(400), sq, "average", one, one, 0.01, 32, False, native=False)
+        y, finite = torch_backend.lookup_map(x, torch_backend.SubsetCache(400), sq, "average", one, one, 0.01, 32, False)
+    want, _ = torch_backend.lookup_map(x, torch_backend.SubsetCache(400), sq, "average", one, one, 0.01, 32, False, native=False)
     assert bool(finite) and torch.equal(y, want)
 
 
@@ -210,7 +210,7 @@ def test_portable_build_matches_the_avx2_build():
     g = torch.Generator().manual_seed(6)
     for shape in [(20, 5, 203), (300, 9, 1)]:
         x = torch.randn(shape, generator=g)
-        cache = fastmap.SubsetCache(8192)
+        cache = torch_backend.SubsetCache(8192)
         want = native.subset_quantiles(LIB, x, cache.positions(x), 21)
         got = native.subset_quantiles(portable, x, cache.positions(x), 21)
         torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
@@ -232,7 +232,7 @@ def test_one_pass_recalibrate_equals_quantiles_then_map(tail):
     sq = torch.randn(7, 3000, generator=g).sort(1).values[:, torch.linspace(0, 2999, 101).long()]
     loc, scale = torch.randn(7, 1, generator=g) * 0.1, torch.rand(7, 1, generator=g) + 0.5
     z = gaussian_z(101, 0.01) if tail == "gaussian" else None
-    pos = fastmap.SubsetCache(4096).positions(x)
+    pos = torch_backend.SubsetCache(4096).positions(x)
     for pre in (None, (a, b)):
         tq, mean, std, finite = native.subset_quantiles(LIB, x, pos, 101, True, pre)
         want = native.table_map(LIB, x, tq, sq, tail, 256, mean, std, loc, scale, z, pre)
@@ -246,7 +246,7 @@ def test_one_pass_recalibrate_equals_quantiles_then_map(tail):
 @needs_kernels
 def test_missing_tail_inputs_are_named_not_dereferenced():
     x = torch.randn(4, 3, 64)
-    pos = fastmap.SubsetCache(256).positions(x)
+    pos = torch_backend.SubsetCache(256).positions(x)
     sq = torch.randn(3, 11).sort(1).values
     with pytest.raises(ValueError, match="gaussian"):
         native.recalibrate(LIB, x, pos, sq, "gaussian", 32, scale=torch.ones(3))  # no loc, no z

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aqr
-from aqr.qmap import quantile_levels
+from aqr.core.qmap import quantile_levels
 
 
 def knots(*rows):
@@ -209,7 +209,7 @@ def test_bad_arguments_are_named():
 
 
 def test_branch_free_levels_match_the_branching_ones_with_tied_knots():
-    from aqr.qmap import _interp_levels
+    from aqr.core.qmap import _interp_levels
 
     tq = torch.tensor([[0.0, 1.0, 1.0, 1.0, 2.0, 3.0], [0.0, 0.0, 1.0, 2.0, 2.0, 5.0]])
     x = torch.tensor([[-1.0, 0.5, 1.0, 1.5, 2.0, 4.0], [0.0, 0.5, 2.0, 3.0, 5.0, 6.0]])

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import aqr
-from aqr.stats import _average_sample_tails, _Collector
-from aqr.layers import LayerInfo
+from aqr.core.stats import _average_sample_tails, _Collector
+from aqr.core.layers import LayerInfo
 from models_tiny import bn_cnn, gn_cnn, images, tiny_vit
 
 
@@ -280,7 +280,7 @@ def test_image_tails_group_tokens_by_input_for_layernorm():
 
 
 def test_image_tails_keep_a_bounded_uniform_sample_of_inputs(monkeypatch):
-    import aqr.stats as stats_module
+    import aqr.core.stats as stats_module
 
     monkeypatch.setattr(stats_module, "TAIL_INPUTS_KEPT", 50)
     info = LayerInfo(name="n", kind="BatchNorm2d", channels=3, channel_dim=1)

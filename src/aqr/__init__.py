@@ -8,10 +8,10 @@
 
 __version__ = "0.1.0"
 
-from aqr.adapt import AQR, AQRConfig, recalibrating  # noqa: E402
-from aqr.layers import LayerError, LayerInfo, norm_layers  # noqa: E402
-from aqr.qmap import TAILS, channel_quantiles, quantile_map  # noqa: E402
-from aqr.stats import LayerStats, NonFiniteActivationError, SourceStats, StatsError, calibrate, dkw_epsilon  # noqa: E402
+from aqr.core.adapt import AQR, AQRConfig, recalibrating  # noqa: E402
+from aqr.core.layers import LayerError, LayerInfo, norm_layers  # noqa: E402
+from aqr.core.qmap import TAILS, channel_quantiles, quantile_map  # noqa: E402
+from aqr.core.stats import LayerStats, NonFiniteActivationError, SourceStats, StatsError, calibrate, dkw_epsilon  # noqa: E402
 
 __all__ = [
     "AQR",

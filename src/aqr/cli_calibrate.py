@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.stats import DEFAULT_TAIL_UNIT, TAIL_UNITS
+from aqr.core.stats import DEFAULT_TAIL_UNIT, TAIL_UNITS
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from aqr import models
     from aqr.grid import ModelSpec
     from aqr.runner import load_source, to_tensor
-    from aqr.stats import calibrate
+    from aqr.core.stats import calibrate
 
     if args.threads:
         torch.set_num_threads(args.threads)

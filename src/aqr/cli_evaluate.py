@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from aqr.grid import MethodSpec, parse_range
     from aqr.methods import NotApplicable, create
     from aqr.runner import evaluate
-    from aqr.stats import SourceStats
+    from aqr.core.stats import SourceStats
 
     if args.threads:
         torch.set_num_threads(args.threads)

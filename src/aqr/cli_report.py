@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Dispatch to the database report or the Fig. 3 computation; errors become messages."""
-    from aqr.layers import LayerError
+    from aqr.core.layers import LayerError
     from aqr.results import ResultsDBError
 
     try:

@@ -27,7 +27,7 @@ PROTOCOL_VERSION = 1
 AQR_STATS_VERSION = 2
 # Part of AQR cells' keys only: bump when the default fast path changes its results.
 # 1: p0/p100 and inner knots from the sample (numpy sort); 2: p0/p100 from every value, inner knots
-# from the sample's histogram (aqr.native), 2026-11-26.
+# from the sample's histogram (aqr.backends.native), 2026-11-26.
 AQR_FAST_PATH_VERSION = 2
 
 PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke")

@@ -630,8 +630,8 @@ def write_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Pa
 
 
 def tail_layer(model: Any, layer: str | None = None) -> Any:
-    """The :class:`aqr.layers.LayerInfo` of ``layer``, or of the model's first normalization layer."""
-    from aqr.layers import LayerError, norm_layers
+    """The :class:`aqr.core.layers.LayerInfo` of ``layer``, or of the model's first normalization layer."""
+    from aqr.core.layers import LayerError, norm_layers
 
     infos = norm_layers(model)
     if not infos:
@@ -672,9 +672,9 @@ def percentile_deviations(model: Any, images: Any, layer: str | None = None, n_b
     """
     import torch
 
-    from aqr.layers import check_output
-    from aqr.qmap import channel_quantiles
-    from aqr.stats import calibrate
+    from aqr.core.layers import check_output
+    from aqr.core.qmap import channel_quantiles
+    from aqr.core.stats import calibrate
 
     levels = [int(k) for k in levels]
     if any(not 0 <= k <= 100 for k in levels):

@@ -30,7 +30,7 @@ from torch import nn
 
 from aqr.grid import STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key, eval_indices, parse_range
 from aqr.results import ResultsDB
-from aqr.stats import DEFAULT_TAIL_UNIT, StatsError
+from aqr.core.stats import DEFAULT_TAIL_UNIT, StatsError
 
 DEFAULT_K = 101
 DEFAULT_MAX_SAMPLES = 100_000
@@ -182,7 +182,7 @@ def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False) -> P
 
     The file is written atomically, so concurrent or interrupted runs never leave half a file.
     """
-    from aqr.stats import calibrate
+    from aqr.core.stats import calibrate
 
     path = stats_path(cell, cache_dir)
     if path.is_file():
@@ -202,7 +202,7 @@ def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False) -> P
 
 @functools.lru_cache(maxsize=4)
 def _load_stats(path: str) -> Any:
-    from aqr.stats import SourceStats
+    from aqr.core.stats import SourceStats
 
     return SourceStats.load(path)
 

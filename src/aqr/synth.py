@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aqr.qmap import channel_quantiles, quantile_map, sorted_quantiles
-from aqr.stats import dkw_epsilon
+from aqr.core.qmap import channel_quantiles, quantile_map, sorted_quantiles
+from aqr.core.stats import dkw_epsilon
 
 # ---------------------------------------------------------------------------------------------
 # shared pieces
@@ -659,7 +659,7 @@ def aqr_mse(
     ``source`` gives the source knots, ``clean`` the test batch before the corruption; the batch is
     corrupted by :func:`rates_corruption`, mapped with its own knots, and compared to ``clean``.
     ``*_sorted=True`` promises rows sorted ascending: the knots are then read off without re-sorting
-    (:func:`aqr.qmap.sorted_quantiles`, the function :func:`aqr.channel_quantiles` itself ends with),
+    (:func:`aqr.core.qmap.sorted_quantiles`, the function :func:`aqr.channel_quantiles` itself ends with),
     which gives the same numbers as sorting again.
     """
     k = intervals + 1

@@ -1,6 +1,6 @@
 """AQR (Adaptive Quantile Recalibration) behind the common method interface.
 
-A thin wrapper: ``aqr.adapt.AQR`` does the work (it never changes the model's parameters or buffers
+A thin wrapper: ``aqr.core.adapt.AQR`` does the work (it never changes the model's parameters or buffers
 and runs under ``no_grad``); this module only gives it the same construction, ``reset()`` and
 protocol handling as the baselines. AQR is stateless, so both protocols give the same logits.
 """
@@ -18,7 +18,7 @@ from .base import TTAMethod
 
 @dataclass(frozen=True)
 class AQRMethodConfig:
-    """Options of the ``"aqr"`` method (not ``aqr.adapt.AQRConfig``): ``stats``, the
+    """Options of the ``"aqr"`` method (not ``aqr.core.adapt.AQRConfig``): ``stats``, the
     ``aqr.SourceStats`` from ``aqr.calibrate``; ``options``, keyword options
     passed unchanged to ``aqr.AQR``."""
 
@@ -40,7 +40,7 @@ class AQRMethod(TTAMethod):
         return AQRMethodConfig(stats=stats, options=options)
 
     def configure_model(self, model: nn.Module) -> nn.Module:
-        from aqr.adapt import AQR
+        from aqr.core.adapt import AQR
 
         if self.config.stats is None:
             raise TypeError("the 'aqr' method needs stats= (from aqr.calibrate)")

@@ -1,6 +1,6 @@
 """The fast path's C kernels on CPU (``_kernels.c``), built with the system C compiler on first use.
 
-Two calls per layer replace the sort, the table and the compiled map of :mod:`aqr.fastmap`:
+Two calls per layer replace the sort, the table and the compiled map of :mod:`aqr.backends.torch_backend`:
 
 * :func:`subset_quantiles`: the quantiles of each channel's sampled positions, read from a
   histogram of ``S / 2`` equal-width buckets. Each inner knot is within one bucket width (and its
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from aqr.qmap import quantile_levels
+from aqr.core.qmap import quantile_levels
 
 SOURCE = Path(__file__).with_name("_kernels.c")
 _P = ctypes.c_void_p
@@ -136,7 +136,7 @@ def openmp_entry_points() -> tuple[int, int, int] | None:
 
 @functools.lru_cache(maxsize=64)
 def _ranks(samples: int, num_quantiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Type-7 interpolation of ``samples`` sorted values at the K levels, as :func:`aqr.qmap.sorted_quantiles`."""
+    """Type-7 interpolation of ``samples`` sorted values at the K levels, as :func:`aqr.core.qmap.sorted_quantiles`."""
     pos = quantile_levels(num_quantiles) * (samples - 1)
     lo = pos.floor().long().clamp_(0, samples - 1)
     return lo, (pos - lo.to(pos.dtype)).float()
@@ -278,8 +278,8 @@ def table_map(
 ) -> torch.Tensor:
     """``x`` (A, C, B, float32, contiguous) mapped with each channel's ``cells``-cell table.
 
-    As :func:`aqr.fastmap._map_sample` with the knots ``tq``/``sq`` (C, K) and the tail lines of
-    :func:`aqr.qmap.tail_lines` (``mean``/``std`` of the sample, source ``loc``/``scale`` and the
+    As :func:`aqr.backends.torch_backend._map_sample` with the knots ``tq``/``sq`` (C, K) and the tail lines of
+    :func:`aqr.core.qmap.tail_lines` (``mean``/``std`` of the sample, source ``loc``/``scale`` and the
     probits ``z`` are read by the parametric tails only). With ``pre``, maps ``scale * x + shift``.
     """
     a, c, b = x.shape

@@ -11,9 +11,9 @@ map itself (a binary search and several gathers per value, on a transposed copy)
    sample's extremes fall short of the batch's.
 2. The map is piecewise linear. Between the first and last inner knots it is tabulated on a uniform
    grid of ``grid`` cells per channel (the exact map at the grid points); outside, every tail
-   strategy is affine (:func:`aqr.qmap.tail_lines`). One elementwise pass evaluates it directly
+   strategy is affine (:func:`aqr.core.qmap.tail_lines`). One elementwise pass evaluates it directly
    on the ``(A, C, B)`` view of the layer output: no transpose, no sort, no search.
-3. On CPU (float32, no autograd) aqr's C kernels (:mod:`aqr.native`) do both steps: the sample's
+3. On CPU (float32, no autograd) aqr's C kernels (:mod:`aqr.backends.native`) do both steps: the sample's
    quantiles from a fine histogram (each knot within one histogram bucket of the sorted sample's,
    p0 and p100 exact), and the table with its map, with an eval-mode BatchNorm's affine step
    folded in (see :class:`aqr.AQR`). Elsewhere, building the table and applying it are one
@@ -33,10 +33,10 @@ from collections.abc import Callable
 
 import torch
 
-from aqr.native import (
+from aqr.backends.native import (
     PARAMETRIC_TAILS, ROWS_LAYOUT_BELOW, Affine, load_kernels, recalibrate, subset_quantiles, table_map,
 )
-from aqr.qmap import _eval_levels, _interp_levels, gaussian_z, sort_rows, sorted_quantiles, tail_lines
+from aqr.core.qmap import _eval_levels, _interp_levels, gaussian_z, sort_rows, sorted_quantiles, tail_lines
 
 _SUBSET_SEED = 0x5EED
 
@@ -208,7 +208,7 @@ def lookup_map(
 
     Also returns a 0-d bool tensor: whether every value of ``x`` was finite (read off its per-channel
     extremes, which p0 and p100 are). On CPU with ``native``, aqr's C kernels do the
-    work (:mod:`aqr.native`). Otherwise table and map are compiled together (each small op would
+    work (:mod:`aqr.backends.native`). Otherwise table and map are compiled together (each small op would
     cost a dispatch on CPU and a kernel launch on a GPU); the sort joins them on a GPU, and nothing
     there waits for the device.
     """

@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from aqr.fastmap import SubsetCache, as_acb, lookup_map, native_kernels, native_takes
-from aqr.native import Affine
-from aqr.layers import check_output, select_layers
-from aqr.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, quantile_map
-from aqr.stats import SOURCE_MOMENTS, NonFiniteActivationError, SourceStats
+from aqr.backends.torch_backend import SubsetCache, as_acb, lookup_map, native_kernels, native_takes
+from aqr.backends.native import Affine
+from aqr.core.layers import check_output, select_layers
+from aqr.core.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, quantile_map
+from aqr.core.stats import SOURCE_MOMENTS, NonFiniteActivationError, SourceStats
 
 NONFINITE_POLICIES = ("raise", "skip")
 MODES = ("fast", "exact")
@@ -39,12 +39,12 @@ class AQRConfig:
         on_nonfinite: ``"raise"`` (default) stops with an error naming the layer when a batch has
             NaN/Inf activations; ``"skip"`` leaves that layer's output untouched for that batch.
         mode: ``"fast"`` (default): target quantiles from at most ``target_samples`` positions and a
-            fused lookup-table map on a ``grid``-cell table (see :mod:`aqr.fastmap`); ``"exact"``:
+            fused lookup-table map on a ``grid``-cell table (see :mod:`aqr.backends.torch_backend`); ``"exact"``:
             quantiles of every value and the exact piecewise-linear map of Eq. 1.
         target_samples: positions per layer used for the target quantiles in fast mode.
         grid: cells of the lookup table between the first and last inner knots in fast mode.
         compile: fuse the fast kernel with ``torch.compile`` (falls back to eager with a warning).
-        native: on CPU, run the fast path in aqr's C kernels (:mod:`aqr.native`, built with the
+        native: on CPU, run the fast path in aqr's C kernels (:mod:`aqr.backends.native`, built with the
             system C compiler on first use); without a compiler it warns once and uses torch.
     """
 

@@ -27,7 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from aqr import __version__
-from aqr.layers import (
+from aqr.core.layers import (
     LayerError,
     LayerInfo,
     check_output,
@@ -37,8 +37,8 @@ from aqr.layers import (
     norm_layers,
     select_layers,
 )
-from aqr.fastmap import as_acb, run_compiled
-from aqr.qmap import TAILS, sort_rows, sorted_quantiles
+from aqr.backends.torch_backend import as_acb, run_compiled
+from aqr.core.qmap import TAILS, sort_rows, sorted_quantiles
 
 TAIL_UNITS = ("values", "images")  # what one "batch of 100" of Average Sample Tails holds
 DEFAULT_TAIL_UNIT = "images"

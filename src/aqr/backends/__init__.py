@@ -1,0 +1,1 @@
+"""The fast recalibration path: aqr's C kernels on CPU and a torch implementation everywhere."""
