@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from aqr import models
-from aqr.corruption_params import CORRUPTIONS
+from aqr.data.corruption_params import CORRUPTIONS
 from aqr.data import load_cifar_c, load_npz_arrays
 
 def load_model(path: str) -> nn.Module:

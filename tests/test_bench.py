@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from aqr import models
-from aqr.cifar_c import GenerationConfig, generate_cifar_c
+from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
 from aqr.cli import main as cli_main
-from aqr.grid import (
+from aqr.bench.grid import (
     PRESETS,
     Cell,
     DataSpec,
@@ -33,8 +33,8 @@ from aqr.grid import (
     parse_range,
     preset,
 )
-from aqr.results import ResultsDB, ResultsDBError
-from aqr.runner import evaluate, fingerprints, run_cell, run_grid, stats_path
+from aqr.bench.results import ResultsDB, ResultsDBError
+from aqr.bench.runner import evaluate, fingerprints, run_cell, run_grid, stats_path
 
 CORRUPTIONS = ("gaussian_noise", "contrast")
 
@@ -361,7 +361,7 @@ def test_random_subset_ranges_are_seeded_sorted_and_checked() -> None:
 
 
 def test_class_sorted_source_subset_warns(tmp_path: Path) -> None:
-    from aqr.runner import load_source
+    from aqr.bench.runner import load_source
 
     labels = np.repeat(np.arange(4), 50)                      # sorted by class, like the JPEG train set
     images = np.zeros((200, 8, 8, 3), dtype=np.uint8)
@@ -378,7 +378,7 @@ def test_class_sorted_source_subset_warns(tmp_path: Path) -> None:
 
 def test_statistics_of_other_weights_fail_the_cell(tiny: GridSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import aqr
-    from aqr import runner
+    from aqr.bench import runner
 
     cell = next(c for c in tiny.cells() if c.method == "aqr" and c.model.name == "tiny_bn")
     assert run_cell(cell, tmp_path / "cache").status == "ok"
@@ -406,7 +406,7 @@ def test_image_tail_statistics_are_cached_apart(tiny: GridSpec, tmp_path: Path) 
 
 def test_aqr_cell_keys_follow_the_fast_path_version(monkeypatch) -> None:
     """A change of AQR's default fast path must not reuse rows computed before it."""
-    from aqr import grid
+    from aqr.bench import grid
 
     files = {"weights": "a", "source": "b", "eval": "c", "labels": "d"}
     aqr_cell = next(c for c in preset("smoke").cells() if c.method == "aqr")

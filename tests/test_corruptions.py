@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 from scipy import ndimage
 
-from aqr.corruption_params import CIFAR_PARAMS, CORRUPTIONS, IMAGENET_PARAMS, get_param_set
-from aqr.corruptions import (
+from aqr.data.corruption_params import CIFAR_PARAMS, CORRUPTIONS, IMAGENET_PARAMS, get_param_set
+from aqr.data.corruptions import (
     _hsv_to_rgb,
     _motion_blur,
     _rgb_to_hsv,
@@ -234,7 +234,7 @@ def test_motion_blur_matches_imagemagick(tmp_path: Path) -> None:
 def test_opencv_pieces_match_opencv() -> None:
     """The OpenCV operations the reference used, re-implemented here, agree with OpenCV itself."""
     cv2 = pytest.importorskip("cv2", reason="opencv-python-headless not installed (only used as a test oracle)")
-    from aqr.corruptions import _canny, _disk_kernel, _equalize_hist, _resize_bilinear, _skimage_gaussian
+    from aqr.data.corruptions import _canny, _disk_kernel, _equalize_hist, _resize_bilinear, _skimage_gaussian
 
     rng = np.random.default_rng(0)
     for _ in range(50):  # liquid layers as in spatter severity 3

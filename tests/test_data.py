@@ -13,9 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from aqr.cifar_c import GenerationConfig, generate_cifar_c
+from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
 from aqr.cli import main as cli_main
-from aqr.corruptions import corrupt, image_rng
+from aqr.data.corruptions import corrupt, image_rng
 from aqr.data import (
     ImageNetCFolder,
     load_cifar,

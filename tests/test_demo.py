@@ -13,13 +13,13 @@ pytest.importorskip("sklearn")
 pytest.importorskip("PIL")
 pytest.importorskip("scipy")
 
-from aqr.cifar_c import GenerationConfig, generate_cifar_c  # noqa: E402
+from aqr.data.cifar_c import GenerationConfig, generate_cifar_c  # noqa: E402
 from aqr.cli import main  # noqa: E402
-from aqr.demo import (DIGITS_MODELS, QUICK_SEVERITIES, DemoConfig, load_digits_rgb32, run_demo,  # noqa: E402
+from aqr.experiments.demo import (DIGITS_MODELS, QUICK_SEVERITIES, DemoConfig, load_digits_rgb32, run_demo,  # noqa: E402
                       split_digits)
-from aqr.grid import BASELINES  # noqa: E402
+from aqr.bench.grid import BASELINES  # noqa: E402
 from aqr.models import create, save_checkpoint  # noqa: E402
-from aqr.results import ResultsDB  # noqa: E402
+from aqr.bench.results import ResultsDB  # noqa: E402
 
 
 # One corruption keeps the shared quick run short; the quick default has two.

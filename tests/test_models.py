@@ -251,7 +251,7 @@ def test_akamaster_resnet20_scores_91_73() -> None:
     model = models.load("resnet20", checkpoint=ckpt)
     with np.load(test) as d:
         x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
-    from aqr.train import evaluate_accuracy
+    from aqr.models.train import evaluate_accuracy
     assert evaluate_accuracy(model, x, y, batch_size=500) == pytest.approx(91.73, abs=1e-9)
 
 

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from aqr import cli, report
-from aqr.grid import Cell, DataSpec, ModelSpec
-from aqr.results import ResultsDB
+from aqr import cli
+from aqr.bench import report
+from aqr.bench.grid import Cell, DataSpec, ModelSpec
+from aqr.bench.results import ResultsDB
 
 import models_tiny
 

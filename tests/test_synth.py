@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from aqr import cli, synth
+from aqr import cli
+from aqr.experiments import synth
 
 
 @pytest.fixture(scope="module")

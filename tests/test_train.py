@@ -1,4 +1,4 @@
-"""Tests of aqr.train and the ``aqr train`` command on tiny synthetic data."""
+"""Tests of aqr.models.train and the ``aqr train`` command on tiny synthetic data."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import aqr.models as models
 from aqr.cli import main
-from aqr.train import (TrainConfig, augment_batch, evaluate_accuracy, export_state, load_npz, lr_factor,
+from aqr.models.train import (TrainConfig, augment_batch, evaluate_accuracy, export_state, load_npz, lr_factor,
                        resume_path, train)
 
 

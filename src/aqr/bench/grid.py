@@ -2,7 +2,7 @@
 
 A :class:`Cell` is plain data (JSON-able, frozen): the model and its source data, the evaluation data
 and protocol, one method with its options, one corruption, severity, batch size and seed. Running a
-cell is a pure function of it (:func:`aqr.runner.run_cell`), so cells can run in any order, in any
+cell is a pure function of it (:func:`aqr.bench.runner.run_cell`), so cells can run in any order, in any
 process or on any machine; :func:`cell_key` names a cell's result in the results database.
 
 A :class:`GridSpec` is the cross product models x methods x corruptions x severities x batch sizes x
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from aqr.corruption_params import CORRUPTIONS
+from aqr.data.corruption_params import CORRUPTIONS
 
 # Bump when the meaning of a cell's result changes (evaluation loop, image selection, metrics), so
 # rows computed under the old rules are never reused for a new run.

@@ -3,7 +3,7 @@
 SQLite in WAL mode, written only by the process that runs the grid, one short transaction per
 finished cell. A process killed at any moment (even SIGKILL) leaves a valid file holding every cell
 committed before the kill; rerunning the same grid skips them. Rows are keyed by
-:func:`aqr.grid.cell_key`, which covers the cell's config, its files' content hashes and the code
+:func:`aqr.bench.grid.cell_key`, which covers the cell's config, its files' content hashes and the code
 version, so a changed config never reuses a stale row.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from aqr.grid import Cell
+from aqr.bench.grid import Cell
 
 SCHEMA_VERSION = 1
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from aqr.cli_calibrate import add_model_arguments
+from aqr.cli.calibrate import add_model_arguments
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,11 +34,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from aqr import models
-    from aqr.cli_bench import _split_methods
+    from aqr.cli.bench import _split_methods
     from aqr.data import load_cifar, load_cifar_c
-    from aqr.grid import MethodSpec, parse_range
+    from aqr.bench.grid import MethodSpec, parse_range
     from aqr.methods import NotApplicable, create
-    from aqr.runner import evaluate
+    from aqr.bench.runner import evaluate
     from aqr.core.stats import SourceStats
 
     if args.threads:

@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo, print its table; exit code 1 if any cell failed, 2 on bad input."""
-    from aqr.demo import DemoConfig, run_demo
+    from aqr.experiments.demo import DemoConfig, run_demo
 
     config = DemoConfig(out=args.out, seed=args.seed, quick=args.quick, threads=args.threads,
                         figure=not args.no_figure, progress=not args.no_progress, data=args.data,

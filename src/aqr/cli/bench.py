@@ -33,8 +33,8 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
 
 def grid_from_args(args: argparse.Namespace):
     """The GridSpec the flags describe."""
-    from aqr.corruption_params import CORRUPTIONS
-    from aqr.grid import MethodSpec, load_grid, preset
+    from aqr.data.corruption_params import CORRUPTIONS
+    from aqr.bench.grid import MethodSpec, load_grid, preset
 
     if args.config:
         grid = load_grid(args.config, args.data_dir, args.cifar_c)
@@ -86,7 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aqr.results import ResultsDBError
+    from aqr.bench.results import ResultsDBError
 
     try:
         return _run(args)
@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from aqr.results import ResultsDB
-    from aqr.runner import describe_cells, result_json, run_grid
+    from aqr.bench.results import ResultsDB
+    from aqr.bench.runner import describe_cells, result_json, run_grid
 
     grid = grid_from_args(args)
     if args.dry_run:

@@ -1,6 +1,6 @@
 """The ``aqr`` command line: a thin dispatcher over the Python API.
 
-Each sub-command lives in its own module ``aqr.cli_<name>`` exposing ``register(subparsers)``,
+Each sub-command lives in its own module ``aqr.cli.<name>`` exposing ``register(subparsers)``,
 which adds its parser and sets ``func`` (a callable taking the parsed namespace and returning an
 exit code). Modules are imported lazily so a missing optional dependency only breaks its command.
 """
@@ -13,14 +13,14 @@ import sys
 
 # name of the command -> module that implements it
 COMMANDS: dict[str, str] = {
-    "calibrate": "aqr.cli_calibrate",
-    "corrupt": "aqr.cli_corrupt",
-    "train": "aqr.cli_train",
-    "evaluate": "aqr.cli_evaluate",
-    "bench": "aqr.cli_bench",
-    "report": "aqr.cli_report",
-    "demo": "aqr.cli_demo",
-    "synth": "aqr.cli_synth",
+    "calibrate": "aqr.cli.calibrate",
+    "corrupt": "aqr.cli.corrupt",
+    "train": "aqr.cli.train",
+    "evaluate": "aqr.cli.evaluate",
+    "bench": "aqr.cli.bench",
+    "report": "aqr.cli.report",
+    "demo": "aqr.cli.demo",
+    "synth": "aqr.cli.synth",
 }
 
 

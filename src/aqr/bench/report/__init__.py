@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from aqr.corruption_params import CORRUPTIONS
-from aqr.results import ResultsDB, Row
+from aqr.data.corruption_params import CORRUPTIONS
+from aqr.bench.results import ResultsDB, Row
 
 BASE_METHODS = ("source", "ttn", "tent", "sar", "aqr")
 METHOD_LABELS = {"source": "Source (NA)", "ttn": "TTN", "tent": "TENT", "sar": "SAR", "aqr": "AQR"}
@@ -56,7 +56,7 @@ def load_rows(db_path: str | Path, experiment: str | None = None, latest: bool =
     """Every row of the database (or of one experiment), the newest per condition when ``latest``.
 
     Raises ``FileNotFoundError`` for a missing file (instead of creating an empty database),
-    :class:`aqr.results.ResultsDBError` for a file that is not a results database and ``KeyError``
+    :class:`aqr.bench.results.ResultsDBError` for a file that is not a results database and ``KeyError``
     for an unknown experiment.
     """
     path = Path(db_path)

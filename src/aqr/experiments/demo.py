@@ -3,8 +3,8 @@
 With no data at all it runs on scikit-learn's handwritten digits (1,797 real 8x8 images shipped
 inside scikit-learn): upscaled to 32x32 RGB and split (seeded) into train / source / test, it trains
 a small BatchNorm ResNet, a GroupNorm ResNet and a LayerNorm ViT, corrupts the test split with
-:func:`aqr.cifar_c.generate_cifar_c`, and runs the grid through the real benchmark path
-(:func:`aqr.runner.run_grid`) into a results database in the work folder, so a second run reuses
+:func:`aqr.data.cifar_c.generate_cifar_c`, and runs the grid through the real benchmark path
+(:func:`aqr.bench.runner.run_grid`) into a results database in the work folder, so a second run reuses
 the models, the data and every finished cell. Given ``data``/``cifar_c``/``checkpoint`` it runs the
 same comparison on CIFAR-10(-C) with an existing model instead (no training).
 
@@ -22,9 +22,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from aqr.grid import BASELINES, DataSpec, GridSpec, MethodSpec, ModelSpec, eval_indices, parse_range
-from aqr.results import Row
-from aqr.runner import GridSummary
+from aqr.bench.grid import BASELINES, DataSpec, GridSpec, MethodSpec, ModelSpec, eval_indices, parse_range
+from aqr.bench.results import Row
+from aqr.bench.runner import GridSummary
 
 # Corruptions that need no external files (frost needs overlay images), one or two per family, among
 # those that shift the digits most: on 32 px digits JPEG, defocus blur and saturate barely change a
@@ -215,7 +215,7 @@ def _write_npz(path: Path, images: np.ndarray, labels: np.ndarray) -> Path:
 
 
 def _train_config(spec: DemoModel, train_npz: Path, out: Path, seed: int, quick: bool) -> Any:
-    from aqr.train import TrainConfig
+    from aqr.models.train import TrainConfig
 
     # No augmentation: random flips turn digits into other digits. No per-epoch test evaluation:
     # it would cost about as much as a third of the training; the model is evaluated once at the end.
@@ -232,7 +232,7 @@ _IGNORED_TRAIN_FIELDS = ("threads", "command")
 def _same_training(checkpoint: Path, cfg: Any) -> bool:
     """True when ``checkpoint`` is a finished run of ``cfg`` on the same training data."""
     from aqr.models.checkpoint import CheckpointError, read_file
-    from aqr.train import sha256_file
+    from aqr.models.train import sha256_file
 
     if not checkpoint.is_file():
         return False
@@ -254,7 +254,7 @@ def train_models(specs: Sequence[DemoModel], train_npz: Path, test: tuple[np.nda
     """Train (or reuse) each model, logging its clean ``test`` accuracy; returns ({name: checkpoint}, trained)."""
     import torch
 
-    from aqr.train import evaluate_accuracy, train
+    from aqr.models.train import evaluate_accuracy, train
 
     paths: dict[str, Path] = {}
     trained: list[str] = []
@@ -305,7 +305,7 @@ def _severities(config: DemoConfig) -> tuple[int, ...]:
 
 def prepare_digits(config: DemoConfig, out: Path, log: Callable[[str], None]) -> tuple[GridSpec, list[str], Path]:
     """Digits path: write the splits, train the models, corrupt the test split; returns (grid, trained, test npz)."""
-    from aqr.cifar_c import GenerationConfig, generate_cifar_c
+    from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
     from aqr.data import sha256_file
 
     _require_extras()
@@ -332,7 +332,7 @@ def prepare_digits(config: DemoConfig, out: Path, log: Callable[[str], None]) ->
 
 def _folder_contents(root: Path) -> tuple[dict[str, list[int]], int]:
     """({corruption: severities} present in a CIFAR-C folder, images per severity block)."""
-    from aqr.corruption_params import CORRUPTIONS
+    from aqr.data.corruption_params import CORRUPTIONS
 
     manifest = root / "manifest.json"
     info = json.loads(manifest.read_text()) if manifest.is_file() else {}
@@ -408,7 +408,7 @@ def clean_accuracy(grid: GridSpec, clean_npz: str | Path) -> dict[str, float | N
     """
     from aqr.data import load_cifar_c, load_npz_arrays
     from aqr.methods import create
-    from aqr.runner import evaluate, load_model
+    from aqr.bench.runner import evaluate, load_model
 
     images, labels = load_npz_arrays(clean_npz)
     cell = next(grid.cells())
@@ -424,7 +424,7 @@ def clean_accuracy(grid: GridSpec, clean_npz: str | Path) -> dict[str, float | N
 
 def grid_rows(grid: GridSpec, db: Any) -> list[Row]:
     """The database rows of exactly this grid's cells (not of earlier runs with other settings)."""
-    from aqr.runner import keyed_cells
+    from aqr.bench.runner import keyed_cells
 
     keys = {key for key, _, _ in keyed_cells(grid)}
     return [r for r in db.rows(experiment=grid.name) if r.key in keys]
@@ -542,8 +542,8 @@ def run_demo(config: DemoConfig = DemoConfig(), log: Callable[[str], None] = pri
 
 
 def _run(config: DemoConfig, log: Callable[[str], None]) -> DemoResult:
-    from aqr import runner
-    from aqr.results import ResultsDB
+    from aqr.bench import runner
+    from aqr.bench.results import ResultsDB
 
     t0 = time.perf_counter()
     out = Path(config.out).resolve()

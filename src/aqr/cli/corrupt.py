@@ -1,6 +1,6 @@
 """``aqr corrupt``: write a CIFAR-10-C-style corrupted copy of an ``.npz`` test set.
 
-Output layout and resumability are described in :mod:`aqr.cifar_c`: one ``<corruption>.npy`` per
+Output layout and resumability are described in :mod:`aqr.data.cifar_c`: one ``<corruption>.npy`` per
 corruption holding one block of all images per requested severity, in the order given by
 ``--severities`` (the released layout when all five are requested), plus ``labels.npy`` and
 ``manifest.json`` (which :func:`aqr.data.load_cifar_c` uses to find a severity's block).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.corruption_params import CORRUPTIONS, PARAM_SETS
+from aqr.data.corruption_params import CORRUPTIONS, PARAM_SETS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Execute the command; returns the exit code."""
-    from aqr.cifar_c import GenerationConfig, generate_cifar_c, parse_list
+    from aqr.data.cifar_c import GenerationConfig, generate_cifar_c, parse_list
     from aqr.data import load_npz_arrays, sha256_file
 
     try:

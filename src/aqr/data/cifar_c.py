@@ -10,7 +10,7 @@ Layout written to ``out_dir``:
   per-corruption generation time. :func:`aqr.data.load_cifar_c` reads it to map a severity to its
   block when not all five severities were generated; without it, five blocks are assumed.
 
-Each image's randomness comes from :func:`aqr.corruptions.image_rng` (seed, corruption, severity,
+Each image's randomness comes from :func:`aqr.data.corruptions.image_rng` (seed, corruption, severity,
 index), so the arrays do not depend on the worker count or chunking. A corruption whose file exists
 with the expected shape and a matching manifest entry is skipped (resumable); files are written to
 a temporary name and renamed, so a crash never leaves a truncated ``<corruption>.npy``.
@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from aqr.corruption_params import CORRUPTIONS, get_param_set
-from aqr.corruptions import corrupt, image_rng, load_frost_overlays
+from aqr.data.corruption_params import CORRUPTIONS, get_param_set
+from aqr.data.corruptions import corrupt, image_rng, load_frost_overlays
 
 MANIFEST = "manifest.json"
 

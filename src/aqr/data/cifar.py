@@ -246,7 +246,7 @@ def load_cifar_c(
 
     ``<root>/<corruption>.npy`` is uint8 (B*N, H, W, 3): B blocks of the N test images, block b
     holding severity b+1 in the released layout (or the severities listed in ``manifest.json``
-    written by :func:`aqr.cifar_c.generate_cifar_c`). ``<root>/labels.npy`` has N or B*N labels.
+    written by :func:`aqr.data.cifar_c.generate_cifar_c`). ``<root>/labels.npy`` has N or B*N labels.
     ``indices`` (test-set indices, e.g. ``range(5000, 10000)``) selects a subset, in that order.
     The array is memory-mapped; only the selected rows are read.
     """

@@ -1,4 +1,4 @@
-"""``aqr report``: the paper's tables and figures from a results database (library: :mod:`aqr.report`).
+"""``aqr report``: the paper's tables and figures from a results database (library: :mod:`aqr.bench.report`).
 
 Without ``--out`` the Markdown tables go to stdout; with it, tables (Markdown, LaTeX, CSV), figures
 (PNG, PDF), ``index.md`` and ``report.json`` are written there. ``--json`` prints the numbers instead.
@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Dispatch to the database report or the Fig. 3 computation; errors become messages."""
     from aqr.core.layers import LayerError
-    from aqr.results import ResultsDBError
+    from aqr.bench.results import ResultsDBError
 
     try:
         return _tail_deviation(args) if args.tail_deviation else _db_report(args)
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _formats(text: str) -> tuple[str, ...]:
-    from aqr.report import FORMATS
+    from aqr.bench.report import FORMATS
 
     formats = tuple(f.strip() for f in text.split(",") if f.strip())
     unknown = [f for f in formats if f not in FORMATS]
@@ -65,7 +65,7 @@ def _formats(text: str) -> tuple[str, ...]:
 
 
 def _db_report(args: argparse.Namespace) -> int:
-    from aqr import report
+    from aqr.bench import report
 
     formats = _formats(args.format)
     if args.out is not None:
@@ -93,9 +93,10 @@ def _db_report(args: argparse.Namespace) -> int:
 def _tail_deviation(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from aqr import models, report
+    from aqr import models
+    from aqr.bench import report
     from aqr.data import load_cifar
-    from aqr.grid import parse_range
+    from aqr.bench.grid import parse_range
 
     if args.out is None or not args.source_data:
         raise ValueError("--tail-deviation needs --source-data NPZ and --out DIR")

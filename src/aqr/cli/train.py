@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build a TrainConfig from ``args`` and train; returns 0."""
-    from aqr.train import TrainConfig, export_state, train
+    from aqr.models.train import TrainConfig, export_state, train
 
     if args.export:
         if not (args.work_dir and args.out):

@@ -1,4 +1,4 @@
-"""``aqr synth {shapes,mlp,rates}``: the paper's synthetic experiments (library code in :mod:`aqr.synth`).
+"""``aqr synth {shapes,mlp,rates}``: the paper's synthetic experiments (library code in :mod:`aqr.experiments.synth`).
 
 Each run writes ``<name>.png`` and ``<name>.json`` under ``--out`` (``<name>_quick.*`` with ``--quick``,
 so a quick run never overwrites the committed full results) and prints a summary, or the JSON with
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from aqr.synth import MLPResult, RatesResult, ShapesResult
+    from aqr.experiments.synth import MLPResult, RatesResult, ShapesResult
 
 DEFAULT_OUT = Path("docs/results/synthetic")
 
@@ -52,7 +52,7 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from aqr import synth
+    from aqr.experiments import synth
 
     experiments = {
         "shapes": (synth.ShapesConfig, synth.run_shapes, synth.plot_shapes, _summary_shapes),

@@ -1,6 +1,6 @@
 """Running benchmark cells: evaluation loop, cached source statistics, and the resumable grid.
 
-:func:`run_cell` is a pure function of a :class:`aqr.grid.Cell` (plus where the statistics cache
+:func:`run_cell` is a pure function of a :class:`aqr.bench.grid.Cell` (plus where the statistics cache
 is): it loads the model, data and statistics it needs, runs one method and returns a
 :class:`CellResult`. :func:`run_grid` expands a grid, skips the cells already in the results
 database, prepares every source-statistics file once, runs the rest (in this process or in worker
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from aqr.grid import STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key, eval_indices, parse_range
-from aqr.results import ResultsDB
+from aqr.bench.grid import STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key, eval_indices, parse_range
+from aqr.bench.results import ResultsDB
 from aqr.core.stats import DEFAULT_TAIL_UNIT, StatsError
 
 DEFAULT_K = 101
@@ -278,7 +278,7 @@ def _run_cell_dict(cell_dict: dict, cache_dir: str) -> CellResult:
 
 @functools.lru_cache(maxsize=1)
 def _git_commit() -> str | None:
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parent  # git finds the checkout from any folder inside it
     try:
         commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=5, check=True).stdout.strip()
@@ -329,7 +329,7 @@ def ensure_data(data: DataSpec, corruptions: Sequence[str], progress: bool = Tru
     if not data.clean:
         raise FileNotFoundError(f"{root}: missing {', '.join(missing) or 'labels.npy'}; generate them with "
                                 f"`aqr corrupt --data <clean test .npz> --out {root}`")
-    from aqr.cifar_c import GenerationConfig, generate_cifar_c
+    from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
     from aqr.data import load_npz_arrays
 
     images, labels = load_npz_arrays(data.clean)

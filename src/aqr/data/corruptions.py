@@ -1,7 +1,7 @@
 """The 19 common corruptions of CIFAR-10-C / ImageNet-C, re-implemented with numpy, scipy and Pillow.
 
 Semantics follow the public reference generators ``make_cifar_c.py`` / ``make_imagenet_c.py``
-(hendrycks/robustness, Apache-2.0); the parameter tables are in :mod:`aqr.corruption_params`.
+(hendrycks/robustness, Apache-2.0); the parameter tables are in :mod:`aqr.data.corruption_params`.
 The pieces the reference took from ImageMagick (motion blur), OpenCV and scikit-image are
 re-implemented here, so the only dependencies are numpy, scipy and Pillow. Known, deliberate
 differences from the reference are listed in :data:`DEVIATIONS`.
@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 from scipy import ndimage
 
-from aqr.corruption_params import CORRUPTIONS, ParamSet, get_param_set
+from aqr.data.corruption_params import CORRUPTIONS, ParamSet, get_param_set
 
 DEVIATIONS: tuple[str, ...] = (
     "motion_blur/snow: ImageMagick's MotionBlurImage is re-implemented as its one-sided line kernel "

@@ -3,7 +3,7 @@
 Values are those of the public reference generators ``make_cifar_c.py`` (32 px) and
 ``make_imagenet_c.py`` (224 px) of hendrycks/robustness (Apache-2.0). Each table maps a
 corruption name to a 5-tuple (severity 1 -> 5) of its parameters; the meaning of each entry is
-documented on the corresponding function in :mod:`aqr.corruptions`.
+documented on the corresponding function in :mod:`aqr.data.corruptions`.
 """
 
 from __future__ import annotations

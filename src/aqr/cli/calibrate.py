@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from aqr import models
-    from aqr.grid import ModelSpec
-    from aqr.runner import load_source, to_tensor
+    from aqr.bench.grid import ModelSpec
+    from aqr.bench.runner import load_source, to_tensor
     from aqr.core.stats import calibrate
 
     if args.threads:

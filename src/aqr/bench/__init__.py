@@ -1,0 +1,1 @@
+"""The benchmark: the grid of cells, the results database, the resumable runner and the report."""
