@@ -225,22 +225,24 @@ def test_bad_fast_options():
 @pytest.mark.parametrize("tail", aqr.TAILS)
 def test_gpu_path_matches_cpu_path(tail):
     """The GPU path (table and map in one compilable function, no host reads) is run here on CPU tensors."""
-    from aqr.backends.torch_backend import SubsetCache, _map_sample, lookup_map
+    from aqr.backends import LayerSource, SubsetCache, TorchBackend
+    from aqr.backends.torch_backend import map_sample
 
     g = torch.Generator().manual_seed(0)
     c, k = 6, 21
     sq = torch.randn(c, 4000, generator=g).sort(1).values[:, torch.linspace(0, 3999, k).long()]
-    loc, scale = torch.zeros(c, 1), torch.ones(c, 1)
+    source = LayerSource.create(sq, tail, torch.zeros(c, 1), torch.ones(c, 1), 0.01, 64)
     x = torch.randn(8, c, 50, generator=g) * 2 + 1
     x[:, 0] = x[:, 0].round()  # tied target knots in channel 0
     x[:, 1] = 3.0  # a constant channel
     sample = x.transpose(0, 1).reshape(c, -1)
     every_position = SubsetCache(x.shape[0] * x.shape[2])
-    want, ok = lookup_map(x, every_position, sq, tail, loc, scale, 0.01, 64, compile=False, native=False)
-    got, finite = _map_sample(x, sample, False, sq, tail, loc, scale, 0.01, 64)
+    want, ok = TorchBackend(source, every_position, compile=False).recalibrate(x)
+    args = (sample, False, source.knots, tail, source.loc, source.scale, source.z, 64)
+    got, finite = map_sample(x, *args)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert bool(ok) and bool(finite)
-    compiled = torch.compile(_map_sample, dynamic=True)(x, sample, False, sq, tail, loc, scale, 0.01, 64)[0]
+    compiled = torch.compile(map_sample, dynamic=True)(x, *args)[0]
     torch.testing.assert_close(compiled, want, atol=1e-4, rtol=1e-4)
     x[3, 2, 17] = float("nan")  # outside the sample (the extremes are taken over every value)
-    assert not bool(_map_sample(x, sample, False, sq, tail, loc, scale, 0.01, 64)[1])
+    assert not bool(map_sample(x, *args)[1])

@@ -1,5 +1,6 @@
-"""aqr's C kernels (aqr.backends.native): quantiles within one histogram bucket of the sorted sample, the map
-equal to the torch path's, the BatchNorm fold, and the fallback when no compiler is found."""
+"""aqr's C kernels (aqr.backends.native, built by aqr.backends.build): quantiles within one histogram
+bucket of the sorted sample, the map equal to the torch backend's, the BatchNorm fold, and the
+fallback when no compiler is found."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ import torch
 from torch import nn
 
 import aqr
-from aqr.backends import native, torch_backend
-from aqr.core.qmap import gaussian_z, sort_rows, sorted_quantiles
+from aqr.backends import LayerSource, SubsetCache, Targets, TorchBackend, build, choose_backend, native
+from aqr.core.qmap import sort_rows, sorted_quantiles
 
-LIB, WHY = native.load_kernels()
+LIB, WHY = build.load_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")
 
 
-def _sample(x: torch.Tensor, size: int = 8192) -> tuple[torch_backend.SubsetCache, torch.Tensor]:
-    cache = torch_backend.SubsetCache(size)
+def _sample(x: torch.Tensor, size: int = 8192) -> tuple[SubsetCache, torch.Tensor]:
+    cache = SubsetCache(size)
     return cache, torch.take(x, cache.offsets(x))
+
+
+def _targets(tq: torch.Tensor, mean: torch.Tensor | None = None, std: torch.Tensor | None = None) -> Targets:
+    return Targets(tq, mean, std, torch.tensor(True))
 
 
 @needs_kernels
@@ -63,7 +68,7 @@ def test_crowded_buckets_and_ties_are_exact():
 def test_nonfinite_values_are_reported_even_outside_the_sample():
     x = torch.randn(32, 3, 300)
     x[5, 1, 7] = float("nan")
-    cache = torch_backend.SubsetCache(1000)  # 1,000 of 9,600 positions: the NaN is most likely not among them
+    cache = SubsetCache(1000)  # 1,000 of 9,600 positions: the NaN is most likely not among them
     tq, _, _, finite = native.subset_quantiles(LIB, x, cache.positions(x), 11)
     assert not finite and bool(tq[1].isnan().all()) and bool(tq[0].isfinite().all())
     x[5, 1, 7] = float("inf")
@@ -74,7 +79,7 @@ def test_nonfinite_values_are_reported_even_outside_the_sample():
 @pytest.mark.parametrize("tail", aqr.TAILS)
 @pytest.mark.parametrize("shape", [(16, 6, 300), (500, 10, 1), (50, 9, 3)])
 def test_native_map_equals_the_torch_path(tail, shape):
-    """Given the same knots, the C table and map give the torch path's values (both layouts)."""
+    """Given the same knots, the C table and map give the torch backend's values (both layouts)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(shape, generator=g) * 2 + 1
     x[:, 0] = x[:, 0].round()  # tied knots
@@ -85,9 +90,9 @@ def test_native_map_equals_the_torch_path(tail, shape):
     cache, sample = _sample(x)
     tq = sorted_quantiles(sort_rows(sample), 21)
     mean, std = sample.mean(1, keepdim=True), sample.std(1, correction=0, keepdim=True)
-    z = gaussian_z(21, 0.01) if tail == "gaussian" else None
-    want, _ = torch_backend._map_sample(x, sample, False, sq, tail, loc, scale, 0.01, 64, z)
-    got = native.table_map(LIB, x, tq, sq, tail, 64, mean, std, loc, scale, z)
+    source = LayerSource.create(sq, tail, loc, scale, 0.01, 64)
+    want = TorchBackend(source, cache, compile=False).apply(x, _targets(tq, mean, std))
+    got = native.table_map(LIB, x, _targets(tq, mean, std), source)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
 
 
@@ -98,12 +103,13 @@ def test_folded_affine_equals_mapping_the_affine_output():
     a, b = torch.randn(8, generator=g), torch.randn(8, generator=g)  # negative scales reverse the order
     y = x * a.view(1, -1, 1) + b.view(1, -1, 1)
     sq = torch.randn(8, 2000, generator=g).sort(1).values[:, torch.linspace(0, 1999, 101).long()]
-    cache = torch_backend.SubsetCache(8192)
+    cache = SubsetCache(8192)
     tq_y = native.subset_quantiles(LIB, y, cache.positions(y), 101)[0]
     tq_x = native.subset_quantiles(LIB, x, cache.positions(x), 101, pre=(a, b))[0]
     torch.testing.assert_close(tq_x, tq_y, atol=1e-5, rtol=1e-5)
-    want = native.table_map(LIB, y, tq_y, sq, "average", 256)
-    got = native.table_map(LIB, x, tq_x, sq, "average", 256, pre=(a, b))
+    source = LayerSource.create(sq, "average", None, None, 1e-3, 256)
+    want = native.table_map(LIB, y, _targets(tq_y), source)
+    got = native.table_map(LIB, x, _targets(tq_x), source, pre=(a, b))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -165,27 +171,29 @@ def test_folded_layer_nonfinite_policies():
 
 
 def test_no_compiler_falls_back_to_torch_with_a_warning(monkeypatch):
-    monkeypatch.setattr(torch_backend, "load_kernels", lambda: (None, "no C compiler found (set CC)"))
-    monkeypatch.setattr(torch_backend, "_WARNED", set())
+    monkeypatch.setattr(build, "load_kernels", lambda: (None, "no C compiler found (set CC)"))
+    monkeypatch.setattr(build, "_WARNED", set())
     x = torch.randn(8, 3, 50)
-    sq = torch.randn(3, 11).sort(1).values
-    one = torch.ones(3, 1)
+    one = torch.ones(3)
+    source = LayerSource.create(torch.randn(3, 11).sort(1).values, "average", one, one, 0.01, 32)
     with pytest.warns(UserWarning, match="no C compiler"):
-        y, finite = torch_backend.lookup_map(x, torch_backend.SubsetCache(400), sq, "average", one, one, 0.01, 32, False)
-    want, _ = torch_backend.lookup_map(x, torch_backend.SubsetCache(400), sq, "average", one, one, 0.01, 32, False, native=False)
+        backend = choose_backend(source, SubsetCache(400), compile=False)
+    assert isinstance(backend, TorchBackend)
+    y, finite = backend.recalibrate(x)
+    want, _ = choose_backend(source, SubsetCache(400), native=False, compile=False).recalibrate(x)
     assert bool(finite) and torch.equal(y, want)
 
 
 def test_build_failure_is_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("AQR_CACHE_DIR", str(tmp_path))
     with pytest.raises(OSError, match="failed"):
-        native._build(["false"])  # a "compiler" that always fails
+        build.build_library(["false"])  # a "compiler" that always fails
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("tmp*"))
 
 
 @needs_kernels
 def test_kernels_run_on_torchs_openmp_team_where_found():
-    team = native.openmp_entry_points()
+    team = build.openmp_entry_points()
     if team is None:
         pytest.skip("no OpenMP runtime loaded in this process")
     assert all(isinstance(addr, int) and addr for addr in team)
@@ -205,19 +213,20 @@ def test_gradients_still_flow_where_autograd_is_on():
 @needs_kernels
 def test_portable_build_matches_the_avx2_build():
     """Without -mavx2 (another CPU) the kernels' scalar loops give the same results."""
-    command = native.compile_command()
-    portable = native.load([arg for arg in command if arg not in ("-mavx2", "-mfma")])
+    command = build.compile_command()
+    portable = build.load([arg for arg in command if arg not in ("-mavx2", "-mfma")])
     g = torch.Generator().manual_seed(6)
     for shape in [(20, 5, 203), (300, 9, 1)]:
         x = torch.randn(shape, generator=g)
-        cache = torch_backend.SubsetCache(8192)
+        cache = SubsetCache(8192)
         want = native.subset_quantiles(LIB, x, cache.positions(x), 21)
         got = native.subset_quantiles(portable, x, cache.positions(x), 21)
         torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
-        sq = torch.randn(shape[1], 21, generator=g).sort(1).values
+        source = LayerSource.create(torch.randn(shape[1], 21, generator=g).sort(1).values, "average", None, None,
+                                    1e-3, 128)
         torch.testing.assert_close(
-            native.table_map(portable, x, got[0], sq, "average", 128),
-            native.table_map(LIB, x, got[0], sq, "average", 128),
+            native.table_map(portable, x, _targets(got[0]), source),
+            native.table_map(LIB, x, _targets(got[0]), source),
             atol=1e-6, rtol=1e-6,
         )
 
@@ -231,26 +240,26 @@ def test_one_pass_recalibrate_equals_quantiles_then_map(tail):
     a, b = torch.randn(7, generator=g), torch.randn(7, generator=g)
     sq = torch.randn(7, 3000, generator=g).sort(1).values[:, torch.linspace(0, 2999, 101).long()]
     loc, scale = torch.randn(7, 1, generator=g) * 0.1, torch.rand(7, 1, generator=g) + 0.5
-    z = gaussian_z(101, 0.01) if tail == "gaussian" else None
-    pos = torch_backend.SubsetCache(4096).positions(x)
+    source = LayerSource.create(sq, tail, loc, scale, 0.01, 256)
+    pos = SubsetCache(4096).positions(x)
     for pre in (None, (a, b)):
         tq, mean, std, finite = native.subset_quantiles(LIB, x, pos, 101, True, pre)
-        want = native.table_map(LIB, x, tq, sq, tail, 256, mean, std, loc, scale, z, pre)
-        got, ok = native.recalibrate(LIB, x, pos, sq, tail, 256, loc, scale, z, pre)
+        want = native.table_map(LIB, x, _targets(tq, mean, std), source, pre)
+        got, ok = native.recalibrate(LIB, x, pos, source, pre)
         assert ok and finite
         assert torch.equal(got, want)
     x[3, 4, 5] = float("inf")
-    assert not native.recalibrate(LIB, x, pos, sq, tail, 256, loc, scale, z)[1]
+    assert not native.recalibrate(LIB, x, pos, source)[1]
 
 
 @needs_kernels
 def test_missing_tail_inputs_are_named_not_dereferenced():
     x = torch.randn(4, 3, 64)
-    pos = torch_backend.SubsetCache(256).positions(x)
+    pos = SubsetCache(256).positions(x)
     sq = torch.randn(3, 11).sort(1).values
-    with pytest.raises(ValueError, match="gaussian"):
-        native.recalibrate(LIB, x, pos, sq, "gaussian", 32, scale=torch.ones(3))  # no loc, no z
-    with pytest.raises(ValueError, match="interval"):
-        native.table_map(LIB, x, sq, sq, "interval", 32)  # no sample moments
+    with pytest.raises(ValueError, match="gaussian"):  # no loc, no z (a LayerSource built around create's checks)
+        native.recalibrate(LIB, x, pos, LayerSource(sq, "gaussian", None, torch.ones(3), None, 32))
+    with pytest.raises(ValueError, match="interval"):  # no sample moments
+        native.table_map(LIB, x, _targets(sq), LayerSource(sq, "interval", None, torch.ones(3), None, 32))
     with pytest.raises(ValueError, match="unknown tail"):
-        native.recalibrate(LIB, x, pos, sq, "median", 32)
+        native.recalibrate(LIB, x, pos, LayerSource(sq, "median", None, None, None, 32))

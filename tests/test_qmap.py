@@ -209,10 +209,10 @@ def test_bad_arguments_are_named():
 
 
 def test_branch_free_levels_match_the_branching_ones_with_tied_knots():
-    from aqr.core.qmap import _interp_levels
+    from aqr.core.qmap import interp_levels
 
     tq = torch.tensor([[0.0, 1.0, 1.0, 1.0, 2.0, 3.0], [0.0, 0.0, 1.0, 2.0, 2.0, 5.0]])
     x = torch.tensor([[-1.0, 0.5, 1.0, 1.5, 2.0, 4.0], [0.0, 0.5, 2.0, 3.0, 5.0, 6.0]])
-    branching = _interp_levels(x, tq)
+    branching = interp_levels(x, tq)
     assert branching[0, 2] == 2.0 and branching[1, 2] == 3.5  # the middle of each tied run
-    torch.testing.assert_close(_interp_levels(x, tq, branch_free=True), branching)
+    torch.testing.assert_close(interp_levels(x, tq, branch_free=True), branching)

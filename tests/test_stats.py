@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import aqr
-from aqr.core.stats import _average_sample_tails, _Collector
+from aqr.core.calibrate import LayerCollector, average_sample_tails
 from aqr.core.layers import LayerInfo
 from models_tiny import bn_cnn, gn_cnn, images, tiny_vit
 
@@ -58,7 +58,7 @@ def test_plain_tensor_batches_work_and_calibration_is_deterministic():
 
 def test_sample_is_bounded_and_within_the_dkw_bound():
     info = LayerInfo("x", "BatchNorm1d", 3, 1)
-    col = _Collector(info, max_samples=5_000, generator_seed=0)
+    col = LayerCollector(info, max_samples=5_000, generator_seed=0)
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randn(1000, 3, generator=g) ** 3 for _ in range(100)]  # 100k values / channel
     for chunk in chunks:
@@ -78,7 +78,7 @@ def test_sample_is_bounded_and_within_the_dkw_bound():
 
 def test_average_sample_tails_match_the_expected_min_and_max():
     u = torch.sort(torch.rand(2, 200_000, generator=torch.Generator().manual_seed(0)), dim=1).values
-    low, high = _average_sample_tails(u, tail_batch=100, tail_repeats=1000, seed=0)
+    low, high = average_sample_tails(u, tail_batch=100, tail_repeats=1000, seed=0)
     # uniform(0,1): E[min of 100] = 1/101, E[max] = 100/101; sd of the mean over 1000 draws ~3e-4
     assert torch.allclose(low, torch.full((2,), 1 / 101), atol=2e-3)
     assert torch.allclose(high, torch.full((2,), 100 / 101), atol=2e-3)
@@ -280,11 +280,11 @@ def test_image_tails_group_tokens_by_input_for_layernorm():
 
 
 def test_image_tails_keep_a_bounded_uniform_sample_of_inputs(monkeypatch):
-    import aqr.core.stats as stats_module
+    import aqr.core.calibrate as calibrate_module
 
-    monkeypatch.setattr(stats_module, "TAIL_INPUTS_KEPT", 50)
+    monkeypatch.setattr(calibrate_module, "TAIL_INPUTS_KEPT", 50)
     info = LayerInfo(name="n", kind="BatchNorm2d", channels=3, channel_dim=1)
-    col = _Collector(info, 1000, 0, per_input=True)
+    col = LayerCollector(info, 1000, 0, per_input=True)
     x = torch.arange(200, dtype=torch.float32)[:, None, None, None].expand(200, 3, 2, 2).contiguous()
     for xb in x.split(40):
         col.update(xb)

@@ -1,1 +1,34 @@
-"""The fast recalibration path: aqr's C kernels on CPU and a torch implementation everywhere."""
+"""The fast recalibration path behind one interface: a backend object per layer and device.
+
+:class:`LayerBackend` (in :mod:`aqr.backends.base`) is the interface; :class:`TorchBackend` runs on
+any device, :class:`NativeBackend` in aqr's C kernels on CPU. :func:`choose_backend` picks one for a
+layer once; :class:`aqr.AQR` keeps it for every batch on that device.
+"""
+
+from __future__ import annotations
+
+from aqr.backends.base import Affine, LayerBackend, LayerSource, Targets
+from aqr.backends.build import native_kernels
+from aqr.backends.native import NativeBackend
+from aqr.backends.subsets import SubsetCache
+from aqr.backends.torch_backend import TorchBackend
+
+
+def choose_backend(source: LayerSource, subsets: SubsetCache, *, native: bool = True,
+                   compile: bool = True) -> LayerBackend:
+    """The backend for one layer on ``source``'s device.
+
+    On CPU with ``native``: aqr's C kernels (built on first use; where they cannot be built, a
+    warning once and torch), which hand inputs they do not take (float64, autograd) to torch.
+    Elsewhere: torch, compiled with ``torch.compile`` when ``compile``.
+    """
+    torch_backend = TorchBackend(source, subsets, compile)
+    if native and source.device.type == "cpu":
+        lib = native_kernels()
+        if lib is not None:
+            return NativeBackend(source, subsets, lib, torch_backend)
+    return torch_backend
+
+
+__all__ = ["Affine", "LayerBackend", "LayerSource", "NativeBackend", "SubsetCache", "Targets", "TorchBackend",
+           "choose_backend"]

@@ -1,4 +1,5 @@
-/* aqr's CPU kernels for the fast recalibration path (see aqr/native.py, which builds and loads this).
+/* aqr's CPU kernels for the fast recalibration path: aqr/backends/build.py builds and loads them,
+ * aqr/backends/native.py calls them.
  *
  * Plain C99 with pthreads; AVX2 intrinsics for the map when compiled with -mavx2 -mfma. No Python
  * or torch headers: arrays are passed as raw pointers through ctypes, which also releases the GIL.
@@ -447,10 +448,10 @@ int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const 
 /* ------------------------------------------------------------------------------------------------
  * The lookup-table map. Each channel's table: cell 0 is the lower tail line, cells 1..cells the
  * exact map (Eq. 1) interpolated between grid points spanning [p1^T, p_{K-2}^T], cell cells+1 the
- * upper tail line. Mirrors aqr.fastmap._map_sample (same float32 arithmetic order).
+ * upper tail line. Mirrors aqr.backends.torch_backend.table_map (same float32 arithmetic order).
  * ---------------------------------------------------------------------------------------------- */
 
-/* Tail strategies (aqr.qmap.TAILS); "standard" and "average" differ only in the source knots. */
+/* Tail strategies (aqr.core.qmap.TAILS); "standard" and "average" differ only in the source knots. */
 enum { TAIL_EQ1 = 0, TAIL_NONE = 1, TAIL_CLIP = 2, TAIL_INTERVAL = 3, TAIL_GAUSSIAN = 4 };
 
 typedef struct map_args {
@@ -472,7 +473,7 @@ typedef struct map_args {
 static float slope_of(float rise, float run) { return run > 0 ? rise / run : 0.0f; }
 
 /* The affine map below p1^T (lines[0] * x + lines[1]) and at or above p_{K-2}^T (lines[2], lines[3]):
-   aqr.qmap.tail_lines, with the same float32 operations. */
+   aqr.core.qmap.tail_lines, with the same float32 operations. */
 static void tail_lines(const map_args *a, int64_t c, float lines[4]) {
     const int64_t K = a->K;
     const float *tq = a->tq + c * K, *sq = a->sq + c * K;
@@ -513,7 +514,7 @@ static void tail_lines(const map_args *a, int64_t c, float lines[4]) {
     }
 }
 
-/* The exact map at point g, given p = number of knots <= g (aqr.qmap._interp_levels/_eval_levels). */
+/* The exact map at point g, given p = number of knots <= g (aqr.core.qmap.interp_levels/eval_levels). */
 static float exact_at(float g, int64_t p, const float *tq, const float *sq, const int64_t *run_start,
                       int64_t K) {
     int64_t j = p - 1;

@@ -30,7 +30,8 @@ from torch import nn
 
 from aqr.bench.grid import STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key, eval_indices, parse_range
 from aqr.bench.results import ResultsDB
-from aqr.core.stats import DEFAULT_TAIL_UNIT, StatsError
+from aqr.core.calibrate import DEFAULT_TAIL_UNIT
+from aqr.core.stats import StatsError
 
 DEFAULT_K = 101
 DEFAULT_MAX_SAMPLES = 100_000
@@ -182,7 +183,7 @@ def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False) -> P
 
     The file is written atomically, so concurrent or interrupted runs never leave half a file.
     """
-    from aqr.core.stats import calibrate
+    from aqr.core.calibrate import calibrate
 
     path = stats_path(cell, cache_dir)
     if path.is_file():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.core.stats import DEFAULT_TAIL_UNIT, TAIL_UNITS
+from aqr.core.calibrate import DEFAULT_TAIL_UNIT, TAIL_UNITS
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from aqr import models
     from aqr.bench.grid import ModelSpec
     from aqr.bench.runner import load_source, to_tensor
-    from aqr.core.stats import calibrate
+    from aqr.core.calibrate import calibrate
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from aqr.backends.torch_backend import SubsetCache, as_acb, lookup_map, native_kernels, native_takes
-from aqr.backends.native import Affine
-from aqr.core.layers import check_output, select_layers
+from aqr.backends import Affine, LayerBackend, LayerSource, SubsetCache, choose_backend
+from aqr.core.hooks import instrumented
+from aqr.core.layers import NonFiniteActivationError, as_acb, check_output, select_layers
 from aqr.core.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, quantile_map
-from aqr.core.stats import SOURCE_MOMENTS, NonFiniteActivationError, SourceStats
+from aqr.core.stats import SOURCE_MOMENTS, SourceStats
 
 NONFINITE_POLICIES = ("raise", "skip")
 MODES = ("fast", "exact")
@@ -39,7 +39,7 @@ class AQRConfig:
         on_nonfinite: ``"raise"`` (default) stops with an error naming the layer when a batch has
             NaN/Inf activations; ``"skip"`` leaves that layer's output untouched for that batch.
         mode: ``"fast"`` (default): target quantiles from at most ``target_samples`` positions and a
-            fused lookup-table map on a ``grid``-cell table (see :mod:`aqr.backends.torch_backend`); ``"exact"``:
+            fused lookup-table map on a ``grid``-cell table (see :mod:`aqr.backends`); ``"exact"``:
             quantiles of every value and the exact piecewise-linear map of Eq. 1.
         target_samples: positions per layer used for the target quantiles in fast mode.
         grid: cells of the lookup table between the first and last inner knots in fast mode.
@@ -79,8 +79,12 @@ def host_reads_are_cheap(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-class _LayerMap:
-    """The recalibration of one layer, with its source tensors cached per device."""
+class LayerMap:
+    """The recalibration of one layer: its source side, and the fast-path backend chosen per device.
+
+    Called as a forward hook, it returns the layer's output recalibrated; :meth:`folded_forward`
+    replaces an eval-mode BatchNorm's forward instead.
+    """
 
     def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str,
                  subsets: SubsetCache | None = None, logits_checked: bool = False) -> None:
@@ -88,41 +92,46 @@ class _LayerMap:
         self.tail = tail
         self.on_nonfinite = config.on_nonfinite
         loc, scale = stats.source_moments(name, config.source_moments)
-        self._cpu = (stats.source_quantiles(name, tail), loc, scale)
-        self._cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self.source = LayerSource.create(stats.source_quantiles(name, tail), tail, loc, scale, config.gaussian_p,
+                                         config.grid)
+        self._sources: dict[torch.device, LayerSource] = {}
+        self._backends: dict[torch.device, LayerBackend] = {}
         self.config = config
         self.subsets = subsets or SubsetCache(config.target_samples)
         self.logits_checked = logits_checked  # AQR's forward checks the logits for NaN/Inf
 
-    def _on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        if device not in self._cache:
-            self._cache[device] = tuple(t.to(device, torch.float32) for t in self._cpu)
-        return self._cache[device]
+    def source_on(self, device: torch.device) -> LayerSource:
+        """The layer's source side on ``device`` (moved once)."""
+        if device not in self._sources:
+            self._sources[device] = self.source.to(device)
+        return self._sources[device]
+
+    def backend(self, device: torch.device) -> LayerBackend:
+        """The fast-path backend for ``device``, chosen on first use."""
+        if device not in self._backends:
+            self._backends[device] = choose_backend(self.source_on(device), self.subsets, native=self.config.native,
+                                                    compile=self.config.compile)
+        return self._backends[device]
 
     def __call__(self, _module: nn.Module, _inputs: object, output: object) -> torch.Tensor:
         """Forward hook: the layer's output, recalibrated."""
         out = check_output(self.info, output)
         if self.config.mode == "fast":
             return self._fast(out)
-        sq, loc, scale = self._on(out.device)
+        source = self.source_on(out.device)
         dim = self.info.channel_dim % out.ndim
-        tq = channel_quantiles(out, sq.shape[1], dim)
+        tq = channel_quantiles(out, source.num_quantiles, dim)
         # NaN sorts last and +-Inf sit at the ends, so finite end knots mean finite activations.
         if not bool(torch.isfinite(tq[:, 0]).all() and torch.isfinite(tq[:, -1]).all()):
             return self._nonfinite(out)
-        return quantile_map(
-            out, sq, tq, self.tail, dim=dim, source_loc=loc, source_scale=scale, gaussian_p=self.config.gaussian_p
-        )
+        return quantile_map(out, source.knots, tq, self.tail, dim=dim, source_loc=source.loc,
+                            source_scale=source.scale, gaussian_p=self.config.gaussian_p)
 
     def _fast(self, x: torch.Tensor, pre: Affine | None = None,
               unmapped: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """The fast map of the layer output ``x``; with ``pre``, of ``pre[0] * x + pre[1]`` per
         channel (a folded BatchNorm, whose own output ``unmapped()`` computes)."""
-        sq, loc, scale = self._on(x.device)
-        y, finite = lookup_map(
-            as_acb(x, self.info.channel_dim), self.subsets, sq, self.tail, loc, scale,
-            self.config.gaussian_p, self.config.grid, self.config.compile, self.config.native, pre,
-        )
+        y, finite = self.backend(x.device).recalibrate(as_acb(x, self.info.channel_dim), pre)
         y = y.reshape(x.shape)
         if self.logits_checked and not host_reads_are_cheap(x.device):  # never folded: pre is None
             # Reading ``finite`` would stall the GPU at every layer. A non-finite sample makes the
@@ -145,13 +154,13 @@ class _LayerMap:
         """A replacement ``forward`` for an eval-mode BatchNorm: the native map reads the BN's input
         and applies its affine step itself, which saves the BN's pass over the activations.
 
-        Anything the native kernels do not take (training mode, GPU, float64, autograd) runs the
-        BN's own ``forward`` and the hook's map instead.
+        Anything the backend cannot fold (training mode, GPU, float64, autograd, no C kernels) runs
+        the BN's own ``forward`` and the hook's map instead.
         """
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            if (module.training or not native_takes(x) or x.ndim < 2 or x.shape[1] != self.info.channels
-                    or native_kernels() is None):
+            if (module.training or x.ndim < 2 or x.shape[1] != self.info.channels
+                    or not self.backend(x.device).folds(x)):
                 return self(module, (x,), forward(x))
             alpha = 1.0 / torch.sqrt(module.running_var.float() + module.eps)  # as ATen's eval batch_norm
             if module.weight is not None:
@@ -173,41 +182,28 @@ class _LayerMap:
         )
 
 
-def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False) -> dict[str, _LayerMap]:
+def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False) -> dict[str, LayerMap]:
     tail = config.tail or stats.tail
     infos = [layer.info for layer in stats.layers.values()]
     chosen = select_layers(infos, "all" if config.layers is None else config.layers, stats.layer_names)
     subsets = SubsetCache(config.target_samples)  # shared: layers of one shape share one index
-    return {info.name: _LayerMap(stats, info.name, config, tail, subsets, logits_checked) for info in chosen}
+    return {info.name: LayerMap(stats, info.name, config, tail, subsets, logits_checked) for info in chosen}
 
 
 @contextlib.contextmanager
-def _hooks(model: nn.Module, maps: dict[str, _LayerMap]) -> Iterator[None]:
-    modules = dict(model.named_modules())
-    handles = []
-    folded: dict[nn.Module, object] = {}  # module -> its own instance-level forward, if it had one
-    for name, layer_map in maps.items():
-        module = modules[name]
-        if layer_map.foldable(module):
-            # An eval-mode BatchNorm is folded into the map: its forward is replaced for the block.
-            folded[module] = module.__dict__.get("forward")
-            module.forward = layer_map.folded_forward(module, module.forward)  # type: ignore[method-assign]
-        else:
-            handles.append(module.register_forward_hook(layer_map))
-    flags = {m: m.training for m in model.modules()}
-    model.eval()  # BatchNorm must not update its running statistics
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        for module, own in folded.items():
-            if own is None:
-                del module.forward
+def _mapped(model: nn.Module, maps: dict[str, LayerMap]) -> Iterator[None]:
+    """Within the block, ``model`` runs in eval mode with each layer of ``maps`` recalibrated.
+
+    An eval-mode BatchNorm that the native map can absorb has its forward replaced for the block;
+    every other layer gets a forward hook.
+    """
+    with instrumented(model) as tools:
+        for name, layer_map in maps.items():
+            if layer_map.foldable(tools.modules[name]):
+                tools.replace_forward(name, layer_map.folded_forward)
             else:
-                module.forward = own  # type: ignore[method-assign]
-        for m, flag in flags.items():
-            m.train(flag)
+                tools.hook(name, layer_map)
+        yield
 
 
 @contextlib.contextmanager
@@ -217,7 +213,7 @@ def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> It
     ``options`` are the fields of :class:`AQRConfig`. The model runs in eval mode inside the block.
     """
     stats.check_model(model)
-    with _hooks(model, _layer_maps(stats, AQRConfig(**options))):  # type: ignore[arg-type]
+    with _mapped(model, _layer_maps(stats, AQRConfig(**options))):  # type: ignore[arg-type]
         yield model
 
 
@@ -250,14 +246,14 @@ class AQR(nn.Module):
         return list(self._maps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), _hooks(self.model, self._maps):
+        with torch.no_grad(), _mapped(self.model, self._maps):
             out = self.model(x)
         if self.config.mode == "fast" and self.config.on_nonfinite == "raise" and isinstance(out, torch.Tensor):
             # The fast path checks only the sampled positions of each layer (none on a GPU); NaN/Inf
             # elsewhere reaches the output. Re-run exactly to name the first layer that produced it.
             if not bool(torch.isfinite(out).all()):
-                exact = {name: _LayerMap(self.stats, name, replace(self.config, mode="exact"), m.tail) for name, m in self._maps.items()}
-                with torch.no_grad(), _hooks(self.model, exact):
+                exact = {name: LayerMap(self.stats, name, replace(self.config, mode="exact"), m.tail) for name, m in self._maps.items()}
+                with torch.no_grad(), _mapped(self.model, exact):
                     self.model(x)
         return out
 

@@ -17,12 +17,18 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from aqr.core.hooks import instrumented
+
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 LAYER_SELECTIONS = ("all", "top-half", "bottom-half")
 
 
 class LayerError(ValueError):
     """A layer AQR cannot handle, or a layer selection that does not fit the model."""
+
+
+class NonFiniteActivationError(ValueError):
+    """A normalization layer produced NaN or Inf."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,15 @@ def check_output(info: LayerInfo, output: object) -> torch.Tensor:
     return output
 
 
+def as_acb(out: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    """View a layer output as ``(A, C, B)`` with the channel in the middle (no copy when contiguous)."""
+    dim = channel_dim % out.ndim
+    a = 1
+    for s in out.shape[:dim]:
+        a *= s
+    return out.reshape(a, out.shape[dim], -1)
+
+
 def select_layers(
     infos: Sequence[LayerInfo], layers: str | Sequence[str], order: Sequence[str] | None = None
 ) -> list[LayerInfo]:
@@ -125,18 +140,13 @@ def fingerprint(infos: Sequence[LayerInfo]) -> str:
 
 def execution_order(model: nn.Module, infos: Sequence[LayerInfo], example: torch.Tensor) -> list[str]:
     """Names of ``infos`` in the order a forward pass on ``example`` first calls them."""
-    modules = dict(model.named_modules())
     seen: list[str] = []
-    handles = []
-    for info in infos:
-        def hook(_m: nn.Module, _i: object, _o: object, name: str = info.name) -> None:
-            if name not in seen:
-                seen.append(name)
-        handles.append(modules[info.name].register_forward_hook(hook))
-    try:
+    with instrumented(model, eval_mode=False) as tools:
+        for info in infos:
+            def hook(_m: nn.Module, _i: object, _o: object, name: str = info.name) -> None:
+                if name not in seen:
+                    seen.append(name)
+            tools.hook(info.name, hook)
         with torch.no_grad():
             model(example)
-    finally:
-        for h in handles:
-            h.remove()
     return seen + [i.name for i in infos if i.name not in seen]

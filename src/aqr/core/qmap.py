@@ -28,6 +28,7 @@ import torch
 
 Tail = Literal["standard", "average", "none", "clip", "interval", "gaussian"]
 TAILS: tuple[str, ...] = ("standard", "average", "none", "clip", "interval", "gaussian")
+PARAMETRIC_TAILS: tuple[str, ...] = ("interval", "gaussian")  # the tails that read the batch's mean and std
 
 # Default probability that stands in for p0 / p100 in the Gaussian tail (the probit of 0 and 1 is
 # infinite). With the same p on both sides the tail map does not depend on it (see `_gaussian_tails`).
@@ -84,7 +85,7 @@ def to_channel_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.movedim(dim, 0).reshape(x.shape[dim], -1)
 
 
-def _interp_levels(x: torch.Tensor, target_q: torch.Tensor, branch_free: bool = False) -> torch.Tensor:
+def interp_levels(x: torch.Tensor, target_q: torch.Tensor, branch_free: bool = False) -> torch.Tensor:
     """Fractional knot index ``u`` in ``[0, K-1]`` (extrapolated outside) of each value of ``x`` (C, M).
 
     ``branch_free`` computes the tied-knot correction for every value instead of only where a tie
@@ -114,7 +115,7 @@ def _interp_levels(x: torch.Tensor, target_q: torch.Tensor, branch_free: bool = 
     return u
 
 
-def _eval_levels(u: torch.Tensor, source_q: torch.Tensor) -> torch.Tensor:
+def eval_levels(u: torch.Tensor, source_q: torch.Tensor) -> torch.Tensor:
     """Piecewise-linear interpolation of the source knots at fractional indices ``u`` (linear beyond)."""
     k = source_q.shape[1]
     i = u.floor().long().clamp_(0, k - 2)
@@ -211,7 +212,7 @@ def map_rows(
 ) -> torch.Tensor:
     """:func:`quantile_map` on ``(C, M)`` rows with ``(C, K)`` knots, all of one float dtype and device."""
     rows, target_q = rows.contiguous(), target_q.contiguous()
-    y = _eval_levels(_interp_levels(rows, target_q), source_q)
+    y = eval_levels(interp_levels(rows, target_q), source_q)
     if tail in ("none", "clip", "interval", "gaussian"):
         y = _apply_tail(rows, y, source_q, target_q, tail, source_loc, source_scale, gaussian_p)
     return y
@@ -280,7 +281,7 @@ def _apply_tail(
 ) -> torch.Tensor:
     k = tq.shape[1]
     mean = std = None
-    if tail in ("interval", "gaussian"):
+    if tail in PARAMETRIC_TAILS:
         mean = x.mean(dim=1, keepdim=True)
         std = x.std(dim=1, correction=0, keepdim=True)
     a_lo, b_lo, a_hi, b_hi = tail_lines(sq, tq, tail, mean, std, source_loc, source_scale, gaussian_p)

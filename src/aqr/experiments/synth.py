@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from aqr.core.qmap import channel_quantiles, quantile_map, sorted_quantiles
-from aqr.core.stats import dkw_epsilon
+from aqr.core.calibrate import dkw_epsilon
 
 # ---------------------------------------------------------------------------------------------
 # shared pieces

@@ -672,9 +672,10 @@ def percentile_deviations(model: Any, images: Any, layer: str | None = None, n_b
     """
     import torch
 
+    from aqr.core.hooks import instrumented
     from aqr.core.layers import check_output
     from aqr.core.qmap import channel_quantiles
-    from aqr.core.stats import calibrate
+    from aqr.core.calibrate import calibrate
 
     levels = [int(k) for k in levels]
     if any(not 0 <= k <= 100 for k in levels):
@@ -691,23 +692,15 @@ def percentile_deviations(model: Any, images: Any, layer: str | None = None, n_b
     live = ref_std > 0  # a dead channel has no scale to express a deviation in
     rng = np.random.default_rng(seed)
     captured: list[torch.Tensor] = []
-    module = dict(model.named_modules())[info.name]
-    handle = module.register_forward_hook(lambda _m, _i, out: captured.append(check_output(info, out).detach()))
-    was_training = {m: m.training for m in model.modules()}
-    model.eval()
     deviations = np.empty((n_batches, len(levels)))
-    try:
-        with torch.no_grad():
-            for b in range(n_batches):
-                captured.clear()
-                model(_as_batch(images, np.sort(rng.choice(n, batch_size, replace=False))).to(device))
-                q = channel_quantiles(captured[-1], 101, dim=info.channel_dim).double().cpu()
-                dev = (q[:, levels] - ref_q[:, levels]) / ref_std[:, None]
-                deviations[b] = dev[live].mean(dim=0).numpy()
-    finally:
-        handle.remove()
-        for m, flag in was_training.items():
-            m.train(flag)
+    with instrumented(model) as tools, torch.no_grad():
+        tools.hook(info.name, lambda _m, _i, out: captured.append(check_output(info, out).detach()))
+        for b in range(n_batches):
+            captured.clear()
+            model(_as_batch(images, np.sort(rng.choice(n, batch_size, replace=False))).to(device))
+            q = channel_quantiles(captured[-1], 101, dim=info.channel_dim).double().cpu()
+            dev = (q[:, levels] - ref_q[:, levels]) / ref_std[:, None]
+            deviations[b] = dev[live].mean(dim=0).numpy()
     return {k: deviations[:, i] for i, k in enumerate(levels)}
 
 

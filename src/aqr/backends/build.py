@@ -1,0 +1,128 @@
+"""Building and loading aqr's C kernels (``_kernels.c``) with the system C compiler, on first use.
+
+The shared library is cached under ``$AQR_CACHE_DIR`` (default ``~/.cache/aqr``), named by a hash
+of the source, the compiler command and the flags. Without a working compiler :func:`load_kernels`
+says why, and the fast path runs through torch instead. Parallel work runs on the OpenMP team torch
+itself uses (:func:`openmp_entry_points`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("_kernels.c")
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$AQR_CACHE_DIR``, else ``$XDG_CACHE_HOME/aqr`` or ``~/.cache/aqr``."""
+    if os.environ.get("AQR_CACHE_DIR"):
+        return Path(os.environ["AQR_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aqr"
+
+
+def compile_command() -> list[str] | None:
+    """The compiler invocation (without output and source), or ``None`` when no C compiler is found."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return None
+    # -ffp-contract=off: no fused multiply-adds, so the table's float32 arithmetic matches torch's
+    flags = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")()
+    if platform.machine().lower() in ("x86_64", "amd64") and capability.startswith("AVX"):
+        flags += ["-mavx2", "-mfma"]
+    return [*cc.split(), *flags]
+
+
+def build_library(command: list[str]) -> Path:
+    """Compile ``_kernels.c`` with ``command`` into the cache (once per source and command); returns the library."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(command).encode()).hexdigest()[:16]
+    target = cache_dir() / f"aqr_kernels_{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: processes building at once never see a partial file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([*command, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernels() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded kernels (built on first use), or ``None`` and the reason they are unavailable."""
+    command = compile_command()
+    if command is None:
+        return None, "no C compiler found (set CC)"
+    try:
+        return load(command), ""
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, str(err)
+
+
+def load(command: list[str]) -> ctypes.CDLL:
+    """Build the kernels with ``command`` (cached) and load them, on torch's OpenMP team if found."""
+    lib = ctypes.CDLL(str(build_library(command)))
+    lib.aqr_subset_quantiles.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
+    lib.aqr_table_map.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I, ctypes.c_int]
+    lib.aqr_recalibrate.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _P, _P, _P,
+                                    _I, _P, _P, _P, ctypes.c_int]
+    lib.aqr_use_openmp.argtypes = [_P, _P, _P]
+    team = openmp_entry_points()
+    if team is not None:
+        lib.aqr_use_openmp(*team)
+    return lib
+
+
+def openmp_entry_points() -> tuple[int, int, int] | None:
+    """Addresses of ``GOMP_parallel``, ``omp_get_thread_num`` and ``omp_get_num_threads`` in the
+    OpenMP runtime this process has loaded (torch's), or ``None`` (then the kernels use pthreads).
+
+    Running on torch's own team matters: its workers spin after every torch op, and threads of
+    our own would fight them for the cores (2x slower on a 2-core machine).
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if Path(path).name.split(".")[0].split("-")[0] in ("libgomp", "libomp", "libiomp5"):
+            try:
+                rt = ctypes.CDLL(path)  # already loaded: the same instance
+                names = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+                return tuple(ctypes.cast(getattr(rt, n), ctypes.c_void_p).value for n in names)  # type: ignore[return-value]
+            except (OSError, AttributeError):
+                continue
+    return None
+
+
+def native_kernels() -> ctypes.CDLL | None:
+    """aqr's C kernels, or ``None`` (warning once with the reason) when they cannot be built."""
+    lib, reason = load_kernels()
+    if lib is None and reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"aqr's C kernels are unavailable ({reason}); the fast path runs through torch", stacklevel=3)
+    return lib
+
+
+_WARNED: set[str] = set()

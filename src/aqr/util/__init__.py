@@ -1,0 +1,1 @@
+"""Helpers with one job each, shared across aqr: file hashing, plotting, compiling."""
