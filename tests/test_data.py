@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -13,18 +12,19 @@ import pytest
 import torch
 from PIL import Image
 
-from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
 from aqr.cli import main as cli_main
-from aqr.data.corruptions import corrupt, image_rng
 from aqr.data import (
+    ArrayImageDataset,
     ImageNetCFolder,
     load_cifar,
     load_cifar_c,
     load_cifar_pickle,
     load_npz,
     load_npz_arrays,
-    sha256_file,
+    to_float,
 )
+from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
+from aqr.data.corruptions import corrupt, image_rng
 
 
 def shared_data() -> Path:
@@ -265,14 +265,23 @@ def test_imagenet_c_folder(tmp_path: Path) -> None:
         ImageNetCFolder(tmp_path, "fog", 3)[0]
 
 
-# ----------------------------------------------------------------------------- provenance and shared data
+# ----------------------------------------------------------------------------- the one uint8 -> float conversion
 
 
-def test_sha256_file(tmp_path: Path) -> None:
-    data = os.urandom(3 * 1024 + 17)
-    path = tmp_path / "blob.bin"
-    path.write_bytes(data)
-    assert sha256_file(path, chunk_size=1000) == hashlib.sha256(data).hexdigest()
+def test_to_float_gives_nchw_in_unit_range_from_arrays_and_tensors() -> None:
+    images = np.random.default_rng(0).integers(0, 256, (3, 5, 4, 3), dtype=np.uint8)
+    x = to_float(images)
+    assert x.shape == (3, 3, 5, 4) and x.dtype == torch.float32 and x.is_contiguous()
+    assert torch.equal(x, torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0)
+    kept = to_float(torch.from_numpy(images), channels_last=True)  # NHWC memory kept, same values
+    assert torch.equal(kept, x) and kept.is_contiguous(memory_format=torch.channels_last)
+    image, label = ArrayImageDataset(images, np.arange(3))[1]  # the datasets use the same conversion
+    assert torch.equal(image, x[1]) and image.is_contiguous() and label == 1
+    with pytest.raises(ValueError, match="uint8"):
+        to_float(images.astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- shared data
 
 
 def test_shared_cifar10_test_set() -> None:

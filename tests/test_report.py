@@ -1,4 +1,4 @@
-"""``aqr report``: tables, renderers, figures and Fig. 3 deviations from a small synthetic database."""
+"""``aqr report``: tables, renderers and figures from a small synthetic database."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from aqr.bench import report
 from aqr.bench.grid import Cell, DataSpec, ModelSpec
 from aqr.bench.results import ResultsDB
 
-import models_tiny
 
 MODELS = ("resnet20", "vit_ln")
 METHODS = ("source", "ttn", "tent", "sar", "aqr")
@@ -313,48 +312,6 @@ def test_cli_errors_name_the_problem(db, tmp_path) -> None:
     assert code == 2 and "'nope'" in err and "main" in err
     code, _, err = _main(["report", "--db", str(db[0]), "--format", "md,docx"])
     assert code == 2 and "docx" in err
-
-
-# --- Fig. 3 ---------------------------------------------------------------------------------------
-
-
-def test_small_batch_extremes_are_biased_inward() -> None:
-    model = models_tiny.bn_cnn()
-    images = models_tiny.images(300)
-    dev = report.percentile_deviations(model, images, n_batches=12, batch_size=8, reference=200)
-    assert list(dev) == list(report.TAIL_LEVELS)
-    assert all(v.shape == (12,) and np.isfinite(v).all() for v in dev.values())
-    # the paper's claim, true for any continuous distribution: min overestimates, max underestimates
-    assert dev[0].mean() > 0 and dev[100].mean() < 0
-    assert abs(dev[50].mean()) < dev[0].mean() and abs(dev[50].mean()) < -dev[100].mean()
-    # uint8 NHWC input is the same images
-    as_uint8 = (images * 255).round().byte().permute(0, 2, 3, 1).numpy()
-    again = report.percentile_deviations(model, as_uint8, layer="4", n_batches=3, batch_size=8, reference=200,
-                                         levels=(0, 100))
-    assert list(again) == [0, 100] and again[0].mean() > 0
-    with pytest.raises(ValueError, match="cannot give"):
-        report.percentile_deviations(model, images, reference=1000)
-
-
-def test_tail_deviation_cli_writes_figure(tmp_path) -> None:
-    from aqr import models
-
-    torch.manual_seed(0)
-    ckpt = models.save_checkpoint(tmp_path / "r20.pt", models.create("resnet20", num_classes=10),
-                                  {"name": "resnet20", "num_classes": 10})
-    rng = np.random.default_rng(0)
-    np.savez(tmp_path / "src.npz", x=rng.integers(0, 256, (80, 32, 32, 3), dtype=np.uint8),
-             y=rng.integers(0, 10, 80))
-    out = tmp_path / "fig3"
-    code, stdout, err = _main(["report", "--tail-deviation", str(ckpt), "--source-data", str(tmp_path / "src.npz"),
-                               "--source-indices", "0:80", "--reference", "64", "--batches", "4",
-                               "--batch-size", "16", "--out", str(out), "--json"])
-    assert code == 0, err
-    result = json.loads(stdout)
-    assert result["layer"] and set(result["deviations"]) == {str(k) for k in report.TAIL_LEVELS}
-    assert (out / "tail_deviation.png").stat().st_size > 5000 and (out / "tail_deviation.pdf").stat().st_size > 1000
-    code, _, err = _main(["report", "--tail-deviation", str(ckpt), "--out", str(out)])
-    assert code == 2 and "--source-data" in err
 
 
 def test_pooled_severity_panel_drops_methods_missing_on_some_models(written) -> None:

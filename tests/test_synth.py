@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from aqr import cli
-from aqr.experiments import synth
+from aqr.experiments import rates
+from aqr.experiments.common import jsonable
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,7 @@ def test_rates_uniform_source_breaks_the_k_term_of_the_bound(quick):
 
 
 def test_cosine_density_constants_and_quantile():
-    d = synth.CosineDensity(0.6, 2)
+    d = rates.CosineDensity(0.6, 2)
     x = torch.linspace(0, 1, 100_001, dtype=torch.float64)
     assert d.f_min == pytest.approx(float(d.pdf(x).min()), abs=1e-9)
     slope = (d.pdf(x[1:]) - d.pdf(x[:-1])) / (x[1:] - x[:-1])
@@ -139,18 +140,18 @@ def test_cosine_density_constants_and_quantile():
 
 
 def test_theorem_bound_formula():
-    d = synth.CosineDensity(0.5, 1)
+    d = rates.CosineDensity(0.5, 1)
     eps = math.sqrt(math.log(2 / 0.1) / (2 * 1000))
     want = 3 * (math.pi / (8 * 0.125)) ** 2 * 10**-4 + 3 / 0.25 * eps**2 * 2
-    assert synth.theorem_bound(d, 10, 1000, 1000, 0.1) == pytest.approx(want)
+    assert rates.theorem_bound(d, 10, 1000, 1000, 0.1) == pytest.approx(want)
 
 
 def test_population_map_is_exact_for_an_affine_corruption(monkeypatch):
     """Exact knots + affine k: the library's map interpolates an affine k^{-1}, so no K error at all."""
-    monkeypatch.setattr(synth, "rates_corruption", lambda h: 3.0 * h - 1.0)
-    assert synth.population_mse(synth.CosineDensity(0.6, 2), 5, 4096) < 1e-24
+    monkeypatch.setattr(rates, "rates_corruption", lambda h: 3.0 * h - 1.0)
+    assert rates.population_mse(rates.CosineDensity(0.6, 2), 5, 4096) < 1e-24
 
 
 def test_jsonable_is_strict():
-    text = json.dumps(synth.jsonable({"a": (1.0, math.inf), "b": np.float64("nan"), "c": np.bool_(True)}))
+    text = json.dumps(jsonable({"a": (1.0, math.inf), "b": np.float64("nan"), "c": np.bool_(True)}))
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"a": [1.0, "inf"], "b": "nan", "c": True}

@@ -10,7 +10,7 @@ import torch
 
 import aqr.models as models
 from aqr.cli import main
-from aqr.models.train import (TrainConfig, augment_batch, evaluate_accuracy, export_state, load_npz, lr_factor,
+from aqr.models.train import (TrainConfig, augment_batch, evaluate_accuracy, export_state, load_tensors, lr_factor,
                        resume_path, train)
 
 
@@ -66,7 +66,7 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 
 def test_one_epoch_learns_an_easy_task(data: tuple[Path, Path], tmp_path: Path) -> None:
     torch.manual_seed(0)
-    x, y = load_npz(data[1])
+    x, y = load_tensors(data[1])
     result = train(small_config(data, tmp_path))
     assert len(result["history"]) == 1
     assert result["test_acc"] > 75.0
@@ -131,7 +131,7 @@ def test_cli_trains_a_vit_with_adamw(data: tuple[Path, Path], tmp_path: Path) ->
 def test_bad_npz_is_rejected(tmp_path: Path) -> None:
     np.savez(tmp_path / "bad.npz", x=np.zeros((4, 32, 32, 3), np.float32), y=np.zeros(4, np.int64))
     with pytest.raises(ValueError, match="uint8"):
-        load_npz(tmp_path / "bad.npz")
+        load_tensors(tmp_path / "bad.npz")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")

@@ -15,11 +15,12 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
+
+from aqr.util.files import atomic_write
 
 SOURCE = Path(__file__).with_name("_kernels.c")
 _P = ctypes.c_void_p
@@ -52,18 +53,14 @@ def build_library(command: list[str]) -> Path:
     target = cache_dir() / f"aqr_kernels_{digest}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: processes building at once never see a partial file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([*command, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
+
+    def compile_into(tmp: Path) -> None:
+        done = subprocess.run([*command, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+
+    # built beside the target and renamed: processes building at once never see a partial file
+    atomic_write(target, compile_into, suffix=".so")
     return target
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -32,6 +31,8 @@ from aqr.bench.grid import STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, c
 from aqr.bench.results import ResultsDB
 from aqr.core.calibrate import DEFAULT_TAIL_UNIT
 from aqr.core.stats import StatsError
+from aqr.data.arrays import to_float
+from aqr.util.files import sha256_cached
 
 DEFAULT_K = 101
 DEFAULT_MAX_SAMPLES = 100_000
@@ -51,11 +52,6 @@ class CellResult:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def to_tensor(images: np.ndarray) -> torch.Tensor:
-    """uint8 NHWC images -> contiguous float NCHW in [0, 1] (what a DataLoader of CHW images yields)."""
-    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous().float().div_(255.0)
-
-
 def evaluate(method: nn.Module, images: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor,
              batch_size: int, progress: bool = False, desc: str = "") -> tuple[float, int]:
     """Top-1 accuracy (percent) of ``method`` fed ``images`` in order, ``batch_size`` at a time.
@@ -73,29 +69,13 @@ def evaluate(method: nn.Module, images: np.ndarray | torch.Tensor, labels: np.nd
     starts = range(0, n, batch_size)
     for start in tqdm(starts, desc=desc or "batches", leave=False, disable=not progress, unit="batch"):
         x = images[start : start + batch_size]
-        x = to_tensor(x) if isinstance(x, np.ndarray) else x
+        x = to_float(x) if isinstance(x, np.ndarray) else x
         logits = method(x)
         correct += int((logits.argmax(1) == labels[start : start + batch_size]).sum())
     return 100.0 * correct / n, n
 
 
 # ----------------------------------------------------------------------------- files and caches
-
-
-def sha256_of(path: str | Path) -> str:
-    """Content hash of a file, memoised in-process by (path, size, mtime)."""
-    p = Path(path)
-    st = p.stat()
-    return _sha256_cached(str(p.resolve()), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=256)
-def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def model_file(spec: ModelSpec) -> Path | None:
@@ -129,7 +109,7 @@ def fingerprints(cell: Cell) -> dict[str, str]:
     for role, path in cell_files(cell).items():
         if not path.is_file():
             raise FileNotFoundError(f"{role} file of cell {cell.model.name}/{cell.corruption} not found: {path}")
-        out[role] = sha256_of(path)
+        out[role] = sha256_cached(path)
     if model_file(cell.model) is None:
         out["weights"] = f"pretrained:{cell.model.model}"
     return out
@@ -191,14 +171,10 @@ def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False) -> P
     opts = stats_options(cell)
     model = load_model(cell.model)
     images, labels = load_source(cell.model)
-    batches = [to_tensor(images[i : i + 500]) for i in range(0, len(images), 500)]
+    batches = [to_float(images[i : i + 500]) for i in range(0, len(images), 500)]
     stats = calibrate(model, batches, num_quantiles=opts["K"], max_samples=opts["max_samples"],
                       tail_unit=opts["tail_unit"], progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    stats.save(tmp)
-    os.replace(tmp, path)
-    return path
+    return stats.save(path)
 
 
 @functools.lru_cache(maxsize=4)

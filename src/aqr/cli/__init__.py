@@ -2,7 +2,8 @@
 
 Each sub-command lives in its own module ``aqr.cli.<name>`` exposing ``register(subparsers)``,
 which adds its parser and sets ``func`` (a callable taking the parsed namespace and returning an
-exit code). Modules are imported lazily so a missing optional dependency only breaks its command.
+exit code); :mod:`aqr.cli.common` holds the arguments several commands share. A command imports
+what it runs only when it runs, so a missing optional dependency only breaks its own command.
 """
 
 from __future__ import annotations
@@ -31,14 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aqr", description="Test-time adaptation by Adaptive Quantile Recalibration.")
     parser.add_argument("--version", action="version", version=f"aqr {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name == module_name:  # command not implemented in this version
-                continue
-            raise
-        module.register(sub)
+    for module_name in COMMANDS.values():
+        importlib.import_module(module_name).register(sub)
     return parser
 
 

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from aqr.cli.common import add_threads, ints, method_specs
 
 DEFAULT_DB = "runs/results.db"
 DEFAULT_CACHE = "cache"
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v.strip())
-
-
 def add_grid_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags that choose and shape a grid (shared by ``bench`` and ``report``)."""
+    """Flags that choose and shape a grid."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, help="main, tails, granularity, vit-blocks or smoke")
     src.add_argument("--config", default=None, help="grid file (.yaml needs aqr[bench], or .json)")
@@ -25,16 +22,16 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default=None, help="comma list of model names to keep from the grid")
     p.add_argument("--methods", default=None, help="comma list replacing the grid's methods (e.g. 'source,aqr:tail=clip')")
     p.add_argument("--corruptions", default=None, help="'all' or a comma list")
-    p.add_argument("--severities", type=_ints, default=None)
-    p.add_argument("--batch-sizes", type=_ints, default=None)
-    p.add_argument("--seeds", type=_ints, default=None)
+    p.add_argument("--severities", type=ints, default=None)
+    p.add_argument("--batch-sizes", type=ints, default=None)
+    p.add_argument("--seeds", type=ints, default=None)
     p.add_argument("--n-images", type=int, default=None, help="evaluated images per cell")
 
 
 def grid_from_args(args: argparse.Namespace):
     """The GridSpec the flags describe."""
+    from aqr.bench.grid import load_grid, preset
     from aqr.data.corruption_params import CORRUPTIONS
-    from aqr.bench.grid import MethodSpec, load_grid, preset
 
     if args.config:
         grid = load_grid(args.config, args.data_dir, args.cifar_c)
@@ -49,23 +46,12 @@ def grid_from_args(args: argparse.Namespace):
                              f"({', '.join(m.name for m in grid.models)})")
         changes["models"] = tuple(m for m in grid.models if m.name in wanted)
     if args.methods:
-        changes["methods"] = tuple(MethodSpec.parse(m) for m in _split_methods(args.methods))
+        changes["methods"] = tuple(method_specs(args.methods))
     if args.corruptions:
         changes["corruptions"] = CORRUPTIONS if args.corruptions == "all" else tuple(args.corruptions.split(","))
     changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
                    n_images=args.n_images)
     return grid.override(**changes)
-
-
-def _split_methods(text: str) -> list[str]:
-    """Split 'source,aqr:tail=clip,K=11,tent' on commas that start a new method, not an option."""
-    out: list[str] = []
-    for part in text.split(","):
-        if "=" in part and ":" not in part and out:
-            out[-1] += "," + part
-        else:
-            out.append(part)
-    return out
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
     p.add_argument("--cache", default=DEFAULT_CACHE, help="folder for cached source statistics")
     p.add_argument("--workers", type=int, default=1, help="worker processes (the parent writes the database)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    add_threads(p, help="torch threads per process")
     p.add_argument("--limit", type=int, default=None, help="run at most this many new cells")
     p.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     p.add_argument("--no-progress", action="store_true")

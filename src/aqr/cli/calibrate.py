@@ -5,14 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from aqr.cli.common import add_model_arguments, torch_threads
 from aqr.core.calibrate import DEFAULT_TAIL_UNIT, TAIL_UNITS
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """MODEL and --checkpoint, as :func:`aqr.models.load` takes them."""
-    p.add_argument("model", help="zoo name, aqr checkpoint file, architecture (with --checkpoint) or timm:/torchvision: name")
-    p.add_argument("--checkpoint", default=None, help="weights for an architecture name (third-party state dict)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,22 +30,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
+    """Calibrate the model on the selected source images and write the statistics file."""
     from aqr import models
     from aqr.bench.grid import ModelSpec
-    from aqr.bench.runner import load_source, to_tensor
+    from aqr.bench.runner import load_source
     from aqr.core.calibrate import calibrate
+    from aqr.data import to_float
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = models.load(args.model, checkpoint=args.checkpoint)
-    images, _ = load_source(ModelSpec("cli", args.model, args.checkpoint, args.data, args.indices))
-    batches = [to_tensor(images[i : i + args.batch_size]) for i in range(0, len(images), args.batch_size)]
-    layers = args.layers if args.layers in ("all", "top-half", "bottom-half") else args.layers.split(",")
-    stats = calibrate(model, batches, layers=layers, num_quantiles=args.num_quantiles, tail=args.tail,
-                      tail_unit=args.tail_unit,
-                      max_samples=args.max_samples, seed=args.seed, progress=not args.no_progress)
+    with torch_threads(args.threads):
+        model = models.load(args.model, checkpoint=args.checkpoint)
+        images, _ = load_source(ModelSpec("cli", args.model, args.checkpoint, args.data, args.indices))
+        batches = [to_float(images[i : i + args.batch_size]) for i in range(0, len(images), args.batch_size)]
+        layers = args.layers if args.layers in ("all", "top-half", "bottom-half") else args.layers.split(",")
+        stats = calibrate(model, batches, layers=layers, num_quantiles=args.num_quantiles, tail=args.tail,
+                          tail_unit=args.tail_unit, max_samples=args.max_samples, seed=args.seed,
+                          progress=not args.no_progress)
     path = stats.save(args.out)
     print(f"wrote {path}: {len(stats.layer_names)} layers, K={args.num_quantiles}, {len(images)} source images",
           file=sys.stderr)

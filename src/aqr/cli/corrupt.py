@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Execute the command; returns the exit code."""
     from aqr.data.cifar_c import GenerationConfig, generate_cifar_c, parse_list
-    from aqr.data import load_npz_arrays, sha256_file
+    from aqr.data import load_npz_arrays
+    from aqr.util.files import sha256_file
 
     try:
         corruptions = parse_list(args.corruptions, CORRUPTIONS)

@@ -5,13 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in _csv(text))
+from aqr.cli.common import add_threads, ints, names
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="fewer epochs, corruptions and images (about half a minute; for tests)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: tiny models; 0: torch's default)")
+    add_threads(p, default=1, help="torch threads (default 1: tiny models; 0: torch's default)")
     p.add_argument("--no-figure", action="store_true", help="do not write <out>/demo.png")
     p.add_argument("--no-progress", action="store_true")
     cifar = p.add_argument_group("CIFAR instead of digits (all of --data, --cifar-c, --checkpoint)")
@@ -40,8 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="npz images for the statistics, start:stop (default: first half, at most 5000)")
     cifar.add_argument("--eval-indices", default=None, help="CIFAR-C pool the cells draw from (default: second half)")
     grid = p.add_argument_group("grid (defaults depend on --quick)")
-    grid.add_argument("--corruptions", type=_csv, default=None, help="comma list")
-    grid.add_argument("--severities", type=_ints, default=None, help="comma list, e.g. 3,5")
+    grid.add_argument("--corruptions", type=names, default=None, help="comma list")
+    grid.add_argument("--severities", type=ints, default=None, help="comma list, e.g. 3,5")
     grid.add_argument("--batch-size", type=int, default=None)
     grid.add_argument("--n-images", type=int, default=None, help="evaluated images per cell")
     p.set_defaults(func=run)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from aqr.cli.calibrate import add_model_arguments
+from aqr.cli.common import add_model_arguments, method_specs, torch_threads
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,18 +31,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    """Evaluate each listed method; prints one line per method (and the JSON with ``--json``)."""
+    with torch_threads(args.threads):
+        return _run(args)
 
+
+def _run(args: argparse.Namespace) -> int:
     from aqr import models
-    from aqr.cli.bench import _split_methods
-    from aqr.data import load_cifar, load_cifar_c
-    from aqr.bench.grid import MethodSpec, parse_range
-    from aqr.methods import NotApplicable, create
+    from aqr.bench.grid import parse_range
     from aqr.bench.runner import evaluate
     from aqr.core.stats import SourceStats
+    from aqr.data import load_cifar, load_cifar_c
+    from aqr.methods import NotApplicable, create
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     indices = parse_range(args.indices)
     if args.cifar_c:
         if not args.corruption:
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     model = models.load(args.model, checkpoint=args.checkpoint)
     stats = SourceStats.load(args.stats) if args.stats else None
     results: dict[str, float | None] = {}
-    for spec in (MethodSpec.parse(m) for m in _split_methods(args.methods)):
+    for spec in method_specs(args.methods):
         label = spec.name + (f"[{','.join(f'{k}={v}' for k, v in spec.options.items())}]" if spec.options else "")
         options = dict(spec.options)
         if spec.name == "aqr":

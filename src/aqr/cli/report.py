@@ -1,4 +1,5 @@
-"""``aqr report``: the paper's tables and figures from a results database (library: :mod:`aqr.bench.report`).
+"""``aqr report``: the paper's tables and figures from a results database (library: :mod:`aqr.bench.report`;
+Fig. 3: :mod:`aqr.experiments.tail_deviation`).
 
 Without ``--out`` the Markdown tables go to stdout; with it, tables (Markdown, LaTeX, CSV), figures
 (PNG, PDF), ``index.md`` and ``report.json`` are written there. ``--json`` prints the numbers instead.
@@ -94,9 +95,9 @@ def _tail_deviation(args: argparse.Namespace) -> int:
     import numpy as np
 
     from aqr import models
-    from aqr.bench import report
-    from aqr.data import load_cifar
     from aqr.bench.grid import parse_range
+    from aqr.data import load_cifar
+    from aqr.experiments import tail_deviation
 
     if args.out is None or not args.source_data:
         raise ValueError("--tail-deviation needs --source-data NPZ and --out DIR")
@@ -107,13 +108,13 @@ def _tail_deviation(args: argparse.Namespace) -> int:
         raise ValueError(f"--source-indices {args.source_indices!r} exceed the {len(data)} images of {args.source_data}")
     images = np.asarray(data.images[indices])
     reference = args.reference or len(images)
-    info = report.tail_layer(model, args.layer)
-    deviations = report.percentile_deviations(model, images, info.name, args.batches, args.batch_size,
-                                              reference, seed=args.seed)
+    info = tail_deviation.tail_layer(model, args.layer)
+    deviations = tail_deviation.percentile_deviations(model, images, info.name, args.batches, args.batch_size,
+                                                      reference, seed=args.seed)
     name = Path(args.tail_deviation).stem if Path(args.tail_deviation).is_file() else args.tail_deviation
     title = (f"{name}, layer {info.name}: {args.batches} batches of {args.batch_size}\n"
              f"vs {reference} reference images (seed {args.seed})")
-    figure = report.plot_tail_deviation(deviations, args.out / "tail_deviation", title)
+    figure = tail_deviation.plot_tail_deviation(deviations, args.out / "tail_deviation", title)
     result = {"model": args.tail_deviation, "layer": info.name, "batch_size": args.batch_size,
               "n_batches": args.batches, "reference": reference, "seed": args.seed,
               "source_data": args.source_data, "source_indices": args.source_indices,

@@ -8,13 +8,11 @@ so a quick run never overwrites the committed full results) and prints a summary
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
+from aqr.cli.common import add_threads, torch_threads
 
 if TYPE_CHECKING:
     from aqr.experiments.synth import MLPResult, RatesResult, ShapesResult
@@ -37,34 +35,25 @@ def register(subparsers) -> None:
         p.add_argument("--json", action="store_true", help="print the numbers as JSON")
         p.add_argument("--quick", action="store_true", help="reduced run (seconds), files get a _quick suffix")
         p.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
-        p.add_argument("--threads", type=int, default=1, help="torch CPU threads while running (default 1)")
+        add_threads(p, default=1, help="torch CPU threads while running (default 1)")
         p.set_defaults(func=_run, experiment=name)
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _run(args: argparse.Namespace) -> int:
-    from aqr.experiments import synth
+    from aqr.experiments import mlp, rates, shapes
+    from aqr.experiments.common import jsonable
 
     experiments = {
-        "shapes": (synth.ShapesConfig, synth.run_shapes, synth.plot_shapes, _summary_shapes),
-        "mlp": (synth.MLPConfig, synth.run_mlp, synth.plot_mlp, _summary_mlp),
-        "rates": (synth.RatesConfig, synth.run_rates, synth.plot_rates, _summary_rates),
+        "shapes": (shapes.ShapesConfig, shapes.run_shapes, shapes.plot_shapes, _summary_shapes),
+        "mlp": (mlp.MLPConfig, mlp.run_mlp, mlp.plot_mlp, _summary_mlp),
+        "rates": (rates.RatesConfig, rates.run_rates, rates.plot_rates, _summary_rates),
     }
     config_cls, run, plot, summary = experiments[args.experiment]
     config = config_cls.quick(seed=args.seed) if args.quick else config_cls(seed=args.seed)
-    with _torch_threads(args.threads):
+    with torch_threads(max(1, args.threads)):
         result = run(config)
     stem = args.experiment + ("_quick" if args.quick else "")
-    numbers = synth.jsonable(result.to_dict())
+    numbers = jsonable(result.to_dict())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(numbers, indent=1) + "\n")
     png = plot(result, args.out / f"{stem}.png")

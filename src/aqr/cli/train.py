@@ -7,6 +7,8 @@ import json
 import shlex
 import sys
 
+from aqr.cli.common import add_threads
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` sub-command."""
@@ -29,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-epochs", type=float, default=1.0)
     p.add_argument("--label-smoothing", type=float, default=0.0)
     p.add_argument("--no-augment", action="store_true", help="disable random crop + flip")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    add_threads(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the data, augmentation and model live")

@@ -18,6 +18,7 @@ from torch import nn
 
 from aqr import __version__
 from aqr.core.layers import LayerInfo, fingerprint, norm_layers
+from aqr.util.files import atomic_write
 
 FORMAT = "aqr-source-stats"
 FORMAT_VERSION = 1
@@ -134,7 +135,7 @@ class SourceStats:
 
     # ---- files --------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write the statistics to a safetensors file (no pickle); returns the path."""
+        """Write the statistics to a safetensors file (no pickle, atomically); returns the path."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -171,11 +172,8 @@ class SourceStats:
         if self.weights_summary is not None:
             tensors[WEIGHTS_KEY] = self.weights_summary
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"aqr": json.dumps(meta)})
-        tmp.replace(path)  # never leave a half-written file under the final name
-        return path
+        # never a half-written file under the final name, even with several processes saving at once
+        return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"aqr": json.dumps(meta)}))
 
     @classmethod
     def load(cls, path: str | Path) -> SourceStats:

@@ -1,8 +1,12 @@
-"""Datasets: clean CIFAR (npz or the official pickles), CIFAR-C folders, ImageNet-C, and the
-CIFAR-10-C generator (:mod:`aqr.data.cifar_c`, :mod:`aqr.data.corruptions`)."""
+"""Datasets: image arrays and npz files (:mod:`~aqr.data.arrays`), CIFAR and CIFAR-C
+(:mod:`~aqr.data.cifar`), ImageNet-C (:mod:`~aqr.data.imagenet_c`), and the CIFAR-10-C generator
+(:mod:`~aqr.data.cifar_c` with :mod:`~aqr.data.corruptions` and :mod:`~aqr.data.corruption_params`,
+which need scipy and Pillow and load only when used).
+"""
 
-from aqr.data.cifar import (ArrayImageDataset, ImageNetCFolder, load_cifar, load_cifar_c, load_cifar_pickle, load_npz,
-                            load_npz_arrays, sha256_file)
+from aqr.data.arrays import ArrayImageDataset, load_npz, load_npz_arrays, to_float
+from aqr.data.cifar import load_cifar, load_cifar_c, load_cifar_pickle
+from aqr.data.imagenet_c import ImageNetCFolder
 
 __all__ = ["ArrayImageDataset", "ImageNetCFolder", "load_cifar", "load_cifar_c", "load_cifar_pickle", "load_npz",
-           "load_npz_arrays", "sha256_file"]
+           "load_npz_arrays", "to_float"]

@@ -1,97 +1,16 @@
-"""Dataset loaders: CIFAR-10/100 (clean), CIFAR-10-C / CIFAR-100-C, ImageNet-C.
-
-Every dataset yields ``(image, label)`` with ``image`` a float32 tensor of shape (3, H, W) scaled to
-[0, 1] and ``label`` an int; normalisation is left to the model. Missing or malformed files raise
-an error naming the file and what was expected.
-"""
+"""CIFAR-10/100 loaders: the clean test set (npz or the official python pickles) and CIFAR-C folders."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import pickle
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
-IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
-
-
-class ArrayImageDataset(Dataset):
-    """uint8 NHWC images (a numpy array or memmap) and integer labels as a Dataset of [0,1] CHW tensors.
-
-    ``images`` and ``labels`` stay accessible for vectorised use (e.g. ``dataset.images[:512]``).
-    """
-
-    def __init__(self, images: np.ndarray, labels: np.ndarray) -> None:
-        if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
-            raise ValueError(f"images must be uint8 (N, H, W, 3), got {images.dtype} {images.shape}")
-        if len(labels) != len(images):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
-        self.images = images
-        self.labels = np.asarray(labels).astype(np.int64)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image = torch.from_numpy(np.array(self.images[index], dtype=np.float32) / 255.0).permute(2, 0, 1)
-        return image.contiguous(), int(self.labels[index])
-
-
-def sha256_file(path: str | Path, chunk_size: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file, read in chunks (constant memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_size):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _require_file(path: Path, what: str) -> None:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: file not found (expected {what})")
-
-
-def _check_images(array: np.ndarray, path: Path, key: str) -> None:
-    if array.dtype != np.uint8 or array.ndim != 4 or array.shape[-1] != 3:
-        raise ValueError(f"{path}: '{key}' must be uint8 with shape (N, H, W, 3), got {array.dtype} {array.shape}")
-
-
-def _check_labels(labels: np.ndarray, n: int, path: Path, key: str) -> None:
-    if labels.ndim != 1 or labels.shape[0] != n or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"{path}: '{key}' must be integer labels of shape ({n},), got {labels.dtype} {labels.shape}")
-
-
-def load_npz_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read ``x`` (uint8 N,H,W,3) and ``y`` (integer N) from an .npz file, validated; no pickle."""
-    path = Path(path)
-    _require_file(path, "an .npz with 'x' uint8 (N, H, W, 3) and 'y' int64 (N,)")
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            missing = [k for k in ("x", "y") if k not in npz.files]
-            if missing:
-                raise ValueError(f"{path}: missing key(s) {missing}; expected 'x' uint8 (N, H, W, 3) and 'y' int64 (N,)")
-            images, labels = npz["x"], npz["y"]
-    except (OSError, EOFError, ValueError) as err:
-        if str(path) in str(err):
-            raise
-        raise ValueError(f"{path}: not a readable .npz archive with 'x' and 'y' ({err})") from err
-    _check_images(images, path, "x")
-    _check_labels(labels, len(images), path, "y")
-    return images, labels.astype(np.int64)
-
-
-def load_npz(path: str | Path) -> ArrayImageDataset:
-    """CIFAR-style .npz (``x`` uint8 NHWC, ``y`` int64) as a dataset."""
-    return ArrayImageDataset(*load_npz_arrays(path))
-
-
-# ----------------------------------------------------------------------------- official CIFAR pickles
+from aqr.data.arrays import ArrayImageDataset, check_images, check_labels, load_npz, require_file
 
 
 class _SafeArray:
@@ -183,7 +102,7 @@ def load_cifar_pickle(path: str | Path) -> ArrayImageDataset:
     """
     path = Path(path)
     expected = "a CIFAR python batch: dict with 'data' uint8 (N, 3072) and 'labels' or 'fine_labels'"
-    _require_file(path, expected)
+    require_file(path, expected)
     try:
         with open(path, "rb") as f:
             raw = _RestrictedUnpickler(io.BufferedReader(f), encoding="bytes").load()
@@ -199,7 +118,7 @@ def load_cifar_pickle(path: str | Path) -> ArrayImageDataset:
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
         raise ValueError(f"{path}: 'data' must be uint8 (N, 3072), got {data.dtype} {data.shape}")
     labels = np.asarray(batch[label_key], dtype=np.int64)
-    _check_labels(labels, len(data), path, label_key)
+    check_labels(labels, len(data), path, label_key)
     images = np.ascontiguousarray(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
     return ArrayImageDataset(images, labels)
 
@@ -252,15 +171,15 @@ def load_cifar_c(
     """
     root = Path(root)
     path = root / f"{corruption}.npy"
-    _require_file(path, f"uint8 array (5*N, H, W, 3) of corruption '{corruption}' in a CIFAR-C folder")
+    require_file(path, f"uint8 array (5*N, H, W, 3) of corruption '{corruption}' in a CIFAR-C folder")
     label_path = root / "labels.npy"
-    _require_file(label_path, "integer labels of shape (N,) or (5*N,)")
+    require_file(label_path, "integer labels of shape (N,) or (5*N,)")
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
         labels = np.load(label_path, mmap_mode="r", allow_pickle=False)
     except ValueError as err:
         raise ValueError(f"{path.parent}: cannot read {path.name} / labels.npy as plain .npy arrays ({err})") from err
-    _check_images(array, path, corruption)
+    check_images(array, path, corruption)
     blocks = _severity_blocks(root, corruption)
     if severity not in blocks:
         raise ValueError(f"{path}: severity {severity} not present; blocks hold severities {blocks}")
@@ -278,61 +197,3 @@ def load_cifar_c(
     images = np.ascontiguousarray(array[start + idx]) if indices is not None else array[start : start + n]
     label_rows = idx if labels.shape[0] == n else start + idx
     return ArrayImageDataset(images, np.asarray(labels[label_rows]))
-
-
-# ----------------------------------------------------------------------------- ImageNet-C
-
-
-def _resize_center_crop(image: Any, resize: int, crop: int) -> np.ndarray:
-    """Shorter side to ``resize`` (bilinear), then the central ``crop`` x ``crop`` square, as uint8 HWC."""
-    from PIL import Image
-
-    w, h = image.size
-    # as torchvision Resize(int): the shorter side becomes `resize`, the other is truncated
-    new_w, new_h = (resize, int(resize * h / w)) if w <= h else (int(resize * w / h), resize)
-    if (new_w, new_h) != (w, h):
-        image = image.resize((new_w, new_h), Image.BILINEAR)
-    left = int(round((new_w - crop) / 2.0))
-    top = int(round((new_h - crop) / 2.0))
-    return np.asarray(image.crop((left, top, left + crop, top + crop)))
-
-
-class ImageNetCFolder(Dataset):
-    """ImageNet-C: ``<root>/<corruption>/<severity>/<wnid>/*.JPEG``.
-
-    Labels are the positions of the wnids in the sorted list of class folders (the standard
-    ImageNet class order when all 1000 are present). Each image is resized so its shorter side is
-    ``resize`` (bilinear, Pillow), then centre-cropped to ``crop``.
-    """
-
-    def __init__(self, root: str | Path, corruption: str, severity: int, resize: int = 256, crop: int = 224) -> None:
-        folder = Path(root) / corruption / str(severity)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{folder}: folder not found (expected <root>/<corruption>/<severity>/<wnid>/*.JPEG)")
-        self.classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
-        if not self.classes:
-            raise FileNotFoundError(f"{folder}: no class (wnid) sub-folders")
-        self.samples: list[tuple[Path, int]] = [
-            (p, label)
-            for label, wnid in enumerate(self.classes)
-            for p in sorted((folder / wnid).iterdir())
-            if p.suffix.lower() in IMAGE_EXTENSIONS
-        ]
-        if not self.samples:
-            raise FileNotFoundError(f"{folder}: no images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders")
-        self.resize, self.crop = resize, crop
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image, UnidentifiedImageError
-
-        path, label = self.samples[index]
-        try:
-            with Image.open(path) as im:
-                pixels = _resize_center_crop(im.convert("RGB"), self.resize, self.crop)
-        except (UnidentifiedImageError, OSError) as err:
-            raise ValueError(f"{path}: not a readable image ({err})") from err
-        image = torch.from_numpy(pixels.astype(np.float32) / 255.0).permute(2, 0, 1).contiguous()
-        return image, label

@@ -19,17 +19,17 @@ a temporary name and renamed, so a crash never leaves a truncated ``<corruption>
 from __future__ import annotations
 
 import json
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from aqr.data.corruption_params import CORRUPTIONS, get_param_set
 from aqr.data.corruptions import corrupt, image_rng, load_frost_overlays
+from aqr.util.files import atomic_write
 
 MANIFEST = "manifest.json"
 
@@ -85,25 +85,19 @@ def _read_manifest(out_dir: Path) -> dict:
         return json.load(f)
 
 
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def _save_npy(path: Path, array: np.ndarray) -> None:
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             np.save(f, array, allow_pickle=False)
 
-    _write_atomic(path, write)
+    atomic_write(path, write)
 
 
 def _save_manifest(out_dir: Path, manifest: dict) -> None:
     def write(tmp: Path) -> None:
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
-    _write_atomic(out_dir / MANIFEST, write)
+    atomic_write(out_dir / MANIFEST, write)
 
 
 def _is_complete(out_dir: Path, name: str, entry: dict | None, expected_shape: tuple[int, ...], key: dict) -> bool:

@@ -25,6 +25,9 @@ import numpy as np
 from aqr.bench.grid import BASELINES, DataSpec, GridSpec, MethodSpec, ModelSpec, eval_indices, parse_range
 from aqr.bench.results import Row
 from aqr.bench.runner import GridSummary
+from aqr.util.files import atomic_write, sha256_file
+from aqr.util.plots import colors as plot_colors
+from aqr.util.plots import figure, save
 
 # Corruptions that need no external files (frost needs overlay images), one or two per family, among
 # those that shift the digits most: on 32 px digits JPEG, defocus blur and saturate barely change a
@@ -204,11 +207,7 @@ def _write_npz(path: Path, images: np.ndarray, labels: np.ndarray) -> Path:
         with np.load(path, allow_pickle=False) as old:
             if np.array_equal(old["x"], images) and np.array_equal(old["y"], labels):
                 return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, x=images, y=labels)
-    tmp.replace(path)
-    return path
+    return atomic_write(path, lambda tmp: np.savez(tmp, x=images, y=labels), suffix=".npz")
 
 
 # ----------------------------------------------------------------------------- training
@@ -232,7 +231,6 @@ _IGNORED_TRAIN_FIELDS = ("threads", "command")
 def _same_training(checkpoint: Path, cfg: Any) -> bool:
     """True when ``checkpoint`` is a finished run of ``cfg`` on the same training data."""
     from aqr.models.checkpoint import CheckpointError, read_file
-    from aqr.models.train import sha256_file
 
     if not checkpoint.is_file():
         return False
@@ -306,7 +304,6 @@ def _severities(config: DemoConfig) -> tuple[int, ...]:
 def prepare_digits(config: DemoConfig, out: Path, log: Callable[[str], None]) -> tuple[GridSpec, list[str], Path]:
     """Digits path: write the splits, train the models, corrupt the test split; returns (grid, trained, test npz)."""
     from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
-    from aqr.data import sha256_file
 
     _require_extras()
     splits = split_digits(*load_digits_rgb32(), seed=config.seed)
@@ -472,14 +469,9 @@ def format_table(result: DemoResult) -> str:
 
 def write_figure(result: DemoResult, path: str | Path) -> Path:
     """Grouped bars (accuracy per method per model, clean as a dashed line) and per-corruption panels."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models, methods = result.models, result.methods
-    colors = {m: plt.get_cmap("tab10")(i) for i, m in enumerate(methods)}
-    fig = plt.figure(figsize=(max(8.0, 4.0 * len(models)), 7.5), constrained_layout=True)
+    colors = plot_colors(methods)
+    fig = figure((max(8.0, 4.0 * len(models)), 7.5), layout="constrained")
     grid = fig.add_gridspec(2, len(models))
     ax = fig.add_subplot(grid[0, :])
     bar_w = 0.8 / len(methods)
@@ -515,11 +507,7 @@ def write_figure(result: DemoResult, path: str | Path) -> Path:
         sub.set_title(model, fontsize=9)
         if i == 0:
             sub.set_ylabel("accuracy (%)")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=110)[0]
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-#: Layers whose affine parameters TENT/SAR adapt (subclasses included, e.g. timm's LayerNorm2d).
-NORM_LAYERS: tuple[type[nn.Module], ...] = (_BatchNorm, nn.GroupNorm, nn.LayerNorm)
+from aqr.core.layers import NORM_TYPES
+
 
 
 def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
@@ -35,11 +35,12 @@ def use_batch_statistics(model: nn.Module) -> int:
 def norm_affine_parameters(model: nn.Module, skip: frozenset[str] = frozenset()) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` for the affine weight/bias of every BN/GN/LN layer not named in ``skip``.
 
-    Layers built without affine parameters contribute nothing. Order is ``named_modules`` order.
+    Subclasses count (e.g. timm's LayerNorm2d); layers built without affine parameters contribute
+    nothing. Order is ``named_modules`` order.
     """
     found = []
     for name, m in model.named_modules():
-        if name in skip or not isinstance(m, NORM_LAYERS):
+        if name in skip or not isinstance(m, NORM_TYPES):
             continue
         for pname in ("weight", "bias"):
             p = getattr(m, pname, None)

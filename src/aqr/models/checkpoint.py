@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import numbers
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from aqr.util.files import atomic_write
 
 FORMAT = "aqr-model"
 VERSION = 1
@@ -42,20 +43,7 @@ def read_file(path: str | os.PathLike[str]) -> Any:
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save`` to a temporary file beside ``path`` then rename it, so readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; give it normal permissions
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def is_aqr_checkpoint(obj: Any) -> bool:

@@ -8,7 +8,6 @@ training state (model, optimizer, scheduler, RNG, epoch, history) is saved to
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import sys
@@ -23,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import aqr
+from aqr.data.arrays import load_npz_arrays, to_float
 from aqr.models import create, save_checkpoint
 from aqr.models.checkpoint import CheckpointError, atomic_save, read_file
+from aqr.util.files import sha256_file
 
 MAX_ZOO_BYTES = 5 * 1024 * 1024
 
@@ -73,31 +74,10 @@ class EpochResult:
     seconds: float
 
 
-def load_npz(path: str | os.PathLike[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(x, y)``: uint8 images N x H x W x C and int64 labels; raises ValueError on a malformed file."""
-    with np.load(path, allow_pickle=False) as data:
-        if "x" not in data or "y" not in data:
-            raise ValueError(f"{path}: needs arrays 'x' and 'y', has {sorted(data.files)}")
-        x, y = data["x"], data["y"]
-    if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3:
-        raise ValueError(f"{path}: 'x' must be uint8 N x H x W x 3, got {x.dtype} {x.shape}")
-    if y.shape != (x.shape[0],):
-        raise ValueError(f"{path}: 'y' shape {y.shape} does not match {x.shape[0]} images")
-    return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y.astype(np.int64))
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def to_float(x: torch.Tensor) -> torch.Tensor:
-    """uint8 N x H x W x C -> float32 N x C x H x W in [0, 1]."""
-    return x.permute(0, 3, 1, 2).float().div_(255.0)
+def load_tensors(path: str | os.PathLike[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` of an npz (:func:`aqr.data.load_npz_arrays`) as tensors: uint8 N x H x W x 3 and int64 labels."""
+    x, y = load_npz_arrays(path)
+    return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
 
 
 def augment_batch(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
@@ -129,7 +109,7 @@ def evaluate_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_
     device = param.device if param is not None else torch.device("cpu")
     correct = torch.zeros((), dtype=torch.int64, device=device)
     for i in range(0, len(x), batch_size):
-        xb = to_float(x[i:i + batch_size].to(device))
+        xb = to_float(x[i:i + batch_size].to(device), channels_last=True)
         if channels_last:
             xb = xb.contiguous(memory_format=torch.channels_last)
         correct += (model(xb).argmax(1) == y[i:i + batch_size].to(device)).sum()
@@ -190,12 +170,12 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device {cfg.device!r} asked for, but torch {torch.__version__} sees no CUDA GPU")
-    x_train, y_train = load_npz(cfg.data)
+    x_train, y_train = load_tensors(cfg.data)
     if cfg.limit_train and cfg.limit_train < len(x_train):  # a seeded random subset (files may be sorted by class)
         keep = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.limit_train]
         x_train, y_train = x_train[keep], y_train[keep]
     x_train, y_train = x_train.to(device), y_train.to(device)
-    test = load_npz(cfg.test) if cfg.test else None
+    test = load_tensors(cfg.test) if cfg.test else None
     num_classes = int(y_train.max()) + 1
     if test is not None:
         num_classes = max(num_classes, int(test[1].max()) + 1)
@@ -255,7 +235,7 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
             xb = x_train[idx]
             if cfg.augment:
                 xb = augment_batch(xb, gen)
-            xb, yb = to_float(xb), y_train[idx]
+            xb, yb = to_float(xb, channels_last=True), y_train[idx]
             if cfg.channels_last:
                 xb = xb.contiguous(memory_format=torch.channels_last)
             logits = model(xb)
@@ -327,9 +307,9 @@ def export_state(work_dir: str | os.PathLike[str], out: str | os.PathLike[str]) 
     cfg = TrainConfig(**state["config"])
     num_classes = state.get("num_classes")
     if num_classes is None:  # states written before num_classes was stored
-        num_classes = int(load_npz(cfg.data)[1].max()) + 1
+        num_classes = int(load_tensors(cfg.data)[1].max()) + 1
         if cfg.test:
-            num_classes = max(num_classes, int(load_npz(cfg.test)[1].max()) + 1)
+            num_classes = max(num_classes, int(load_tensors(cfg.test)[1].max()) + 1)
     model = create(cfg.model, num_classes=int(num_classes), norm=cfg.norm, **cfg.model_kwargs)
     model.load_state_dict(state["model"])
     data_hash = state.get("data_sha256") or sha256_file(cfg.data)
