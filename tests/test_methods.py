@@ -412,6 +412,31 @@ def test_aqr_behind_the_same_interface() -> None:
     assert same_state(before, state_of(net))
 
 
+def test_methods_declare_what_a_caller_must_supply() -> None:
+    needs = {name: (methods.method_class(name).needs_stats, methods.method_class(name).needs_batch_size)
+             for name in methods.available()}
+    assert needs == {"source": (False, False), "ttn": (False, False), "tent": (False, True), "sar": (False, True),
+                     "aqr": (True, False)}
+    with pytest.raises(KeyError, match="unknown method 'nope'"):
+        methods.method_class("nope")
+
+
+def test_aqr_options_are_a_typed_config() -> None:
+    import aqr
+
+    net = conv_net("bn")
+    stats = aqr.calibrate(net, [images(n=32, seed=s) for s in range(2)])
+    m = create("aqr", net, stats=stats, tail="clip", grid=64)
+    assert isinstance(m.config, methods.AQRMethodConfig) and isinstance(m.config, aqr.AQRConfig)
+    assert (m.config.tail, m.config.grid, m.config.mode) == ("clip", 64, "fast") and m.config.stats is stats
+    assert m.adapter.config == aqr.AQRConfig(tail="clip", grid=64)
+    assert "stats" not in repr(m.config)
+    with pytest.raises(TypeError, match="turbo"):
+        create("aqr", net, stats=stats, turbo=True)
+    with pytest.raises(ValueError, match="mode"):
+        create("aqr", net, stats=stats, mode="turbo")
+
+
 def test_sam_perturbs_by_rho_along_the_gradient_and_steps_from_the_original_point() -> None:
     from aqr.methods.sam import SAM
 

@@ -116,7 +116,7 @@ def fingerprints(cell: Cell) -> dict[str, str]:
 
 
 def stats_options(cell: Cell) -> dict[str, Any]:
-    """The options that determine the cell's source statistics (only AQR has any)."""
+    """The options that determine the cell's source statistics (read by methods that need statistics)."""
     opts = cell.option_dict
     return {"K": int(opts.get("K", DEFAULT_K)), "max_samples": int(opts.get("max_samples", DEFAULT_MAX_SAMPLES)),
             "tail_unit": str(opts.get("tail_unit", DEFAULT_TAIL_UNIT))}
@@ -201,17 +201,17 @@ def eval_data(cell: Cell) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_method(cell: Cell, cache_dir: str | Path) -> nn.Module:
-    """The method of a cell around its (cached) model; AQR gets its cached statistics."""
-    from aqr.methods import create
+    """The method of a cell around its (cached) model, given what the method declares it needs."""
+    from aqr.methods import create, method_class
 
+    cls = method_class(cell.method)
     model = load_model(cell.model)
     options = {k: v for k, v in cell.option_dict.items() if k not in STATS_OPTIONS}
     if isinstance(options.get("layers"), tuple):
         options["layers"] = list(options["layers"])
-    if cell.method in ("tent", "sar"):
-        # their default ViT learning rate scales with the batch size, which only the cell knows
+    if cls.needs_batch_size:  # which only the cell knows
         options.setdefault("batch_size", cell.batch_size)
-    if cell.method == "aqr":
+    if cls.needs_stats:
         path = ensure_stats(cell, cache_dir)
         stats = _load_stats(str(path))
         if not stats.computed_with(model):
@@ -220,6 +220,14 @@ def build_method(cell: Cell, cache_dir: str | Path) -> nn.Module:
                              "(was the checkpoint rewritten during the run?)")
         options["stats"] = stats
     return create(cell.method, model, protocol=cell.protocol, seed=cell.seed, **options)
+
+
+def needs_stats(cell: Cell) -> bool:
+    """Whether the cell's method needs source statistics (``False`` for an unknown method, whose cell fails)."""
+    from aqr.methods import METHODS
+
+    cls = METHODS.get(cell.method)
+    return cls is not None and cls.needs_stats
 
 
 def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False) -> CellResult:
@@ -369,7 +377,7 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
     # statistics once per (model, K, samples), before any cell needs them
     needed: dict[Path, Cell] = {}
     for _, cell, _ in todo:
-        if cell.method == "aqr":
+        if needs_stats(cell):
             needed.setdefault(stats_path(cell, cache_dir), cell)
     for path, cell in needed.items():
         if not path.is_file():

@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     from aqr.bench.runner import evaluate
     from aqr.core.stats import SourceStats
     from aqr.data import load_cifar, load_cifar_c
-    from aqr.methods import NotApplicable, create
+    from aqr.methods import NotApplicable, create, method_class
 
     indices = parse_range(args.indices)
     if args.cifar_c:
@@ -60,13 +60,17 @@ def _run(args: argparse.Namespace) -> int:
     results: dict[str, float | None] = {}
     for spec in method_specs(args.methods):
         label = spec.name + (f"[{','.join(f'{k}={v}' for k, v in spec.options.items())}]" if spec.options else "")
+        try:
+            cls = method_class(spec.name)
+        except KeyError as err:
+            raise SystemExit(f"aqr evaluate: {err.args[0]}") from None
         options = dict(spec.options)
-        if spec.name == "aqr":
+        if cls.needs_stats:
             if stats is None:
-                raise SystemExit("aqr evaluate: the aqr method needs --stats (make one with `aqr calibrate`)")
+                raise SystemExit(f"aqr evaluate: the {spec.name} method needs --stats (make one with `aqr calibrate`)")
             options["stats"] = stats
-        if spec.name in ("tent", "sar"):
-            options.setdefault("batch_size", args.batch_size)  # the ViT default lr scales with it
+        if cls.needs_batch_size:
+            options.setdefault("batch_size", args.batch_size)
         try:
             method = create(spec.name, model, protocol=args.protocol, seed=args.seed, **options)
         except NotApplicable as err:

@@ -7,7 +7,8 @@
 
 ``create`` deep-copies ``model``; the user's model is never modified. Options are the fields of
 :class:`ProtocolConfig` (``protocol``, ``steps``, ``seed``) plus the method's own config dataclass
-(``TentConfig``, ``SARConfig``; AQR forwards everything except ``stats`` to ``aqr.AQR``).
+(``TentConfig``, ``SARConfig``, ``AQRMethodConfig``). A method class declares what a caller must
+supply: ``needs_stats`` (AQR) and ``needs_batch_size`` (TENT, SAR); see :func:`method_class`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ def available() -> list[str]:
     return list(METHODS)
 
 
+def method_class(name: str) -> type[TTAMethod]:
+    """The class of method ``name`` (read its ``needs_*`` declarations); ``KeyError`` for an unknown name."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise KeyError(f"unknown method {name!r}; available: {', '.join(METHODS)}") from None
+
+
 def create(name: str, model: nn.Module, **options: Any) -> TTAMethod:
     """Build method ``name`` around a private copy of ``model``.
 
@@ -44,10 +53,7 @@ def create(name: str, model: nn.Module, **options: Any) -> TTAMethod:
     restores the original state. Raises ``KeyError`` for an unknown name, ``TypeError`` for an
     unknown option and :class:`NotApplicable` when the method cannot run on this model.
     """
-    try:
-        cls = METHODS[name]
-    except KeyError:
-        raise KeyError(f"unknown method {name!r}; available: {', '.join(METHODS)}") from None
+    cls = method_class(name)
     protocol = ProtocolConfig(**{k: v for k, v in options.items() if k in _PROTOCOL_KEYS})
     config = cls.from_options(**{k: v for k, v in options.items() if k not in _PROTOCOL_KEYS})
     return cls(model, config, protocol)
@@ -71,5 +77,6 @@ __all__ = [
     "create",
     "default_lr",
     "infer_arch",
+    "method_class",
     "softmax_entropy",
 ]

@@ -1,29 +1,34 @@
 """AQR (Adaptive Quantile Recalibration) behind the common method interface.
 
-A thin wrapper: ``aqr.core.adapt.AQR`` does the work (it never changes the model's parameters or buffers
+A thin wrapper: :class:`aqr.AQR` does the work (it never changes the model's parameters or buffers
 and runs under ``no_grad``); this module only gives it the same construction, ``reset()`` and
 protocol handling as the baselines. AQR is stateless, so both protocols give the same logits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
+from aqr.core.adapt import AQR, AQRConfig
+from aqr.core.stats import SourceStats
+
 from .base import TTAMethod
 
 
 @dataclass(frozen=True)
-class AQRMethodConfig:
-    """Options of the ``"aqr"`` method (not ``aqr.core.adapt.AQRConfig``): ``stats``, the
-    ``aqr.SourceStats`` from ``aqr.calibrate``; ``options``, keyword options
-    passed unchanged to ``aqr.AQR``."""
+class AQRMethodConfig(AQRConfig):
+    """Options of the ``"aqr"`` method: ``stats``, the :class:`aqr.SourceStats` from
+    :func:`aqr.calibrate`, and every field of :class:`aqr.AQRConfig`."""
 
-    stats: Any = None
-    options: dict[str, Any] = field(default_factory=dict)
+    stats: SourceStats | None = field(default=None, repr=False)
+
+    def aqr_config(self) -> dict[str, Any]:
+        """The :class:`aqr.AQRConfig` fields, as keyword options of :class:`aqr.AQR`."""
+        return {f.name: getattr(self, f.name) for f in fields(AQRConfig)}
 
 
 class AQRMethod(TTAMethod):
@@ -31,21 +36,19 @@ class AQRMethod(TTAMethod):
 
     name = "aqr"
     Config = AQRMethodConfig
+    needs_stats = True
 
     @classmethod
     def from_options(cls, **options: Any) -> AQRMethodConfig:
         if options.get("stats") is None:
             raise TypeError("the 'aqr' method needs stats= (from aqr.calibrate)")
-        stats = options.pop("stats")
-        return AQRMethodConfig(stats=stats, options=options)
+        return AQRMethodConfig(**options)
 
     def configure_model(self, model: nn.Module) -> nn.Module:
-        from aqr.core.adapt import AQR
-
         if self.config.stats is None:
             raise TypeError("the 'aqr' method needs stats= (from aqr.calibrate)")
         model.eval().requires_grad_(False)
-        self.adapter = AQR(model, self.config.stats, **self.config.options)
+        self.adapter = AQR(model, self.config.stats, **self.config.aqr_config())
         return model
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:

@@ -83,12 +83,17 @@ class NoOptions:
 class TTAMethod(nn.Module):
     """Base class: wraps a private copy of ``model`` and runs the protocol.
 
-    Subclasses set ``name`` and ``Config`` (a dataclass) and override the hooks
-    :meth:`configure_model`, :meth:`build_optimizer` and, if they update weights, :meth:`adapt`.
+    Subclasses set ``name`` and ``Config`` (a dataclass), declare what a caller must supply
+    (``needs_stats``, ``needs_batch_size``) and override the hooks :meth:`configure_model`,
+    :meth:`build_optimizer` and, if they update weights, :meth:`adapt`.
     """
 
     name: ClassVar[str] = ""
     Config: ClassVar[type] = NoOptions
+    #: the method needs ``stats=``, the :class:`aqr.SourceStats` of the model from :func:`aqr.calibrate`
+    needs_stats: ClassVar[bool] = False
+    #: the method's defaults depend on the evaluation batch size: pass ``batch_size=`` (it knows no other way)
+    needs_batch_size: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, config: Any = None, protocol: ProtocolConfig | None = None) -> None:
         super().__init__()

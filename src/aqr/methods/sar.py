@@ -136,6 +136,7 @@ class SAR(TTAMethod):
 
     name = "sar"
     Config = SARConfig
+    needs_batch_size = True  # the ViT learning rate scales with it
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model = configure_for_entropy_minimization(model)

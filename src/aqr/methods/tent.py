@@ -77,6 +77,7 @@ class Tent(TTAMethod):
 
     name = "tent"
     Config = TentConfig
+    needs_batch_size = True  # the ViT learning rate scales with it
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model = configure_for_entropy_minimization(model)
