@@ -198,9 +198,12 @@ def test_zoo_lists_checkpoints_and_loads_by_name(tmp_path: Path, monkeypatch: py
     assert models.zoo(tmp_path / "absent") == {}
 
 
-def test_default_zoo_is_at_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("AQR_ZOO", raising=False)
-    assert models.zoo_dir() == REPO_ROOT / "zoo"
+def test_default_zoo_is_the_package_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    monkeypatch.delenv("AQR_ZOO", raising=False)  # (aqr.models.zoo, the attribute, is the listing function)
+    assert models.zoo_dir() == Path(importlib.import_module("aqr.models.zoo").__file__).parent
+    assert set(models.zoo()) == {"resnet20_gn", "vit_ln"}
     for name, path in models.zoo().items():  # committed checkpoints must load and stay small
         assert path.stat().st_size <= 5 * 1024 * 1024
         assert isinstance(models.load(name), NormalizedModel)
@@ -263,3 +266,16 @@ def test_manifest_describes_each_checkpoint(tmp_path: Path) -> None:
     assert info["epochs"] == 3 and info["config"]["norm"] == "gn"
     text = manifest_markdown(tmp_path)
     assert "| resnet20_gn | resnet20 norm=gn" in text and "12.50" in text
+
+
+def test_committed_manifest_is_generated_and_names_no_machine_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aqr.models.zoo import manifest_markdown, portable_command
+
+    monkeypatch.delenv("AQR_ZOO", raising=False)
+    generated = manifest_markdown()
+    committed = (models.zoo_dir() / "MANIFEST.md").read_text()
+    assert committed.startswith(generated)  # hand-written notes may follow
+    for machine_path in ("/tmp", "/root", "/work", "/home", ".gpu/"):
+        assert machine_path not in committed
+    assert portable_command("aqr train --data /a/b/x.npz --model-kwargs '{\"k\": 1}' --out ./o/") == (
+        "aqr train --data x.npz --model-kwargs '{\"k\": 1}' --out o")

@@ -1,0 +1,46 @@
+"""A plain (non-editable) ``pip install`` of the repository works outside it: the zoo and the C
+kernels' source travel as package data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import importlib.resources, sys, torch
+import aqr
+assert "site-packages" in aqr.__file__, aqr.__file__
+assert importlib.resources.files("aqr.backends").joinpath("_kernels.c").is_file()
+model = aqr.models.load("resnet20_gn")
+stats = aqr.calibrate(model, [torch.rand(16, 3, 32, 32)], compile=False)
+out = aqr.AQR(model, stats, compile=False)(torch.rand(8, 3, 32, 32))
+assert out.shape == (8, 10) and bool(torch.isfinite(out).all())
+print("ok", sorted(aqr.models.zoo()))
+"""
+
+
+@pytest.mark.slow
+def test_a_plain_install_loads_a_zoo_model_from_outside_the_repository(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AQR_ZOO", "VIRTUAL_ENV")}
+    env["AQR_CACHE_DIR"] = str(tmp_path / "kernels")
+
+    def run(args: list[str]) -> subprocess.CompletedProcess:
+        done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return done
+
+    run([*pip, f"torch=={torch.__version__.split('+')[0]}"])  # the same CPU build as here
+    run([*pip, "numpy", "safetensors", "tqdm"])
+    run([*pip, "--no-deps", str(REPO)])
+    assert run([python, "-c", SCRIPT]).stdout.split() == ["ok", "['resnet20_gn',", "'vit_ln']"]
