@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import speed  # noqa: E402  (same models and images as the main speed benchmark)
-
-import aqr  # noqa: E402
+import aqr
+import speed  # benchmarks/speed.py, beside this file: the same models and images
 
 
 def parse_variant(text: str) -> dict[str, object]:

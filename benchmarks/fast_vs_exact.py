@@ -1,24 +1,23 @@
 """Does the fast AQR path cost accuracy? Fast vs exact AQR on ResNet-20 CIFAR-10-C cells.
 
-Protocol of ../shared/data/README.md: statistics from the clean test images 0-4999, evaluation on
+Protocol of the data folder's README.md: statistics from the clean test images 0-4999, evaluation on
 the corrupted images from 5000 on (``--n`` of them), batches of ``--batch-size`` in order. Prints
 one row per (corruption, severity) and the mean difference fast - exact in accuracy points.
 
-    python benchmarks/fast_vs_exact.py --cifar-c /path/to/cifar10c [--n 1000] [--severities 5] \
+    python benchmarks/fast_vs_exact.py --cifar-c /path/to/cifar10c [--data-dir DIR] [--n 1000] [--severities 5] \
         [--target-samples 8192,4096] [--variants default native=0 "target_samples=4096,native=0"]
 
 ``--variants`` names fast columns by their options (see ``benchmarks/aqr_variants.py``);
 ``--target-samples`` is the shorthand for ``target_samples=S`` columns.
 
-The CIFAR-10-C folder is what ``aqr corrupt`` writes (or the released arrays).
+The CIFAR-10-C folder is what ``aqr corrupt`` writes (or the released arrays); the checkpoint and
+the clean test set default to the data folder (``--data-dir`` or ``$AQR_DATA_DIR``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -26,11 +25,9 @@ import torch
 
 import aqr
 from aqr import data, models
+from aqr.data import DataDirError, resolve_data_dir
+from aqr_variants import parse_variant  # benchmarks/aqr_variants.py, beside this file: the same option syntax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from aqr_variants import parse_variant  # noqa: E402  (the same option syntax)
-
-SHARED = Path(os.environ.get("AQR_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 CORRUPTIONS = [
     "gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise", "defocus_blur", "gaussian_blur",
     "motion_blur", "zoom_blur", "glass_blur", "brightness", "contrast", "saturate", "fog", "frost",
@@ -50,11 +47,20 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
     return 100.0 * correct / len(y)
 
 
+def _data_dir(parser: argparse.ArgumentParser, path: Path | str | None) -> Path:
+    """The data folder, or a one-line usage error naming --data-dir and AQR_DATA_DIR."""
+    try:
+        return resolve_data_dir(path)
+    except DataDirError as err:
+        parser.error(str(err))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cifar-c", type=Path, required=True)
-    parser.add_argument("--checkpoint", type=Path, default=SHARED / "checkpoints" / "akamaster" / "resnet20-12fca82f.th")
-    parser.add_argument("--clean", type=Path, default=SHARED / "cifar10_test.npz")
+    parser.add_argument("--data-dir", type=Path, default=None, help="data folder (default: $AQR_DATA_DIR)")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="default: the data folder's akamaster ResNet-20")
+    parser.add_argument("--clean", type=Path, default=None, help="default: the data folder's cifar10_test.npz")
     parser.add_argument("--corruptions", default=",".join(CORRUPTIONS))
     parser.add_argument("--severities", default="5")
     parser.add_argument("--n", type=int, default=1000, help="evaluated images, from index 5000")
@@ -65,6 +71,10 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", help="fast columns by options, e.g. default native=0 (overrides --target-samples)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.checkpoint is None or args.clean is None:
+        data_dir = _data_dir(parser, args.data_dir)
+        args.checkpoint = args.checkpoint or data_dir / "checkpoints" / "akamaster" / "resnet20-12fca82f.th"
+        args.clean = args.clean or data_dir / "cifar10_test.npz"
     if args.threads:
         torch.set_num_threads(args.threads)
     model = models.load("resnet20", checkpoint=args.checkpoint)

@@ -32,11 +32,13 @@ import torch
 
 import aqr
 from aqr import methods, models
+from aqr.data import load_npz_arrays, to_float
 
-SHARED = Path(os.environ.get("AQR_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
-AKAMASTER = SHARED / "checkpoints" / "akamaster" / "resnet20-12fca82f.th"
+# the data folder ($AQR_DATA_DIR) is optional here: random weights and images cost the same
+DATA = Path(os.environ["AQR_DATA_DIR"]) if os.environ.get("AQR_DATA_DIR") else None
+AKAMASTER = DATA / "checkpoints" / "akamaster" / "resnet20-12fca82f.th" if DATA else None
 MODELS = {
-    "resnet20-bn": lambda: models.load("resnet20", checkpoint=AKAMASTER) if AKAMASTER.is_file() else models.create("resnet20"),
+    "resnet20-bn": lambda: models.load("resnet20", checkpoint=AKAMASTER) if AKAMASTER and AKAMASTER.is_file() else models.create("resnet20"),
     # the zoo's trained models when present (random weights give the same cost)
     "resnet20-gn": lambda: models.load("resnet20_gn") if "resnet20_gn" in models.zoo() else models.create("resnet20", norm="gn"),
     "vit": lambda: models.load("vit_ln") if "vit_ln" in models.zoo() else models.create("vit"),
@@ -46,12 +48,9 @@ METHODS = ["source", "ttn", "aqr", "aqr-torch", "aqr-exact", "tent", "sar"]  # a
 
 def images(n: int, seed: int = 0) -> torch.Tensor:
     """Source-like images: the clean CIFAR-10 test set when available, else uniform noise."""
-    path = SHARED / "cifar10_test.npz"
-    if path.is_file():
-        import numpy as np
-
-        x = np.load(path)["x"][:n]
-        return torch.from_numpy(x).permute(0, 3, 1, 2).contiguous().float().div(255)
+    path = DATA / "cifar10_test.npz" if DATA else None
+    if path and path.is_file():
+        return to_float(load_npz_arrays(path)[0][:n])
     return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 

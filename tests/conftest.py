@@ -1,5 +1,22 @@
-import sys
+"""Shared fixtures: the data folder of the tests that need real data."""
+
+from __future__ import annotations
+
+import os
 from pathlib import Path
 
-# the tiny test models live beside the tests
-sys.path.insert(0, str(Path(__file__).parent))
+import pytest
+
+from aqr.data.location import DATA_DIR_ENV
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The shared data folder (``$AQR_DATA_DIR``); a test that asks for it is skipped without it."""
+    env = os.environ.get(DATA_DIR_ENV)
+    if not env:
+        pytest.skip(f"needs the shared data folder: set {DATA_DIR_ENV}")
+    path = Path(env)
+    if not path.is_dir():
+        pytest.skip(f"{DATA_DIR_ENV}={env} is not a folder")
+    return path

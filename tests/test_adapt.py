@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import aqr
-from models_tiny import bn_cnn, gn_cnn, images, tiny_vit
+from tests.models_tiny import bn_cnn, gn_cnn, images, tiny_vit
 
 
 @functools.lru_cache(maxsize=None)

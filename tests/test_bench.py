@@ -52,6 +52,9 @@ def test_parse_range_accepts_slices_and_lists() -> None:
             parse_range(bad)
 
 
+DATA = "data"  # the presets only build paths below the data folder: no files needed
+
+
 def test_method_spec_parses_options() -> None:
     assert MethodSpec.parse("tent") == MethodSpec("tent", {})
     spec = MethodSpec.parse("aqr:tail=gaussian,K=11,gaussian_p=0.001,compile=false")
@@ -63,29 +66,30 @@ def test_method_spec_parses_options() -> None:
 
 def test_every_preset_expands_and_main_matches_the_paper() -> None:
     for name in PRESETS:
-        grid = preset(name)
+        grid = preset(name, DATA)
         assert len(list(grid.cells())) == len(grid) > 0
-    main = preset("main")
+    main = preset("main", DATA)
     assert {m.name for m in main.methods} == {"source", "ttn", "tent", "sar", "aqr"}
     assert main.severities == (1, 3, 5) and main.batch_sizes == (128, 512) and len(main.corruptions) == 19
     assert len(main) == 3 * 5 * 19 * 3 * 2 * 3
-    tails = preset("tails")
+    tails = preset("tails", DATA)
     assert sorted(c.variant for c in tails.cells() if c.corruption == "fog" and c.severity == 3
                   and c.batch_size == 128 and c.seed == 0) == sorted(
         [f"aqr[tail={t}]" for t in ("standard", "average", "none", "clip", "interval", "gaussian")]
         + ["aqr[tail=average,tail_unit=values]"])
     with pytest.raises(KeyError, match="unknown preset"):
-        preset("nope")
+        preset("nope", DATA)
+    assert preset("smoke", DATA).models[0].source_data == str(Path(DATA) / "cifar10_test.npz")
 
 
 def test_grid_rejects_bad_values() -> None:
-    base = preset("smoke")
+    base = preset("smoke", DATA)
     with pytest.raises(ValueError, match="unknown corruptions"):
         replace(base, corruptions=("rain",))
     with pytest.raises(ValueError, match="severities"):
         replace(base, severities=(0,))
     with pytest.raises(ValueError, match="unknown grid keys"):
-        grid_from_mapping({"preset": "smoke", "batchsize": [1]})
+        grid_from_mapping({"preset": "smoke", "batchsize": [1]}, DATA)
 
 
 def test_grid_file_round_trip(tmp_path: Path) -> None:
@@ -95,7 +99,7 @@ def test_grid_file_round_trip(tmp_path: Path) -> None:
     yaml = pytest.importorskip("yaml")
     (tmp_path / "g.yaml").write_text(yaml.safe_dump(spec))
     for name in ("g.json", "g.yaml"):
-        grid = load_grid(tmp_path / name)
+        grid = load_grid(tmp_path / name, DATA)
         assert grid.name == "mine" and grid.seeds == (0, 1) and grid.n_images == 64
         assert [m.name for m in grid.methods] == ["source", "aqr"]
     with pytest.raises(FileNotFoundError):
@@ -103,7 +107,7 @@ def test_grid_file_round_trip(tmp_path: Path) -> None:
 
 
 def _cell(**changes: object) -> Cell:
-    cell = next(iter(preset("smoke").cells()))
+    cell = next(iter(preset("smoke", DATA).cells()))
     return replace(cell, **changes)
 
 
@@ -350,6 +354,23 @@ def test_cli_reports_missing_data_without_a_traceback(tmp_path: Path, capsys: py
     assert "nowhere" in capsys.readouterr().err
 
 
+def test_data_folder_comes_from_the_flag_or_aqr_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.delenv("AQR_DATA_DIR", raising=False)
+    with pytest.raises(ValueError, match="--data-dir.*AQR_DATA_DIR"):
+        preset("smoke")
+    assert cli_main(["bench", "--preset", "smoke", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--data-dir" in err and "AQR_DATA_DIR" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("AQR_DATA_DIR", str(tmp_path))
+    assert preset("smoke") == preset("smoke", tmp_path)
+    # a grid file with its own models needs no data folder
+    monkeypatch.delenv("AQR_DATA_DIR")
+    own = {"name": "own", "models": [{"name": "m", "model": "m.pt", "source_data": "s.npz"}], "corruptions": ["fog"]}
+    grid = grid_from_mapping(own)
+    assert [m.name for m in grid.models] == ["m"] and grid.data.clean is None
+
+
 def test_random_subset_ranges_are_seeded_sorted_and_checked() -> None:
     a = parse_range("100:200~30")
     assert a == parse_range("100:200~30") and a == sorted(a) and len(set(a)) == 30
@@ -357,7 +378,7 @@ def test_random_subset_ranges_are_seeded_sorted_and_checked() -> None:
     for bad in ("0:10~0", "0:10~11", "5~2", "0:10~x"):
         with pytest.raises(ValueError):
             parse_range(bad)
-    assert preset("main").models[1].source_indices == "0:50000~10000"
+    assert preset("main", DATA).models[1].source_indices == "0:50000~10000"
 
 
 def test_class_sorted_source_subset_warns(tmp_path: Path) -> None:
@@ -409,8 +430,8 @@ def test_aqr_cell_keys_follow_the_fast_path_version(monkeypatch) -> None:
     from aqr.bench import grid
 
     files = {"weights": "a", "source": "b", "eval": "c", "labels": "d"}
-    aqr_cell = next(c for c in preset("smoke").cells() if c.method == "aqr")
-    other = next(c for c in preset("smoke").cells() if c.method != "aqr")
+    aqr_cell = next(c for c in preset("smoke", DATA).cells() if c.method == "aqr")
+    other = next(c for c in preset("smoke", DATA).cells() if c.method != "aqr")
     before = cell_key(aqr_cell, files, "1.0"), cell_key(other, files, "1.0")
     monkeypatch.setattr(grid, "AQR_FAST_PATH_VERSION", grid.AQR_FAST_PATH_VERSION + 1)
     assert cell_key(aqr_cell, files, "1.0") != before[0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -41,12 +40,6 @@ MONOTONE = (
     "pixelate",
     "jpeg_compression",
 )
-
-
-def shared_data() -> Path:
-    """The shared data folder: $AQR_SHARED_DATA, else the repository root's sibling shared/data."""
-    env = os.environ.get("AQR_SHARED_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def synthetic_images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:
@@ -164,10 +157,11 @@ def test_missing_frost_dir_names_folder(tmp_path: Path) -> None:
         corrupt(IMAGES[0], "frost", 1, np.random.default_rng(), frost_dir=tmp_path / "none")
 
 
-def test_real_frost_overlays() -> None:
-    folder = shared_data() / "frost"
+@pytest.mark.data
+def test_real_frost_overlays(data_dir: Path) -> None:
+    folder = data_dir / "frost"
     if not folder.is_dir():
-        pytest.skip(f"shared frost images not found at {folder} (set AQR_SHARED_DATA)")
+        pytest.skip(f"no frost images at {folder}")
     ov = load_frost_overlays(folder, 0.2)
     assert [o.shape for o in ov] == [(120, 180, 3), (63, 112, 3), (63, 112, 3), (70, 105, 3), (99, 132, 3)]
     out = corrupt(IMAGES[0], "frost", 5, np.random.default_rng(0), frost_dir=folder)

@@ -27,12 +27,6 @@ from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
 from aqr.data.corruptions import corrupt, image_rng
 
 
-def shared_data() -> Path:
-    """The shared data folder: $AQR_SHARED_DATA, else the repository root's sibling shared/data."""
-    env = os.environ.get("AQR_SHARED_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
 def tiny_set(n: int = 6, size: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     return rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8), rng.integers(0, 10, n).astype(np.int64)
@@ -284,10 +278,11 @@ def test_to_float_gives_nchw_in_unit_range_from_arrays_and_tensors() -> None:
 # ----------------------------------------------------------------------------- shared data
 
 
-def test_shared_cifar10_test_set() -> None:
-    path = shared_data() / "cifar10_test.npz"
+@pytest.mark.data
+def test_shared_cifar10_test_set(data_dir: Path) -> None:
+    path = data_dir / "cifar10_test.npz"
     if not path.is_file():
-        pytest.skip(f"shared CIFAR-10 test set not found at {path} (set AQR_SHARED_DATA)")
+        pytest.skip(f"no CIFAR-10 test set at {path}")
     ds = load_npz(path)
     assert ds.images.shape == (10000, 32, 32, 3)
     assert ds.labels[:10].tolist() == [3, 8, 8, 0, 6, 6, 1, 6, 3, 1]

@@ -13,13 +13,13 @@ pytest.importorskip("sklearn")
 pytest.importorskip("PIL")
 pytest.importorskip("scipy")
 
-from aqr.data.cifar_c import GenerationConfig, generate_cifar_c  # noqa: E402
-from aqr.cli import main  # noqa: E402
-from aqr.experiments.demo import (DIGITS_MODELS, QUICK_SEVERITIES, DemoConfig, load_digits_rgb32, run_demo,  # noqa: E402
-                      split_digits)
 from aqr.bench.grid import BASELINES  # noqa: E402
-from aqr.models import create, save_checkpoint  # noqa: E402
 from aqr.bench.results import ResultsDB  # noqa: E402
+from aqr.cli import main  # noqa: E402
+from aqr.data.cifar_c import GenerationConfig, generate_cifar_c  # noqa: E402
+from aqr.experiments.demo import (DIGITS_MODELS, QUICK_SEVERITIES, DemoConfig, load_digits_rgb32,  # noqa: E402
+                                  run_demo, split_digits)
+from aqr.models import create, save_checkpoint  # noqa: E402
 
 
 # One corruption keeps the shared quick run short; the quick default has two.
@@ -37,6 +37,7 @@ def quick(tmp_path_factory):
     return config, run_demo(config, log=_quiet)
 
 
+@pytest.mark.slow
 def test_quick_demo_fills_one_row_per_cell(quick):
     config, result = quick
     models = tuple(m.name for m in DIGITS_MODELS)
@@ -53,6 +54,7 @@ def test_quick_demo_fills_one_row_per_cell(quick):
             assert 0.0 <= r.accuracy <= 100.0
 
 
+@pytest.mark.slow
 def test_quick_demo_models_learn_and_ttn_needs_batchnorm(quick):
     _, result = quick
     for model in result.models:
@@ -70,12 +72,14 @@ def test_quick_demo_models_learn_and_ttn_needs_batchnorm(quick):
             assert value is None or 0.0 <= value <= 100.0
 
 
+@pytest.mark.slow
 def test_quick_demo_writes_a_figure(quick):
     _, result = quick
     assert result.figure is not None and result.figure.is_file()
     assert result.figure.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_second_run_reuses_models_data_and_cells(quick):
     config, first = quick
     second = run_demo(config, log=_quiet)
@@ -120,6 +124,7 @@ def tiny_cifar(tmp_path):
     return npz, folder, checkpoint
 
 
+@pytest.mark.slow
 def test_cifar_path_with_an_aqr_checkpoint(tiny_cifar, tmp_path):
     npz, folder, checkpoint = tiny_cifar
     config = DemoConfig(out=str(tmp_path / "out"), data=str(npz), cifar_c=str(folder), checkpoint=str(checkpoint),
@@ -136,6 +141,7 @@ def test_cifar_path_with_an_aqr_checkpoint(tiny_cifar, tmp_path):
     assert result.figure is not None and result.figure.is_file()
 
 
+@pytest.mark.slow
 def test_cifar_path_with_third_party_weights(tiny_cifar, tmp_path):
     npz, folder, _ = tiny_cifar
     weights = tmp_path / "resnet20.th"
@@ -148,6 +154,7 @@ def test_cifar_path_with_third_party_weights(tiny_cifar, tmp_path):
     assert result.summary.ran == 5 * 2
 
 
+@pytest.mark.slow
 def test_cli_demo_on_cifar_prints_the_table(tiny_cifar, tmp_path, capsys):
     npz, folder, checkpoint = tiny_cifar
     code = main(["demo", "--data", str(npz), "--cifar-c", str(folder), "--checkpoint", str(checkpoint),

@@ -458,8 +458,8 @@ def test_tent_and_sar_survive_channels_last_input_on_groupnorm() -> None:
     import sys
 
     script = (
-        "import torch, sys; sys.path.insert(0, 'tests')\n"
-        "from models_tiny import gn_cnn\n"
+        "import torch\n"
+        "from tests.models_tiny import gn_cnn\n"
         "from aqr.methods import create\n"
         "x = torch.rand(8, 16, 16, 3).permute(0, 3, 1, 2)\n"
         "for name in ('tent', 'sar'):\n"

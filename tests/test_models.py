@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +13,6 @@ import aqr.models as models
 from aqr.models import CheckpointError, Normalize, NormalizedModel
 from aqr.models.resnet_cifar import BasicBlock, CifarResNet, option_a_shortcut
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def shared_data_dir() -> Path:
-    """``$AQR_SHARED_DATA`` or the repository root's sibling ``shared/data``."""
-    return Path(os.environ.get("AQR_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
 
 
 # small keyword overrides so every registered architecture builds fast
@@ -245,12 +238,11 @@ def test_plain_metadata_only(tmp_path: Path) -> None:
 
 @pytest.mark.data
 @pytest.mark.slow
-def test_akamaster_resnet20_scores_91_73() -> None:
-    data = shared_data_dir()
-    ckpt = data / "checkpoints" / "akamaster" / "resnet20-12fca82f.th"
-    test = data / "cifar10_test.npz"
+def test_akamaster_resnet20_scores_91_73(data_dir: Path) -> None:
+    ckpt = data_dir / "checkpoints" / "akamaster" / "resnet20-12fca82f.th"
+    test = data_dir / "cifar10_test.npz"
     if not (ckpt.is_file() and test.is_file()):
-        pytest.skip(f"shared data absent: needs {ckpt} and {test} (set AQR_SHARED_DATA)")
+        pytest.skip(f"the data folder lacks {ckpt} or {test}")
     model = models.load("resnet20", checkpoint=ckpt)
     with np.load(test) as d:
         x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])

@@ -11,7 +11,7 @@ from torch import nn
 import aqr
 from aqr.core.calibrate import LayerCollector, average_sample_tails
 from aqr.core.layers import LayerInfo
-from models_tiny import bn_cnn, gn_cnn, images, tiny_vit
+from tests.models_tiny import bn_cnn, gn_cnn, images, tiny_vit
 
 
 def loader(x, batch=16, labels=True):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import models_tiny
+from tests import models_tiny
 from aqr import cli
 from aqr.experiments.tail_deviation import TAIL_LEVELS, percentile_deviations
 

@@ -64,6 +64,7 @@ def test_lr_schedule_warms_up_then_decays() -> None:
     assert lr_factor(100, 100, 10, 0.01) == pytest.approx(0.01)
 
 
+@pytest.mark.slow
 def test_one_epoch_learns_an_easy_task(data: tuple[Path, Path], tmp_path: Path) -> None:
     torch.manual_seed(0)
     x, y = load_tensors(data[1])
@@ -82,6 +83,7 @@ TINY_VIT = dict(model="vit", norm=None, model_kwargs={"dim": 32, "depth": 1, "he
                 lr=3e-3, label_smoothing=0.1, warmup_epochs=0.5)
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(data: tuple[Path, Path], tmp_path: Path) -> None:
     straight = train(small_config(data, tmp_path / "a", epochs=2, out=None, **TINY_VIT))
     cfg = small_config(data, tmp_path / "b", epochs=2, stop_after=1, **TINY_VIT)
@@ -97,6 +99,7 @@ def test_resume_continues_exactly(data: tuple[Path, Path], tmp_path: Path) -> No
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_resume_without_state_or_with_other_data_fails(data: tuple[Path, Path], tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no training state"):
         train(small_config(data, tmp_path, **TINY_VIT), resume=True)
@@ -106,6 +109,7 @@ def test_resume_without_state_or_with_other_data_fails(data: tuple[Path, Path], 
         train(small_config((other, data[1]), tmp_path, epochs=2, out=None, **TINY_VIT), resume=True)
 
 
+@pytest.mark.slow
 def test_groupnorm_resnet_trains(data: tuple[Path, Path], tmp_path: Path) -> None:
     result = train(small_config(data, tmp_path, norm="gn", model_kwargs={"width": 4, "groups": 2}, out=None,
                                 limit_train=64))
@@ -114,6 +118,7 @@ def test_groupnorm_resnet_trains(data: tuple[Path, Path], tmp_path: Path) -> Non
                if isinstance(m, (torch.nn.GroupNorm, torch.nn.BatchNorm2d)))
 
 
+@pytest.mark.slow
 def test_cli_trains_a_vit_with_adamw(data: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "vit.pt"
     code = main(["train", "--model", "vit", "--model-kwargs", '{"dim": 32, "depth": 1, "heads": 2}',

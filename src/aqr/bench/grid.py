@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from aqr.data.corruption_params import CORRUPTIONS
+from aqr.data.location import DataDirError, resolve_data_dir
 
 # Bump when the meaning of a cell's result changes (evaluation loop, image selection, metrics), so
 # rows computed under the old rules are never reused for a new run.
@@ -276,16 +277,17 @@ class GridSpec:
 # ----------------------------------------------------------------------------- presets
 
 
-def default_models(data_dir: str | Path = "../shared/data") -> dict[str, ModelSpec]:
+def default_models(data_dir: str | Path | None = None) -> dict[str, ModelSpec]:
     """The reproduction's three models: the akamaster ResNet-20 (BN) and the zoo's GN ResNet and ViT.
 
+    ``data_dir`` is the data folder (default ``$AQR_DATA_DIR``, see :func:`aqr.data.resolve_data_dir`).
     The akamaster model's source domain is the lossless training set, which we lack: its statistics
-    come from clean test images 0-4999 and evaluation uses 5000-9999 (see ``../shared/data/README.md``).
+    come from clean test images 0-4999 and evaluation uses 5000-9999 (see the data folder's README).
     Our own models were trained on the JPEG training set, which is their source domain: 10,000 of
     those images, as in the paper, drawn at random (the file is sorted by class, so its first 10,000
     images would be airplanes and automobiles only).
     """
-    d = Path(data_dir)
+    d = resolve_data_dir(data_dir)
     train = str(d / "cifar10_train_jpeg75.npz")
     return {
         "resnet20": ModelSpec("resnet20", "resnet20", str(d / "checkpoints/akamaster/resnet20-12fca82f.th"),
@@ -295,8 +297,9 @@ def default_models(data_dir: str | Path = "../shared/data") -> dict[str, ModelSp
     }
 
 
-def default_data(data_dir: str | Path = "../shared/data", cifar_c: str | Path = "cache/cifar10c") -> DataSpec:
-    d = Path(data_dir)
+def default_data(data_dir: str | Path | None = None, cifar_c: str | Path = "cache/cifar10c") -> DataSpec:
+    """CIFAR-10-C in ``cifar_c``, generated when missing from the clean test set and frost images of the data folder."""
+    d = resolve_data_dir(data_dir)
     return DataSpec("cifar10-c", str(cifar_c), "5000:10000", clean=str(d / "cifar10_test.npz"),
                     frost_dir=str(d / "frost"))
 
@@ -304,8 +307,10 @@ def default_data(data_dir: str | Path = "../shared/data", cifar_c: str | Path = 
 BASELINES = ("source", "ttn", "tent", "sar", "aqr")
 
 
-def preset(name: str, data_dir: str | Path = "../shared/data", cifar_c: str | Path = "cache/cifar10c") -> GridSpec:
+def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = "cache/cifar10c") -> GridSpec:
     """The paper's experiments on our data (see the module docs of each field in :class:`GridSpec`).
+
+    ``data_dir``: the data folder (default ``$AQR_DATA_DIR``); ``cifar_c``: the CIFAR-10-C folder.
 
     ``main``: Tables 1 and 4-6; ``tails``: Table 2 (tail strategies, batch 128/512); ``granularity``:
     Table 3 (K = 11 vs 101); ``vit-blocks``: AQR on all / top-half / bottom-half ViT layers;
@@ -336,7 +341,7 @@ def preset(name: str, data_dir: str | Path = "../shared/data", cifar_c: str | Pa
     raise KeyError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
 
 
-def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path = "../shared/data",
+def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path | None = None,
                       cifar_c: str | Path = "cache/cifar10c") -> GridSpec:
     """Build a grid from a parsed YAML/JSON mapping.
 
@@ -345,14 +350,28 @@ def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path = "../shared
     :class:`DataSpec` fields), ``methods`` (``"tent"``, ``"aqr:tail=clip"`` or mappings with a
     ``method`` key), ``corruptions`` (``"all"`` or a list), ``severities``, ``batch_sizes``,
     ``seeds``, ``n_images``, ``protocol``.
+
+    Defaults come from the preset (``main`` when none is named), which reads the data folder
+    (``data_dir`` or ``$AQR_DATA_DIR``). A grid that names no preset and lists only its own models
+    needs no data folder when none is set: its data then defaults to ``cifar_c`` without a clean
+    source to generate from.
     """
     allowed = {"name", "preset", "models", "data", "methods", "corruptions", "severities", "batch_sizes",
                "seeds", "n_images", "protocol"}
     unknown = set(spec) - allowed
     if unknown:
         raise ValueError(f"unknown grid keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-    base = preset(spec["preset"], data_dir, cifar_c) if "preset" in spec else preset("main", data_dir, cifar_c)
-    known_models = default_models(data_dir)
+    own_models = "models" in spec and all(isinstance(m, Mapping) for m in spec["models"])
+    try:
+        resolve_data_dir(data_dir)
+    except DataDirError:
+        if "preset" in spec or not own_models:
+            raise
+        base = GridSpec("custom", (), DataSpec(root=str(cifar_c)), tuple(MethodSpec(m) for m in BASELINES))
+        known_models: dict[str, ModelSpec] = {}
+    else:
+        base = preset(spec.get("preset", "main"), data_dir, cifar_c)
+        known_models = default_models(data_dir)
     changes: dict[str, Any] = {"name": spec.get("name", spec.get("preset", "custom"))}
     if "models" in spec:
         models = []
@@ -382,7 +401,7 @@ def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path = "../shared
     return replace(base, **changes)
 
 
-def load_grid(path: str | Path, data_dir: str | Path = "../shared/data",
+def load_grid(path: str | Path, data_dir: str | Path | None = None,
               cifar_c: str | Path = "cache/cifar10c") -> GridSpec:
     """Read a grid from a ``.yaml``/``.yml`` (needs PyYAML, ``aqr[bench]``) or ``.json`` file."""
     path = Path(path)

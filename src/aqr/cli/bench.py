@@ -16,8 +16,9 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, help="main, tails, granularity, vit-blocks or smoke")
     src.add_argument("--config", default=None, help="grid file (.yaml needs aqr[bench], or .json)")
-    p.add_argument("--data-dir", default="../shared/data",
-                   help="folder with cifar10_test.npz, cifar10_train_jpeg75.npz, checkpoints/, frost/")
+    p.add_argument("--data-dir", default=None,
+                   help="folder with cifar10_test.npz, cifar10_train_jpeg75.npz, checkpoints/, frost/ "
+                        "(default: $AQR_DATA_DIR)")
     p.add_argument("--cifar-c", default="cache/cifar10c", help="CIFAR-10-C folder (generated when missing)")
     p.add_argument("--models", default=None, help="comma list of model names to keep from the grid")
     p.add_argument("--methods", default=None, help="comma list replacing the grid's methods (e.g. 'source,aqr:tail=clip')")

@@ -1,6 +1,6 @@
 """Check the baselines on a real third-party model: akamaster ResNet-20 on CIFAR-10 + Gaussian noise.
 
-Protocol (see ../shared/data/README.md): test images 5000-9999 of the lossless CIFAR-10 test set,
+Protocol (see the data folder's README.md): test images 5000-9999 of the lossless CIFAR-10 test set,
 corrupted like CIFAR-10-C gaussian_noise severity 5 (x/255 + N(0, 0.10), clipped to [0, 1], stored
 as uint8 by truncation like the released arrays; fixed seed), batches of 128 in order, every method
 episodic. AQR calibrates on the clean images 0-4999.
@@ -8,7 +8,7 @@ episodic. AQR calibrates on the clean images 0-4999.
 The model is ``aqr.models.load("resnet20", checkpoint=...)`` (He et al. 2016 CIFAR variant in the
 layout of github.com/akamaster/pytorch_resnet_cifar10, BSD-2-Clause).
 
-    PYTHONPATH=src python scripts/verify_baselines.py [--data ../shared/data] [--n 5000]
+    python benchmarks/baselines_gaussian_noise.py [--data-dir DIR] [--n 5000]   # DIR default: $AQR_DATA_DIR
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
+import aqr
 from aqr import models
-from aqr.methods import NotApplicable, create, softmax_entropy
+from aqr.data import DataDirError, resolve_data_dir, to_float
+from aqr.methods import NotApplicable, create, method_class, softmax_entropy
 
 def load_model(path: Path) -> nn.Module:
     """ResNet-20 with the akamaster weights, taking inputs in [0, 1] (normalization inside)."""
@@ -37,10 +39,6 @@ def gaussian_noise_sev5(x_uint8: np.ndarray, seed: int) -> np.ndarray:
     return x.astype(np.uint8)
 
 
-def to_tensor(x_uint8: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(x_uint8).permute(0, 3, 1, 2).float().div_(255.0)
-
-
 def predict(method: nn.Module, x: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, float]:
     """Predicted classes for ``x`` fed in order in batches, and the mean softmax entropy."""
     preds, entropy = [], 0.0
@@ -51,9 +49,17 @@ def predict(method: nn.Module, x: torch.Tensor, batch_size: int) -> tuple[torch.
     return torch.cat(preds), entropy / len(x)
 
 
+def _data_dir(parser: argparse.ArgumentParser, path: Path | str | None) -> Path:
+    """The data folder, or a one-line usage error naming --data-dir and AQR_DATA_DIR."""
+    try:
+        return resolve_data_dir(path)
+    except DataDirError as err:
+        parser.error(str(err))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1] / "../shared/data")
+    parser.add_argument("--data-dir", type=Path, default=None, help="data folder (default: $AQR_DATA_DIR)")
     parser.add_argument("--n", type=int, default=5000, help="test images used, from index 5000")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0, help="noise seed")
@@ -63,12 +69,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    data = np.load(args.data / "cifar10_test.npz")
-    model = load_model(args.data / "checkpoints/akamaster/resnet20-12fca82f.th")
+    data_dir = _data_dir(parser, args.data_dir)
+    data = np.load(data_dir / "cifar10_test.npz")
+    model = load_model(data_dir / "checkpoints/akamaster/resnet20-12fca82f.th")
     lo, hi = 5000, 5000 + args.n
     y = torch.from_numpy(data["y"][lo:hi]).long()
-    x_clean = to_tensor(data["x"][lo:hi])
-    x_noisy = to_tensor(gaussian_noise_sev5(data["x"][lo:hi], args.seed))
+    x_clean = to_float(data["x"][lo:hi])
+    x_noisy = to_float(gaussian_noise_sev5(data["x"][lo:hi], args.seed))
 
     t0 = time.perf_counter()
     clean_acc = 100.0 * (predict(create("source", model), x_clean, args.batch_size)[0] == y).float().mean().item()
@@ -79,12 +86,10 @@ def main() -> None:
     for name in args.methods.split(","):
         options: dict = {"protocol": args.protocol}
         t0 = time.perf_counter()
-        if name == "aqr":
-            from aqr.core.stats import calibrate
-
-            clean_src = to_tensor(data["x"][:5000])
-            options["stats"] = calibrate(model, [clean_src[i : i + 500] for i in range(0, 5000, 500)])
-            print(f"  (aqr calibration on clean 0-4999: {time.perf_counter() - t0:.1f}s)")
+        if method_class(name).needs_stats:
+            clean_src = to_float(data["x"][:5000])
+            options["stats"] = aqr.calibrate(model, [clean_src[i : i + 500] for i in range(0, 5000, 500)])
+            print(f"  ({name} calibration on clean 0-4999: {time.perf_counter() - t0:.1f}s)")
             t0 = time.perf_counter()
         try:
             method = create(name, model, **options)

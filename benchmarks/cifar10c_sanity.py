@@ -4,10 +4,11 @@ Loads the CIFAR ResNet-20 with ``aqr.models.load("resnet20", checkpoint=...)``, 
 accuracy on the lossless test set (published: 91.73 %), then prints a markdown table of accuracy
 per corruption and severity on the generated folder.
 
-    PYTHONPATH=src python scripts/sanity_resnet20.py \
-        --clean ../shared/data/cifar10_test.npz \
-        --checkpoint ../shared/data/checkpoints/akamaster/resnet20-12fca82f.th \
-        --cifar-c /work/cache/cifar10c [--out docs/results/cifar10c_sanity.md]
+    python benchmarks/cifar10c_sanity.py --cifar-c cache/cifar10c [--data-dir DIR] \
+        [--out docs/results/cifar10c_sanity.md]
+
+``--clean`` and ``--checkpoint`` default to the data folder's ``cifar10_test.npz`` and akamaster
+ResNet-20 (``--data-dir`` or ``$AQR_DATA_DIR``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 import torch.nn as nn
 
 from aqr import models
+from aqr.data import DataDirError, load_cifar_c, load_npz_arrays, resolve_data_dir, to_float
 from aqr.data.corruption_params import CORRUPTIONS
-from aqr.data import load_cifar_c, load_npz_arrays
+
 
 def load_model(path: str) -> nn.Module:
     """The akamaster ResNet-20, taking inputs in [0, 1] (its normalization is inside)."""
@@ -35,16 +37,24 @@ def load_model(path: str) -> nn.Module:
 def accuracy(model: nn.Module, images: np.ndarray, labels: np.ndarray, batch: int = 1000) -> float:
     correct = 0
     for i in range(0, len(images), batch):
-        x = torch.from_numpy(np.asarray(images[i : i + batch], dtype=np.float32) / 255.0).permute(0, 3, 1, 2)
-        pred = model(x).argmax(1).numpy()
+        pred = model(to_float(np.asarray(images[i : i + batch]))).argmax(1).numpy()
         correct += int((pred == labels[i : i + batch]).sum())
     return 100.0 * correct / len(images)
 
 
+def _data_dir(parser: argparse.ArgumentParser, path: Path | str | None) -> Path:
+    """The data folder, or a one-line usage error naming --data-dir and AQR_DATA_DIR."""
+    try:
+        return resolve_data_dir(path)
+    except DataDirError as err:
+        parser.error(str(err))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clean", required=True)
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--data-dir", default=None, help="data folder (default: $AQR_DATA_DIR)")
+    p.add_argument("--clean", default=None, help="default: the data folder's cifar10_test.npz")
+    p.add_argument("--checkpoint", default=None, help="default: the data folder's akamaster ResNet-20")
     p.add_argument("--cifar-c", required=True)
     p.add_argument("--corruptions", default=",".join(CORRUPTIONS))
     p.add_argument("--severities", default="1,2,3,4,5")
@@ -55,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)
+    if args.clean is None or args.checkpoint is None:
+        data_dir = _data_dir(p, args.data_dir)
+        args.clean = args.clean or str(data_dir / "cifar10_test.npz")
+        args.checkpoint = args.checkpoint or str(data_dir / "checkpoints" / "akamaster" / "resnet20-12fca82f.th")
     torch.set_num_threads(args.threads)
 
     model = load_model(args.checkpoint)
@@ -100,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(f"clean: {clean:.2f} %\n\n{table}")
     if args.out:
-        cmd = "PYTHONPATH=src python scripts/sanity_resnet20.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        cmd = "python benchmarks/cifar10c_sanity.py " + " ".join(argv if argv is not None else sys.argv[1:])
         text = (
             "# CIFAR-10-C sanity check: akamaster ResNet-20 accuracy (%)\n\n"
             f"Made by:\n\n```\n{cmd}\n```\n\n"
