@@ -1,4 +1,5 @@
-"""``aqr synth {shapes,mlp,rates}``: the paper's synthetic experiments (library code in :mod:`aqr.experiments.synth`).
+"""``aqr synth {shapes,mlp,rates}``: the paper's synthetic experiments (library code in
+:mod:`aqr.experiments.shapes`, :mod:`~aqr.experiments.mlp` and :mod:`~aqr.experiments.rates`).
 
 Each run writes ``<name>.png`` and ``<name>.json`` under ``--out`` (``<name>_quick.*`` with ``--quick``,
 so a quick run never overwrites the committed full results) and prints a summary, or the JSON with
@@ -15,7 +16,9 @@ from typing import TYPE_CHECKING
 from aqr.cli.common import add_threads, torch_threads
 
 if TYPE_CHECKING:
-    from aqr.experiments.synth import MLPResult, RatesResult, ShapesResult
+    from aqr.experiments.mlp import MLPResult
+    from aqr.experiments.rates import RatesResult
+    from aqr.experiments.shapes import ShapesResult
 
 DEFAULT_OUT = Path("docs/results/synthetic")
 

@@ -1,0 +1,37 @@
+"""The package's front: the public names, ``import aqr`` stays light, subpackages load on first use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import aqr
+
+PUBLIC = {"AQR", "AQRConfig", "LayerError", "LayerInfo", "LayerStats", "NonFiniteActivationError", "SourceStats",
+          "StatsError", "TAILS", "calibrate", "channel_quantiles", "dkw_epsilon", "norm_layers", "quantile_map",
+          "recalibrating"}
+
+
+def test_public_names() -> None:
+    assert set(aqr.__all__) == PUBLIC and all(hasattr(aqr, name) for name in PUBLIC)
+    assert set(aqr.SUBMODULES) <= set(dir(aqr))
+
+
+def test_import_is_light_and_subpackages_load_on_first_use() -> None:
+    script = """
+import sys
+import aqr
+heavy = ("matplotlib", "scipy", "ray", "sklearn", "PIL", "aqr.data", "aqr.bench", "aqr.methods", "aqr.models",
+         "aqr.experiments", "aqr.cli")
+assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]
+assert callable(aqr.models.load) and callable(aqr.methods.create) and "aqr.methods" in sys.modules
+try:
+    aqr.no_such_thing
+except AttributeError as err:
+    assert "no_such_thing" in str(err)
+else:
+    raise SystemExit("aqr.no_such_thing did not raise AttributeError")
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
