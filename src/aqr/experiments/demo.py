@@ -25,6 +25,7 @@ import numpy as np
 from aqr.bench.grid import BASELINES, DataSpec, GridSpec, MethodSpec, ModelSpec, eval_indices, parse_range
 from aqr.bench.results import Row
 from aqr.bench.runner import GridSummary
+from aqr.data.arrays import load_npz_arrays
 from aqr.util.files import atomic_write, sha256_file
 from aqr.util.plots import colors as plot_colors
 from aqr.util.plots import figure, save
@@ -204,9 +205,9 @@ def _write_npz(path: Path, images: np.ndarray, labels: np.ndarray) -> Path:
     cell key and cached statistic that depends on it: the demo would never resume.
     """
     if path.is_file():
-        with np.load(path, allow_pickle=False) as old:
-            if np.array_equal(old["x"], images) and np.array_equal(old["y"], labels):
-                return path
+        old_images, old_labels = load_npz_arrays(path)
+        if np.array_equal(old_images, images) and np.array_equal(old_labels, labels):
+            return path
     return atomic_write(path, lambda tmp: np.savez(tmp, x=images, y=labels), suffix=".npz")
 
 
@@ -377,8 +378,6 @@ def cifar_grid(config: DemoConfig) -> GridSpec:
     Defaults: statistics from the npz's first half (at most 5,000 images), evaluation drawn from the
     folder's second half, so with CIFAR-10's test set and CIFAR-10-C the two never share an image.
     """
-    from aqr.data import load_npz_arrays
-
     if not (config.data and config.cifar_c and config.checkpoint):
         raise ValueError("the CIFAR demo needs all of --data (clean .npz), --cifar-c (folder) and --checkpoint")
     n_clean = len(load_npz_arrays(config.data)[1])
@@ -403,7 +402,7 @@ def clean_accuracy(grid: GridSpec, clean_npz: str | Path) -> dict[str, float | N
     The npz holds the clean images when its labels over the evaluated indices equal the CIFAR-C
     folder's (as for CIFAR-10's test set and CIFAR-10-C); otherwise the clean accuracy is None.
     """
-    from aqr.data import load_cifar_c, load_npz_arrays
+    from aqr.data import load_cifar_c
     from aqr.methods import create
     from aqr.bench.runner import evaluate, load_model
 
