@@ -6,6 +6,7 @@ Every model built or loaded here takes images in [0, 1] (NCHW float) and normali
 * :func:`load` returns a ready model in eval mode from a zoo name, a checkpoint path, a registered
   name plus a (third-party) checkpoint, or a ``timm:``/``torchvision:`` pretrained name.
 * :func:`available` lists the registered names; :func:`zoo` the committed checkpoints.
+* :func:`preprocessing` says how image files become a model's inputs.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from typing import Any
 
 from torch import nn
 
+from aqr.data.images import Preprocess
 from aqr.models.checkpoint import (CheckpointError, is_aqr_checkpoint, load_weights, read_file,
                                    save_checkpoint, third_party_state_dict)
 from aqr.models.normalize import Normalize, NormalizedModel, with_normalization
+from aqr.models.pretrained import WeightsNotFound
 from aqr.models.registry import EXTERNAL_PREFIXES, available, create
 from aqr.models.zoo import zoo, zoo_dir
 
-__all__ = ["CheckpointError", "Normalize", "NormalizedModel", "available", "create", "load",
-           "from_checkpoint", "save_checkpoint", "with_normalization", "zoo", "zoo_dir"]
+__all__ = ["CheckpointError", "Normalize", "NormalizedModel", "WeightsNotFound", "available", "create", "load",
+           "from_checkpoint", "preprocessing", "save_checkpoint", "with_normalization", "zoo", "zoo_dir"]
 
 
 def from_checkpoint(path: str | os.PathLike[str]) -> NormalizedModel:
@@ -75,6 +78,15 @@ def load(name_or_path: str | os.PathLike[str], checkpoint: str | os.PathLike[str
         if obj["config"].get("name") != name:
             raise CheckpointError(f"checkpoint {checkpoint} holds {obj['config'].get('name')!r}, not {name!r}")
         return model
-    model = create(name, num_classes=num_classes or 10, norm=norm, **kwargs)
+    # timm/torchvision architectures default to ImageNet's 1000 classes, ours to CIFAR-10's 10
+    default_classes = 1000 if name.startswith(EXTERNAL_PREFIXES) else 10
+    model = create(name, num_classes=num_classes or default_classes, norm=norm, **kwargs)
     load_weights(model.model, third_party_state_dict(obj, checkpoint), checkpoint)
     return model.eval()
+
+
+def preprocessing(model: nn.Module) -> Preprocess:
+    """How image files become ``model``'s inputs: what its architecture or weights state (timm's
+    pretrained config, torchvision's weight transforms, 32 px for aqr's CIFAR architectures), else
+    ImageNet's usual resize 256 / crop 224 (bilinear)."""
+    return getattr(model, "preprocess", None) or Preprocess()

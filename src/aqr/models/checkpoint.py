@@ -30,10 +30,19 @@ class CheckpointError(ValueError):
 
 
 def read_file(path: str | os.PathLike[str]) -> Any:
-    """``torch.load`` with ``weights_only=True`` on CPU; unreadable files raise :class:`CheckpointError`."""
+    """A ``.safetensors`` file as a dict of tensors, any other file with ``torch.load(weights_only=True)``
+    on CPU; unreadable files raise :class:`CheckpointError`."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint file not found: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path), device="cpu")
+        except Exception as err:  # bad header, truncated file
+            raise CheckpointError(f"cannot read checkpoint {path}: not a readable safetensors file "
+                                  f"({type(err).__name__}: {err})") from err
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:  # truncated zip, bad pickle, non-allow-listed type, ...
@@ -129,3 +138,8 @@ def third_party_state_dict(obj: Any, source: str | os.PathLike[str]) -> dict[str
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"checkpoint {source} holds no state dict of tensors")
     return strip_prefix(obj)
+
+
+def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The state dict of tensors in a safetensors or weights-only PyTorch file (see :func:`third_party_state_dict`)."""
+    return third_party_state_dict(read_file(path), path)

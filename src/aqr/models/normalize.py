@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from aqr.data.images import Preprocess
+
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
@@ -32,10 +34,16 @@ class Normalize(nn.Module):
 
 
 class NormalizedModel(nn.Sequential):
-    """``Normalize`` followed by the network: children are named ``normalize`` and ``model``."""
+    """``Normalize`` followed by the network: children are named ``normalize`` and ``model``.
 
-    def __init__(self, model: nn.Module, mean: Sequence[float], std: Sequence[float]) -> None:
+    ``preprocess`` is how image files are turned into its inputs (size, resize, interpolation),
+    when the architecture or its weights say so (see :func:`aqr.models.preprocessing`).
+    """
+
+    def __init__(self, model: nn.Module, mean: Sequence[float], std: Sequence[float],
+                 preprocess: Preprocess | None = None) -> None:
         super().__init__(OrderedDict([("normalize", Normalize(mean, std)), ("model", model)]))
+        self.preprocess = preprocess
 
 
 def with_normalization(model: nn.Module, mean: Sequence[float], std: Sequence[float]) -> NormalizedModel:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from aqr.data.images import Preprocess
+from aqr.models import pretrained as pretrained_models
 from aqr.models.normalize import IMAGENET_MEAN, IMAGENET_STD, NormalizedModel
 from aqr.models.resnet_cifar import CifarResNet, ResNet18
 from aqr.models.vit import ViT
@@ -31,6 +32,7 @@ class ModelSpec:
     defaults: dict[str, Any] = field(default_factory=dict)
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
+    input_size: int = 32  # image files are resized (shorter side) and centre-cropped to this
 
 
 def _cifar_resnet(depth: int) -> Callable[..., nn.Module]:
@@ -72,8 +74,8 @@ def create(name: str, num_classes: int = 10, norm: str | None = None, *, pretrai
     if name.startswith(EXTERNAL_PREFIXES):
         if norm not in (None, "default"):
             raise ValueError(f"{name}: norm cannot be changed for external models (got {norm!r})")
-        net, ext_mean, ext_std = _create_external(name, num_classes, pretrained, **kwargs)
-        return NormalizedModel(net, mean or ext_mean, std or ext_std)
+        net, ext_mean, ext_std, preprocess = _create_external(name, num_classes, pretrained, **kwargs)
+        return NormalizedModel(net, mean or ext_mean, std or ext_std, preprocess)
     if name not in REGISTRY:
         raise KeyError(f"unknown model {name!r}; available: {', '.join(available())}, "
                        "or timm:<name> / torchvision:<name>")
@@ -87,38 +89,21 @@ def create(name: str, num_classes: int = 10, norm: str | None = None, *, pretrai
     if len(spec.norms) > 1:
         options["norm"] = norm
     net = spec.builder(num_classes=num_classes, **options)
-    return NormalizedModel(net, mean or spec.mean, std or spec.std)
-
-
-def _import_optional(package: str) -> Any:
-    try:
-        return importlib.import_module(package)
-    except ImportError as err:
-        raise ImportError(f"models named '{package}:<name>' need the optional package {package!r} "
-                          f"(pip install 'aqr[{package}]'): {err}") from err
+    size = spec.input_size
+    return NormalizedModel(net, mean or spec.mean, std or spec.std, Preprocess(crop=size, resize=size))
 
 
 def _create_external(name: str, num_classes: int, pretrained: bool,
-                     **kwargs: Any) -> tuple[nn.Module, tuple[float, ...], tuple[float, ...]]:
-    """Build a timm or torchvision model and return it with the mean/std its weights expect."""
+                     **kwargs: Any) -> tuple[nn.Module, tuple[float, ...], tuple[float, ...], Preprocess]:
+    """Build a timm or torchvision model; return it with the mean/std and preprocessing its weights expect."""
     package, _, model_name = name.partition(":")
     if not model_name:
         raise KeyError(f"model name missing after '{package}:'")
     if package == "timm":
-        timm = _import_optional("timm")
-        net = timm.create_model(model_name, pretrained=pretrained, num_classes=num_classes, **kwargs)
+        net = pretrained_models.create_timm(model_name, num_classes, pretrained, **kwargs)
         cfg = getattr(net, "pretrained_cfg", None) or getattr(net, "default_cfg", None) or {}
         mean = tuple(float(v) for v in cfg.get("mean", IMAGENET_MEAN))
         std = tuple(float(v) for v in cfg.get("std", IMAGENET_STD))
-        return net, mean, std
-    tv_models = _import_optional("torchvision").models
-    weights = None
-    if pretrained:
-        weights = tv_models.get_model_weights(model_name).DEFAULT
-    net = tv_models.get_model(model_name, weights=weights, num_classes=num_classes, **kwargs)
-    mean, std = IMAGENET_MEAN, IMAGENET_STD
-    if weights is not None:
-        transforms = weights.transforms()
-        mean = tuple(float(v) for v in getattr(transforms, "mean", mean))
-        std = tuple(float(v) for v in getattr(transforms, "std", std))
-    return net, mean, std
+        return net, mean, std, pretrained_models.timm_preprocess(net)
+    net, preprocess, mean, std = pretrained_models.create_torchvision(model_name, num_classes, pretrained, **kwargs)
+    return net, tuple(mean or IMAGENET_MEAN), tuple(std or IMAGENET_STD), preprocess
