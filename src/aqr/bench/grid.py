@@ -31,7 +31,9 @@ AQR_STATS_VERSION = 2
 # from the sample's histogram (aqr.backends.native), 2026-11-26.
 AQR_FAST_PATH_VERSION = 2
 
-PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke")
+PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet")
+# ModelSpec fields added after results were recorded: absent from a cell's dict while None
+OPTIONAL_MODEL_FIELDS = ("image_size", "resize")
 TAIL_NAMES = ("standard", "average", "none", "clip", "interval", "gaussian")
 # Method options that change the source statistics (not the adaptation): they key the stats cache.
 STATS_OPTIONS = ("K", "max_samples", "tail_unit")
@@ -82,9 +84,13 @@ class ModelSpec:
         name: label used in tables and figures.
         model: first argument of :func:`aqr.models.load` (zoo name, aqr checkpoint, architecture).
         checkpoint: third-party weights for an architecture name (e.g. the akamaster ResNet-20).
-        source_data: clean images (CIFAR ``.npz`` or pickle folder) for the source statistics.
+        source_data: clean images for the source statistics: CIFAR ``.npz`` or pickle folder, an
+            image folder (``<dir>/<class>/*.JPEG``) or a text file listing image paths.
         source_indices: which of them (see :func:`parse_range`); the paper uses 10,000 training
-            images: ``"0:50000~10000"`` draws them at random (seeded) from the whole training set.
+            images: ``"0:50000~10000"`` draws them at random (seeded) from the whole training set,
+            ``"balanced~10000"`` draws them class-balanced from all images.
+        image_size, resize: override the model's preprocessing of image files (crop size, shorter
+            side before the crop); ``None`` keeps the model's (see :func:`aqr.models.preprocessing`).
     """
 
     name: str
@@ -92,6 +98,8 @@ class ModelSpec:
     checkpoint: str | None = None
     source_data: str = ""
     source_indices: str = "0:10000"
+    image_size: int | None = None
+    resize: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,9 @@ class Cell:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["options"] = dict(self.options)
+        for key in OPTIONAL_MODEL_FIELDS:  # unset, they are left out: keys of older cells stay the same
+            if d["model"][key] is None:
+                del d["model"][key]
         return d
 
     @classmethod
@@ -307,18 +318,48 @@ def default_data(data_dir: str | Path | None = None, cifar_c: str | Path = "cach
 BASELINES = ("source", "ttn", "tent", "sar", "aqr")
 
 
-def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = "cache/cifar10c") -> GridSpec:
+def imagenet_models(imagenet_dir: str | Path) -> dict[str, ModelSpec]:
+    """The paper's ImageNet models as timm names, with 10,000 class-balanced training images as source.
+
+    ResNet-50 (BN) has torchvision's original weights (the paper's "PyTorch model zoo" model),
+    ResNet-50 (GN) timm's, ViT-B/16 is pre-trained on ImageNet-21k and fine-tuned on ImageNet-1k.
+    """
+    train = str(Path(imagenet_dir) / "train")
+    return {
+        "resnet50_bn": ModelSpec("resnet50_bn", "timm:resnet50.tv_in1k", None, train, "balanced~10000"),
+        "resnet50_gn": ModelSpec("resnet50_gn", "timm:resnet50_gn.a1h_in1k", None, train, "balanced~10000"),
+        "vit_b16": ModelSpec("vit_b16", "timm:vit_base_patch16_224.augreg2_in21k_ft_in1k", None, train,
+                             "balanced~10000"),
+    }
+
+
+def imagenet_data(imagenet_dir: str | Path, imagenet_c: str | Path | None = None) -> DataSpec:
+    """ImageNet-C (released, or written by ``aqr corrupt`` from ``<imagenet_dir>/val``), every image a pool."""
+    root = Path(imagenet_c) if imagenet_c is not None else Path(imagenet_dir) / "imagenet-c"
+    return DataSpec("imagenet-c", str(root), "all")
+
+
+def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = "cache/cifar10c",
+           imagenet_dir: str | Path | None = None, imagenet_c: str | Path | None = None) -> GridSpec:
     """The paper's experiments on our data (see the module docs of each field in :class:`GridSpec`).
 
-    ``data_dir``: the data folder (default ``$AQR_DATA_DIR``); ``cifar_c``: the CIFAR-10-C folder.
+    ``data_dir``: the data folder (default ``$AQR_DATA_DIR``); ``cifar_c``: the CIFAR-10-C folder;
+    ``imagenet_dir``: ImageNet with ``train/`` (default ``<data_dir>/imagenet``); ``imagenet_c``: ImageNet-C
+    (default ``<imagenet_dir>/imagenet-c``).
 
     ``main``: Tables 1 and 4-6; ``tails``: Table 2 (tail strategies, batch 128/512); ``granularity``:
     Table 3 (K = 11 vs 101); ``vit-blocks``: AQR on all / top-half / bottom-half ViT layers;
-    ``smoke``: every method on ResNet-20, two corruptions, one severity, 256 images (about a minute).
+    ``smoke``: every method on ResNet-20, two corruptions, one severity, 256 images (about a minute);
+    ``imagenet``: Table 1's ImageNet-C setting (ResNet-50 BN and GN, ViT-B/16 from timm; severities
+    1, 3, 5; batch 64; 5,000 of the 50,000 images per cell; see docs/imagenet.md for its cost).
     """
+    methods = tuple(MethodSpec(m) for m in BASELINES)
+    if name == "imagenet":
+        root = Path(imagenet_dir) if imagenet_dir is not None else resolve_data_dir(data_dir) / "imagenet"
+        return GridSpec("imagenet", tuple(imagenet_models(root).values()), imagenet_data(root, imagenet_c), methods,
+                        severities=(1, 3, 5), batch_sizes=(64,), seeds=(0,), n_images=5000)
     models = default_models(data_dir)
     data = default_data(data_dir, cifar_c)
-    methods = tuple(MethodSpec(m) for m in BASELINES)
     if name == "main":
         return GridSpec("main", tuple(models.values()), data, methods)
     if name == "tails":

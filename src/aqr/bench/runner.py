@@ -26,12 +26,14 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Subset
 
 from aqr.bench.grid import STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key, eval_indices, parse_range
 from aqr.bench.results import ResultsDB
 from aqr.core.calibrate import DEFAULT_TAIL_UNIT
 from aqr.core.stats import StatsError
 from aqr.data.arrays import to_float
+from aqr.data.images import ImageFolder, Preprocess, balanced_subset, is_image_source, listing_fingerprint
 from aqr.util.files import sha256_cached
 
 DEFAULT_K = 101
@@ -59,19 +61,35 @@ def evaluate(method: nn.Module, images: np.ndarray | torch.Tensor, labels: np.nd
     ``images``: uint8 NHWC array or float NCHW tensor in [0, 1]. The last batch may be smaller.
     Returns ``(accuracy, number of images)``.
     """
+    labels = torch.as_tensor(np.asarray(labels)).long()
+    if len(labels) == 0:
+        raise ValueError("no images to evaluate")
+
+    def batches() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, len(labels), batch_size):
+            x = images[start : start + batch_size]
+            yield (to_float(x) if isinstance(x, np.ndarray) else x), labels[start : start + batch_size]
+
+    return evaluate_batches(method, batches(), progress, desc, total=-(-len(labels) // batch_size))
+
+
+def evaluate_batches(method: nn.Module, batches: Iterable[tuple[torch.Tensor, Any]], progress: bool = False,
+                     desc: str = "", total: int | None = None,
+                     device: torch.device | str | None = None) -> tuple[float, int]:
+    """Top-1 accuracy (percent) and image count of ``method`` on ``(images, labels)`` batches, in order
+    (e.g. a DataLoader). Inputs go to ``device`` (default: where the method's parameters are)."""
     from tqdm.auto import tqdm
 
-    labels = torch.as_tensor(np.asarray(labels)).long()
-    n = len(labels)
+    if device is None:
+        param = next(method.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+    correct = n = 0
+    for x, y in tqdm(batches, desc=desc or "batches", leave=False, disable=not progress, unit="batch", total=total):
+        logits = method(x.to(device, non_blocking=True))
+        correct += int((logits.argmax(1).cpu() == torch.as_tensor(y).long()).sum())
+        n += len(y)
     if n == 0:
         raise ValueError("no images to evaluate")
-    correct = 0
-    starts = range(0, n, batch_size)
-    for start in tqdm(starts, desc=desc or "batches", leave=False, disable=not progress, unit="batch"):
-        x = images[start : start + batch_size]
-        x = to_float(x) if isinstance(x, np.ndarray) else x
-        logits = method(x)
-        correct += int((logits.argmax(1) == labels[start : start + batch_size]).sum())
     return 100.0 * correct / n, n
 
 
@@ -92,21 +110,37 @@ def model_file(spec: ModelSpec) -> Path | None:
     return None
 
 
+def uses_image_folders(data: DataSpec) -> bool:
+    """Whether ``data`` is in the ImageNet-C folder layout (``<root>/<corruption>/<severity>/<class>/``)
+    rather than CIFAR-C arrays: decided by what is on disk, or by its clean source when nothing is yet."""
+    root = Path(data.root)
+    if not root.is_dir() or any(root.glob("*.npy")):
+        return not root.is_dir() and bool(data.clean) and is_image_source(data.clean)
+    return any(p.is_dir() for p in root.iterdir()) or (bool(data.clean) and is_image_source(data.clean))
+
+
 def cell_files(cell: Cell) -> dict[str, Path]:
-    """Role -> file for every file a cell reads (its content hash goes into the cell key)."""
+    """Role -> file or image folder for everything a cell reads (its content key goes into the cell key)."""
     files: dict[str, Path] = {}
     weights = model_file(cell.model)
     if weights is not None:
         files["weights"] = weights
     files["source"] = Path(cell.model.source_data)
-    files["eval"] = Path(cell.data.root) / f"{cell.corruption}.npy"
-    files["labels"] = Path(cell.data.root) / "labels.npy"
+    if uses_image_folders(cell.data):
+        files["eval"] = Path(cell.data.root) / cell.corruption / str(cell.severity)
+    else:
+        files["eval"] = Path(cell.data.root) / f"{cell.corruption}.npy"
+        files["labels"] = Path(cell.data.root) / "labels.npy"
     return files
 
 
 def fingerprints(cell: Cell) -> dict[str, str]:
+    """Role -> content key: a file's sha256, or an image folder's or list's listing (paths and sizes)."""
     out = {}
     for role, path in cell_files(cell).items():
+        if path.is_dir() or (role == "source" and is_image_source(path)):
+            out[role] = listing_fingerprint(path)
+            continue
         if not path.is_file():
             raise FileNotFoundError(f"{role} file of cell {cell.model.name}/{cell.corruption} not found: {path}")
         out[role] = sha256_cached(path)
@@ -127,6 +161,8 @@ def stats_path(cell: Cell, cache_dir: str | Path) -> Path:
     fp = fingerprints(cell)
     key = {"weights": fp.get("weights"), "source": fp["source"], "indices": cell.model.source_indices,
            "model": cell.model.model, **stats_options(cell)}
+    if cell.model.image_size or cell.model.resize:  # only when set, so older cache files keep their names
+        key["preprocess"] = [cell.model.image_size, cell.model.resize]
     digest = hashlib.sha256(canonical_json(key).encode()).hexdigest()[:20]
     return Path(cache_dir) / "stats" / f"{cell.model.name}-K{key['K']}-{digest}.aqr.safetensors"
 
@@ -139,26 +175,74 @@ def load_model(spec: ModelSpec) -> nn.Module:
     return models.load(spec.model, checkpoint=spec.checkpoint)
 
 
+def source_selection(labels: np.ndarray, indices: str | None, n_images: int | None = None, seed: int = 0,
+                     where: str = "") -> np.ndarray:
+    """Which source images to calibrate on: the ``indices`` pool (see :func:`aqr.bench.grid.parse_range`;
+    ``None``: all; ``"balanced~n"``: ``n`` class-balanced at random, seed 0), then, with ``n_images``, that
+    many drawn class-balanced at random (``seed``) from the pool. Warns when only some classes are covered."""
+    if indices is not None and indices.strip().startswith("balanced~"):
+        count = indices.strip().partition("~")[2]
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"'balanced~n' needs a positive count, got {indices!r}")
+        pool = balanced_subset(labels, int(count), 0)
+    else:
+        parsed = parse_range(indices)
+        pool = np.arange(len(labels)) if parsed is None else np.asarray(parsed, dtype=np.int64)
+    if pool.size == 0:
+        raise ValueError(f"source indices {indices!r} select no image of {where}")
+    if pool.min() < 0 or pool.max() >= len(labels):
+        raise ValueError(f"source indices {indices!r} exceed the {len(labels)} images of {where}")
+    if n_images is not None:
+        pool = balanced_subset(labels, n_images, seed, pool)
+    classes, picked = len(np.unique(labels)), len(np.unique(labels[pool]))
+    if picked < classes and len(pool) >= 10 * classes:
+        # Statistics of a few classes are not the source distribution (a class-sorted file read
+        # from the start): AQR would then map every test batch onto those classes.
+        warnings.warn(f"source images {indices!r} of {where} cover only {picked} of {classes} classes; is the "
+                      f"file sorted by class? Draw a class-balanced random subset with --n-images N "
+                      f"(or 'balanced~N', or 'start:stop~n', e.g. '0:{len(labels)}~10000')", stacklevel=3)
+    return pool
+
+
 def load_source(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
-    """The clean source images (uint8 NHWC) and labels the statistics are computed on."""
+    """The clean source images (uint8 NHWC) and labels the statistics are computed on (arrays only)."""
     from aqr.data import load_cifar
 
     data = load_cifar(spec.source_data)
-    idx = parse_range(spec.source_indices)
-    if idx is not None and max(idx) >= len(data):
-        raise ValueError(f"source indices {spec.source_indices!r} exceed the {len(data)} images of {spec.source_data}")
-    labels = data.labels[idx]
-    classes, picked = len(np.unique(data.labels)), len(np.unique(labels))
-    if picked < classes and len(labels) >= 10 * classes:
-        # Statistics of a few classes are not the source distribution (a class-sorted file read
-        # from the start): AQR would then map every test batch onto those classes.
-        warnings.warn(f"source images {spec.source_indices!r} of {spec.source_data} cover only {picked} of "
-                      f"{classes} classes; is the file sorted by class? Draw a random subset with "
-                      f"'start:stop~n' (e.g. '0:{len(data)}~10000')", stacklevel=2)
-    return np.asarray(data.images[idx]), labels
+    idx = source_selection(data.labels, spec.source_indices, where=spec.source_data)
+    return np.asarray(data.images[idx]), data.labels[idx]
 
 
-def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False) -> Path:
+def model_preprocess(spec: ModelSpec, model: nn.Module) -> Preprocess:
+    """How the spec's image files become the model's inputs: the model's preprocessing with the spec's overrides."""
+    from aqr import models
+
+    return models.preprocessing(model).with_overrides(spec.image_size, spec.resize)
+
+
+def source_dataset(spec: ModelSpec, preprocess: Preprocess, n_images: int | None = None,
+                   seed: int = 0) -> Subset:
+    """The selected clean source images as a dataset: decoded on access from an image folder or list,
+    or from CIFAR arrays (used as stored; ``preprocess`` applies to image files)."""
+    if is_image_source(spec.source_data):
+        data: Any = ImageFolder(spec.source_data, preprocess)
+    else:
+        from aqr.data import load_cifar
+
+        data = load_cifar(spec.source_data)
+    return Subset(data, source_selection(data.labels, spec.source_indices, n_images, seed,
+                                         where=spec.source_data).tolist())
+
+
+def data_loader(dataset: Any, batch_size: int, workers: int = 0, device: torch.device | str | None = None) -> DataLoader:
+    """Batches of ``dataset`` in order, decoded by ``workers`` processes (pinned memory for a GPU)."""
+    pin = torch.device(device).type == "cuda" if device is not None else False
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=pin,
+                      persistent_workers=False, prefetch_factor=4 if workers else None)
+
+
+def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False, device: str | None = None,
+                 loader_workers: int = 0) -> Path:
     """Compute (once) and cache the source statistics a cell needs; returns the stats file.
 
     The file is written atomically, so concurrent or interrupted runs never leave half a file.
@@ -170,10 +254,11 @@ def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False) -> P
         return path
     opts = stats_options(cell)
     model = load_model(cell.model)
-    images, labels = load_source(cell.model)
-    batches = [to_float(images[i : i + 500]) for i in range(0, len(images), 500)]
-    stats = calibrate(model, batches, num_quantiles=opts["K"], max_samples=opts["max_samples"],
-                      tail_unit=opts["tail_unit"], progress=progress)
+    if device is not None:
+        model.to(device)
+    source = source_dataset(cell.model, model_preprocess(cell.model, model))
+    stats = calibrate(model, data_loader(source, 500, loader_workers, device), num_quantiles=opts["K"],
+                      max_samples=opts["max_samples"], tail_unit=opts["tail_unit"], progress=progress)
     return stats.save(path)
 
 
@@ -193,26 +278,40 @@ def _load_eval(root: str, corruption: str, severity: int, indices: tuple[int, ..
 
 
 def eval_data(cell: Cell) -> tuple[np.ndarray, np.ndarray]:
-    """The corrupted images (uint8 NHWC) and labels a cell evaluates, in evaluation order."""
+    """The corrupted images (uint8 NHWC) and labels a cell evaluates, in evaluation order (CIFAR-C arrays)."""
     pool = parse_range(cell.data.eval_indices)
     if pool is None:
         raise ValueError("DataSpec.eval_indices must be set")
     return _load_eval(cell.data.root, cell.corruption, cell.severity, tuple(eval_indices(cell, pool)))
 
 
-def build_method(cell: Cell, cache_dir: str | Path) -> nn.Module:
+def eval_folder(cell: Cell, preprocess: Preprocess) -> Subset:
+    """The images a cell evaluates from an ImageNet-C folder, in evaluation order (pool ``"all"``: every image)."""
+    from aqr.data.imagenet_c import ImageNetCFolder
+
+    folder = ImageNetCFolder(cell.data.root, cell.corruption, cell.severity, preprocess=preprocess)
+    text = cell.data.eval_indices
+    pool = list(range(len(folder))) if text in (None, "", "all") else parse_range(text)
+    if max(pool) >= len(folder):
+        raise ValueError(f"eval_indices {text!r} exceed the {len(folder)} images of {cell.corruption}/{cell.severity}")
+    return Subset(folder, eval_indices(cell, pool))
+
+
+def build_method(cell: Cell, cache_dir: str | Path, device: str | None = None, loader_workers: int = 0) -> nn.Module:
     """The method of a cell around its (cached) model, given what the method declares it needs."""
     from aqr.methods import create, method_class
 
     cls = method_class(cell.method)
     model = load_model(cell.model)
+    if device is not None:
+        model.to(device)
     options = {k: v for k, v in cell.option_dict.items() if k not in STATS_OPTIONS}
     if isinstance(options.get("layers"), tuple):
         options["layers"] = list(options["layers"])
     if cls.needs_batch_size:  # which only the cell knows
         options.setdefault("batch_size", cell.batch_size)
     if cls.needs_stats:
-        path = ensure_stats(cell, cache_dir)
+        path = ensure_stats(cell, cache_dir, device=device, loader_workers=loader_workers)
         stats = _load_stats(str(path))
         if not stats.computed_with(model):
             # A library user gets a warning; a benchmark cell must not score stale statistics.
@@ -230,17 +329,24 @@ def needs_stats(cell: Cell) -> bool:
     return cls is not None and cls.needs_stats
 
 
-def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False) -> CellResult:
-    """Evaluate one cell. Never raises for a failing method: errors come back as ``status="error"``."""
+def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False, device: str | None = None,
+             loader_workers: int = 0) -> CellResult:
+    """Evaluate one cell (on ``device``; image folders decoded by ``loader_workers`` processes).
+    Never raises for a failing method: errors come back as ``status="error"``."""
     from aqr.methods import NotApplicable
 
     t0 = time.perf_counter()
     try:
         torch.manual_seed(cell.seed)
-        method = build_method(cell, cache_dir)
-        images, labels = eval_data(cell)
-        acc, n = evaluate(method, images, labels, cell.batch_size, progress=progress,
-                          desc=f"{cell.variant} {cell.corruption}-{cell.severity}")
+        method = build_method(cell, cache_dir, device, loader_workers)
+        desc = f"{cell.variant} {cell.corruption}-{cell.severity}"
+        if uses_image_folders(cell.data):
+            folder = eval_folder(cell, model_preprocess(cell.model, load_model(cell.model)))
+            loader = data_loader(folder, cell.batch_size, loader_workers, device)
+            acc, n = evaluate_batches(method, loader, progress, desc, total=len(loader))
+        else:
+            images, labels = eval_data(cell)
+            acc, n = evaluate(method, images, labels, cell.batch_size, progress=progress, desc=desc)
         return CellResult("ok", acc, n, time.perf_counter() - t0)
     except NotApplicable as err:
         return CellResult("n/a", None, None, time.perf_counter() - t0, str(err))
@@ -254,8 +360,8 @@ def _worker_init(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _run_cell_dict(cell_dict: dict, cache_dir: str) -> CellResult:
-    return run_cell(Cell.from_dict(cell_dict), cache_dir)
+def _run_cell_dict(cell_dict: dict, cache_dir: str, device: str | None = None, loader_workers: int = 0) -> CellResult:
+    return run_cell(Cell.from_dict(cell_dict), cache_dir, device=device, loader_workers=loader_workers)
 
 
 # ----------------------------------------------------------------------------- provenance
@@ -305,9 +411,13 @@ class GridSummary:
     error_messages: list[str] = field(default_factory=list)
 
 
-def ensure_data(data: DataSpec, corruptions: Sequence[str], progress: bool = True, workers: int = 1) -> None:
+def ensure_data(data: DataSpec, corruptions: Sequence[str], progress: bool = True, workers: int = 1,
+                severities: Sequence[int] = (1, 2, 3, 4, 5)) -> None:
     """Generate the corruptions missing from ``data.root`` when ``data.clean`` says how; else explain."""
     root = Path(data.root)
+    if uses_image_folders(data):
+        _ensure_folders(data, corruptions, severities, progress, workers)
+        return
     missing = [c for c in corruptions if not (root / f"{c}.npy").is_file()]
     if not missing and (root / "labels.npy").is_file():
         return
@@ -322,6 +432,25 @@ def ensure_data(data: DataSpec, corruptions: Sequence[str], progress: bool = Tru
     config = GenerationConfig(corruptions=tuple(missing), workers=workers, frost_dir=frost,
                               source={"path": data.clean})
     generate_cifar_c(images, labels, root, config, progress=progress)
+
+
+def _ensure_folders(data: DataSpec, corruptions: Sequence[str], severities: Sequence[int], progress: bool,
+                    workers: int) -> None:
+    """ImageNet-C layout: write the missing (corruption, severity) folders from ``data.clean``, or explain."""
+    root = Path(data.root)
+    missing = [f"{c}/{s}" for c in corruptions for s in severities if not (root / c / str(s)).is_dir()]
+    if not data.clean:
+        if missing:
+            raise FileNotFoundError(f"{root}: missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
+                                    f"generate them with `aqr corrupt --data <ImageNet val folder> --params imagenet "
+                                    f"--out {root}` or point the grid at the released ImageNet-C")
+        return
+    from aqr.data.imagenet_c import FolderGenerationConfig, generate_imagenet_c
+
+    config = FolderGenerationConfig(corruptions=tuple(corruptions), severities=tuple(severities), workers=workers,
+                                    frost_dir=data.frost_dir if "frost" in corruptions else None,
+                                    source={"listing": listing_fingerprint(data.clean)})
+    generate_imagenet_c(ImageFolder(data.clean), root, config, progress=progress)
 
 
 def keyed_cells(grid: GridSpec) -> list[tuple[str, Cell, dict[str, str]]]:
@@ -349,17 +478,18 @@ def clear_caches() -> None:
 
 def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", workers: int = 1,
              threads: int | None = None, progress: bool = True, limit: int | None = None,
-             log: Callable[[str], None] = print) -> GridSummary:
+             log: Callable[[str], None] = print, device: str | None = None, loader_workers: int = 0) -> GridSummary:
     """Run every cell of ``grid`` not already in ``db``; each result is committed as it finishes.
 
     ``workers`` > 1 runs cells in that many processes (``threads`` torch threads each); the parent
     alone writes the database. ``limit`` stops after that many new cells (for smoke tests).
+    Models run on ``device`` (default CPU); image folders are decoded by ``loader_workers`` processes.
     """
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
     summary = GridSummary()
-    ensure_data(grid.data, grid.corruptions, progress=progress)
+    ensure_data(grid.data, grid.corruptions, progress=progress, severities=grid.severities)
     keyed = keyed_cells(grid)
     cells = [cell for _, cell, _ in keyed]
     summary.total = len(cells)
@@ -382,7 +512,7 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
     for path, cell in needed.items():
         if not path.is_file():
             log(f"calibrating {cell.model.name} (K={stats_options(cell)['K']}) -> {path}")
-            ensure_stats(cell, cache_dir, progress=progress)
+            ensure_stats(cell, cache_dir, progress=progress, device=device, loader_workers=loader_workers)
 
     bar = tqdm(total=len(todo), desc=grid.name, unit="cell", disable=not progress, dynamic_ncols=True)
 
@@ -406,7 +536,8 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
             if threads:
                 torch.set_num_threads(threads)
             for key, cell, fp in todo:
-                record(key, cell, fp, run_cell(cell, cache_dir, progress=progress))
+                record(key, cell, fp, run_cell(cell, cache_dir, progress=progress, device=device,
+                                               loader_workers=loader_workers))
         else:
             import multiprocessing as mp
 
@@ -415,7 +546,7 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
                 pending = {}
                 queue = iter(todo)
                 for item in queue:
-                    pending[pool.submit(_run_cell_dict, item[1].to_dict(), str(cache_dir))] = item
+                    pending[pool.submit(_run_cell_dict, item[1].to_dict(), str(cache_dir), device, loader_workers)] = item
                     if len(pending) >= 2 * workers:
                         break
                 while pending:
@@ -425,7 +556,7 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
                         record(key, cell, fp, fut.result())
                         nxt = next(queue, None)
                         if nxt is not None:
-                            pending[pool.submit(_run_cell_dict, nxt[1].to_dict(), str(cache_dir))] = nxt
+                            pending[pool.submit(_run_cell_dict, nxt[1].to_dict(), str(cache_dir), device, loader_workers)] = nxt
     finally:
         bar.close()
     summary.wall_s = time.perf_counter() - t0

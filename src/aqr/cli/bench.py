@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
-from aqr.cli.common import add_threads, ints, method_specs
+from aqr.cli.common import add_image_arguments, add_threads, ints, method_specs
 
 DEFAULT_DB = "runs/results.db"
 DEFAULT_CACHE = "cache"
@@ -14,12 +15,17 @@ DEFAULT_CACHE = "cache"
 def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose and shape a grid."""
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, help="main, tails, granularity, vit-blocks or smoke")
+    src.add_argument("--preset", default=None, help="main, tails, granularity, vit-blocks, smoke or imagenet")
     src.add_argument("--config", default=None, help="grid file (.yaml needs aqr[bench], or .json)")
     p.add_argument("--data-dir", default=None,
                    help="folder with cifar10_test.npz, cifar10_train_jpeg75.npz, checkpoints/, frost/ "
                         "(default: $AQR_DATA_DIR)")
     p.add_argument("--cifar-c", default="cache/cifar10c", help="CIFAR-10-C folder (generated when missing)")
+    p.add_argument("--imagenet", default=None,
+                   help="imagenet preset: ImageNet folder with train/<wnid>/*.JPEG (default: <data-dir>/imagenet)")
+    p.add_argument("--imagenet-c", default=None,
+                   help="imagenet preset: ImageNet-C folder, <corruption>/<severity>/<wnid>/*.JPEG "
+                        "(default: <imagenet>/imagenet-c; make it with `aqr corrupt --params imagenet`)")
     p.add_argument("--models", default=None, help="comma list of model names to keep from the grid")
     p.add_argument("--methods", default=None, help="comma list replacing the grid's methods (e.g. 'source,aqr:tail=clip')")
     p.add_argument("--corruptions", default=None, help="'all' or a comma list")
@@ -27,6 +33,7 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=ints, default=None)
     p.add_argument("--seeds", type=ints, default=None)
     p.add_argument("--n-images", type=int, default=None, help="evaluated images per cell")
+    add_image_arguments(p, workers=False)
 
 
 def grid_from_args(args: argparse.Namespace):
@@ -37,7 +44,7 @@ def grid_from_args(args: argparse.Namespace):
     if args.config:
         grid = load_grid(args.config, args.data_dir, args.cifar_c)
     else:
-        grid = preset(args.preset or "smoke", args.data_dir, args.cifar_c)
+        grid = preset(args.preset or "smoke", args.data_dir, args.cifar_c, args.imagenet, args.imagenet_c)
     changes = {}
     if args.models:
         wanted = args.models.split(",")
@@ -50,6 +57,9 @@ def grid_from_args(args: argparse.Namespace):
         changes["methods"] = tuple(method_specs(args.methods))
     if args.corruptions:
         changes["corruptions"] = CORRUPTIONS if args.corruptions == "all" else tuple(args.corruptions.split(","))
+    if args.image_size or args.resize:
+        changes["models"] = tuple(replace(m, image_size=args.image_size or m.image_size, resize=args.resize or m.resize)
+                                  for m in changes.get("models", grid.models))
     changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
                    n_images=args.n_images)
     return grid.override(**changes)
@@ -64,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
     p.add_argument("--cache", default=DEFAULT_CACHE, help="folder for cached source statistics")
     p.add_argument("--workers", type=int, default=1, help="worker processes (the parent writes the database)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N]: where the models run (default cpu)")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="DataLoader processes decoding image files, per cell (image-folder grids)")
     add_threads(p, help="torch threads per process")
     p.add_argument("--limit", type=int, default=None, help="run at most this many new cells")
     p.add_argument("--dry-run", action="store_true", help="list the cells and exit")
@@ -96,7 +109,8 @@ def _run(args: argparse.Namespace) -> int:
     with ResultsDB(args.db) as db:
         summary = run_grid(grid, db, args.cache, workers=args.workers, threads=args.threads,
                            progress=not args.no_progress, limit=args.limit,
-                           log=lambda m: print(m, file=sys.stderr))
+                           log=lambda m: print(m, file=sys.stderr), device=args.device,
+                           loader_workers=args.loader_workers)
     print(f"{summary.ran} cells run ({summary.errors} errors, {summary.not_applicable} n/a), "
           f"{summary.skipped} skipped as finished, {summary.wall_s:.1f} s", file=sys.stderr)
     for msg in summary.error_messages[:10]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import add_model_arguments, torch_threads
+from aqr.cli.common import add_image_arguments, add_model_arguments, load_model, torch_threads
 from aqr.core.calibrate import DEFAULT_TAIL_UNIT, TAIL_UNITS
 
 
@@ -14,8 +14,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Run the model over clean source images and write the per-channel "
                                           "percentiles of every normalization layer to a safetensors file.")
     add_model_arguments(p)
-    p.add_argument("--data", required=True, help="clean source images: CIFAR .npz or python-pickle folder")
-    p.add_argument("--indices", default="0:10000", help="which images, 'start:stop' (default 0:10000, the paper's n)")
+    p.add_argument("--data", required=True,
+                   help="clean source images: an image folder (DIR/<class>/*.JPEG), a text file listing image "
+                        "paths, a CIFAR .npz or python-pickle folder")
+    p.add_argument("--indices", default=None,
+                   help="which images may be drawn: 'start:stop', 'start:stop~n' or a list (default: all)")
+    p.add_argument("--n-images", type=int, default=10_000,
+                   help="draw this many, class-balanced at random (--seed), from them (default 10,000, the paper's "
+                        "n; all of them when fewer)")
+    add_image_arguments(p)
     p.add_argument("--out", required=True, help="statistics file to write (e.g. model.aqr.safetensors)")
     p.add_argument("--num-quantiles", "-K", type=int, default=101, help="K knots (101 = percentiles p0..p100)")
     p.add_argument("--tail", default="average", help="default tail strategy stored with the statistics")
@@ -24,28 +31,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", default="all", help="all, top-half, bottom-half or comma-separated layer names")
     p.add_argument("--max-samples", type=int, default=100_000, help="values kept per channel for the quantiles")
     p.add_argument("--batch-size", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the image draw and the statistics' sampling")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Calibrate the model on the selected source images and write the statistics file."""
-    from aqr import models
+    try:
+        return _run(args)
+    except (FileNotFoundError, ValueError, KeyError, ImportError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"aqr calibrate: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from aqr.bench.grid import ModelSpec
-    from aqr.bench.runner import load_source
+    from aqr.bench.runner import data_loader, model_preprocess, source_dataset
     from aqr.core.calibrate import calibrate
-    from aqr.data import to_float
+    from aqr.data.images import is_image_source
 
     with torch_threads(args.threads):
-        model = models.load(args.model, checkpoint=args.checkpoint)
-        images, _ = load_source(ModelSpec("cli", args.model, args.checkpoint, args.data, args.indices))
-        batches = [to_float(images[i : i + args.batch_size]) for i in range(0, len(images), args.batch_size)]
+        model = load_model(args)
+        spec = ModelSpec("cli", args.model, args.checkpoint, args.data, args.indices, args.image_size, args.resize)
+        preprocess = model_preprocess(spec, model)
+        source = source_dataset(spec, preprocess, args.n_images, args.seed)
         layers = args.layers if args.layers in ("all", "top-half", "bottom-half") else args.layers.split(",")
-        stats = calibrate(model, batches, layers=layers, num_quantiles=args.num_quantiles, tail=args.tail,
-                          tail_unit=args.tail_unit, max_samples=args.max_samples, seed=args.seed,
-                          progress=not args.no_progress)
+        stats = calibrate(model, data_loader(source, args.batch_size, args.workers, args.device), layers=layers,
+                          num_quantiles=args.num_quantiles, tail=args.tail, tail_unit=args.tail_unit,
+                          max_samples=args.max_samples, seed=args.seed, progress=not args.no_progress)
     path = stats.save(args.out)
-    print(f"wrote {path}: {len(stats.layer_names)} layers, K={args.num_quantiles}, {len(images)} source images",
+    how = f" ({preprocess})" if is_image_source(args.data) else ""
+    print(f"wrote {path}: {len(stats.layer_names)} layers, K={args.num_quantiles}, {len(source)} source images{how}",
           file=sys.stderr)
     return 0

@@ -1,9 +1,15 @@
-"""``aqr corrupt``: write a CIFAR-10-C-style corrupted copy of an ``.npz`` test set.
+"""``aqr corrupt``: write the 19 common corruptions of a clean image set, seeded, parallel and resumable.
 
-Output layout and resumability are described in :mod:`aqr.data.cifar_c`: one ``<corruption>.npy`` per
+From an ``.npz``: the CIFAR-10-C layout (:mod:`aqr.data.cifar_c`): one ``<corruption>.npy`` per
 corruption holding one block of all images per requested severity, in the order given by
 ``--severities`` (the released layout when all five are requested), plus ``labels.npy`` and
 ``manifest.json`` (which :func:`aqr.data.load_cifar_c` uses to find a severity's block).
+
+From an image folder (``DIR/<class>/*.JPEG``, e.g. the ImageNet validation set) or a list of image
+paths: the released ImageNet-C layout (:mod:`aqr.data.imagenet_c`),
+``OUT/<corruption>/<severity>/<class>/<name>.JPEG``, each image resized (shorter side 256),
+centre-cropped to 224 (``--resize`` / ``--image-size``), corrupted with ``--params imagenet``.
+Existing files are kept, so an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from aqr.cli.common import add_image_arguments
 from aqr.data.corruption_params import CORRUPTIONS, PARAM_SETS
 
 
@@ -18,25 +25,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``corrupt`` sub-command."""
     p = subparsers.add_parser(
         "corrupt",
-        help="generate CIFAR-10-C-style corruptions of an .npz image set",
+        help="generate the CIFAR-10-C / ImageNet-C corruptions of an image set (.npz or image folder)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--data", required=True, help=".npz with x uint8 (N,H,W,3) and y int labels")
+    p.add_argument("--data", required=True,
+                   help=".npz with x uint8 (N,H,W,3) and y int labels, or an image folder (DIR/<class>/*.JPEG) or list")
     p.add_argument("--out", required=True, help="output folder (created; existing complete files are kept)")
     p.add_argument("--corruptions", default="all", help="'all' or a comma-separated list of: " + ", ".join(CORRUPTIONS))
     p.add_argument("--severities", default="1,2,3,4,5", help="comma-separated severities in 1..5 (block order)")
     p.add_argument("--frost-dir", default=None, help="folder with frost1.png .. frost5.jpg (needed for frost)")
     p.add_argument("--seed", type=int, default=0, help="base seed; each image uses (seed, corruption, severity, index)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N images")
+    p.add_argument("--n-images", type=int, default=None,
+                   help="image folders: N images drawn class-balanced at random (--seed) instead of all")
     p.add_argument("--workers", type=int, default=1, help="worker processes")
-    p.add_argument("--params", choices=sorted(PARAM_SETS), default="cifar", help="severity table (cifar: 32 px)")
+    p.add_argument("--params", choices=sorted(PARAM_SETS), default=None,
+                   help="severity table: cifar (32 px; default for .npz) or imagenet (224 px; default for image folders)")
+    add_image_arguments(p, workers=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Execute the command; returns the exit code."""
+    from aqr.data.images import is_image_source
+
+    if is_image_source(args.data):
+        try:
+            return _run_folder(args)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"aqr corrupt: {err}", file=sys.stderr)
+            return 2
+    if args.image_size or args.resize or args.n_images:
+        print("aqr corrupt: --image-size, --resize and --n-images apply to image folders, not to .npz arrays",
+              file=sys.stderr)
+        return 2
     from aqr.data.cifar_c import GenerationConfig, generate_cifar_c, parse_list
     from aqr.data import load_npz_arrays
     from aqr.util.files import sha256_file
@@ -54,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     config = GenerationConfig(
         corruptions=tuple(corruptions),
         severities=tuple(severities),
-        params=args.params,
+        params=args.params or "cifar",
         seed=args.seed,
         workers=max(1, args.workers),
         frost_dir=args.frost_dir,
@@ -70,4 +94,39 @@ def run(args: argparse.Namespace) -> int:
     skipped = [c for c in corruptions if c not in timings]
     if skipped:
         print(f"already complete, skipped: {', '.join(skipped)}")
+    return 0
+
+
+def _run_folder(args: argparse.Namespace) -> int:
+    """An image folder or list -> the ImageNet-C folder layout."""
+    import numpy as np
+
+    from aqr.data.cifar_c import parse_list
+    from aqr.data.images import ImageFolder, balanced_subset, listing_fingerprint
+    from aqr.data.imagenet_c import IMAGENET_C_PREPROCESS, FolderGenerationConfig, generate_imagenet_c
+
+    source = ImageFolder(args.data)
+    indices = np.arange(len(source))
+    if args.n_images is not None:
+        indices = balanced_subset(source.labels, args.n_images, args.seed)
+    if args.limit is not None:
+        indices = indices[: args.limit]
+    config = FolderGenerationConfig(
+        corruptions=tuple(parse_list(args.corruptions, CORRUPTIONS)),
+        severities=tuple(int(s) for s in parse_list(args.severities)),
+        params=args.params or "imagenet",
+        seed=args.seed,
+        workers=max(1, args.workers),
+        frost_dir=args.frost_dir,
+        preprocess=IMAGENET_C_PREPROCESS.with_overrides(args.image_size, args.resize),
+        source={"listing": listing_fingerprint(args.data), "n_images": args.n_images, "limit": args.limit},
+    )
+    print(f"{len(indices)} images of {len(source.classes)} classes from {args.data} ({config.preprocess}) "
+          f"-> {args.out}", file=sys.stderr)
+    timings = generate_imagenet_c(source, args.out, config, indices, progress=not args.no_progress)
+    for name, seconds in timings.items():
+        print(f"{name}: {seconds:.1f} s")
+    skipped = len(config.corruptions) * len(config.severities) - len(timings)
+    if skipped:
+        print(f"already complete, skipped: {skipped} corruption/severity folders")
     return 0

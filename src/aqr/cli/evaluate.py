@@ -6,21 +6,24 @@ import argparse
 import json
 import sys
 
-from aqr.cli.common import add_model_arguments, method_specs, torch_threads
+from aqr.cli.common import add_image_arguments, add_model_arguments, load_model, method_specs, torch_threads
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("evaluate", help="accuracy of each method on one corruption and severity",
-                              description="Evaluate Source/TTN/TENT/SAR/AQR (episodic) on one CIFAR-C corruption "
-                                          "and severity, or on a clean .npz.")
+                              description="Evaluate Source/TTN/TENT/SAR/AQR (episodic) on one CIFAR-C or ImageNet-C "
+                                          "corruption and severity, or on clean images.")
     add_model_arguments(p)
     p.add_argument("--stats", default=None, help="statistics file from `aqr calibrate` (needed by aqr)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--cifar-c", default=None, help="CIFAR-C folder (<corruption>.npy + labels.npy)")
-    where.add_argument("--data", default=None, help="a clean .npz / pickle folder instead")
-    p.add_argument("--corruption", default=None, help="with --cifar-c")
-    p.add_argument("--severity", type=int, default=5, help="with --cifar-c")
-    p.add_argument("--indices", default=None, help="test images, 'start:stop' (default: all)")
+    where.add_argument("--imagenet-c", default=None, help="ImageNet-C folder (<corruption>/<severity>/<wnid>/*.JPEG)")
+    where.add_argument("--data", default=None,
+                       help="clean images instead: a CIFAR .npz / pickle folder, an image folder or a list of paths")
+    p.add_argument("--corruption", default=None, help="with --cifar-c / --imagenet-c")
+    p.add_argument("--severity", type=int, default=5, help="with --cifar-c / --imagenet-c")
+    p.add_argument("--indices", default=None, help="test images, 'start:stop', 'start:stop~n' or a list (default: all)")
+    add_image_arguments(p)
     p.add_argument("--methods", default="source,ttn,tent,sar,aqr",
                    help="comma list; options after a colon, e.g. 'aqr:tail=gaussian,K=11'")
     p.add_argument("--batch-size", type=int, default=128)
@@ -32,52 +35,78 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate each listed method; prints one line per method (and the JSON with ``--json``)."""
-    with torch_threads(args.threads):
-        return _run(args)
+    try:
+        with torch_threads(args.threads):
+            return _run(args)
+    except (FileNotFoundError, ValueError, KeyError, ImportError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"aqr evaluate: error: {message}", file=sys.stderr)
+        return 2
 
 
-def _run(args: argparse.Namespace) -> int:
-    from aqr import models
-    from aqr.bench.grid import parse_range
-    from aqr.bench.runner import evaluate
-    from aqr.core.stats import SourceStats
+def _test_data(args: argparse.Namespace, model):
+    """``(evaluate(method) -> (accuracy, n), description)`` for the chosen test images."""
+    from torch.utils.data import Subset
+
+    from aqr.bench.grid import ModelSpec, parse_range
+    from aqr.bench.runner import data_loader, evaluate, evaluate_batches, model_preprocess
     from aqr.data import load_cifar, load_cifar_c
-    from aqr.methods import NotApplicable, create, method_class
+    from aqr.data.images import ImageFolder, is_image_source
 
     indices = parse_range(args.indices)
+    if (args.cifar_c or args.imagenet_c) and not args.corruption:
+        raise ValueError(f"{'--cifar-c' if args.cifar_c else '--imagenet-c'} needs --corruption")
     if args.cifar_c:
-        if not args.corruption:
-            raise SystemExit("aqr evaluate: --cifar-c needs --corruption")
         data = load_cifar_c(args.cifar_c, args.corruption, args.severity, indices)
-        where = f"{args.corruption} severity {args.severity}"
-    else:
+    elif args.data and not is_image_source(args.data):
         data = load_cifar(args.data)
         if indices is not None:
             data.images, data.labels = data.images[indices], data.labels[indices]
-        where = args.data
-    model = models.load(args.model, checkpoint=args.checkpoint)
+    else:
+        from aqr.data.imagenet_c import ImageNetCFolder
+
+        preprocess = model_preprocess(ModelSpec("cli", args.model, image_size=args.image_size, resize=args.resize),
+                                      model)
+        folder = (ImageNetCFolder(args.imagenet_c, args.corruption, args.severity, preprocess=preprocess)
+                  if args.imagenet_c else ImageFolder(args.data, preprocess))
+        if indices is not None and max(indices) >= len(folder):
+            raise ValueError(f"--indices {args.indices!r} exceed the {len(folder)} images")
+        images = folder if indices is None else Subset(folder, indices)
+        where = (f"{args.corruption} severity {args.severity}" if args.imagenet_c else args.data) + f", {preprocess}"
+        return (lambda method: evaluate_batches(method, data_loader(images, args.batch_size, args.workers,
+                                                                    args.device))), where
+    where = f"{args.corruption} severity {args.severity}" if args.cifar_c else args.data
+    return (lambda method: evaluate(method, data.images, data.labels, args.batch_size)), where
+
+
+def _run(args: argparse.Namespace) -> int:
+    from aqr.core.stats import SourceStats
+    from aqr.methods import NotApplicable, create, method_class
+
     stats = SourceStats.load(args.stats) if args.stats else None
-    results: dict[str, float | None] = {}
+    chosen = []  # every method is checked before any runs
     for spec in method_specs(args.methods):
         label = spec.name + (f"[{','.join(f'{k}={v}' for k, v in spec.options.items())}]" if spec.options else "")
-        try:
-            cls = method_class(spec.name)
-        except KeyError as err:
-            raise SystemExit(f"aqr evaluate: {err.args[0]}") from None
+        cls = method_class(spec.name)
         options = dict(spec.options)
         if cls.needs_stats:
             if stats is None:
-                raise SystemExit(f"aqr evaluate: the {spec.name} method needs --stats (make one with `aqr calibrate`)")
+                raise ValueError(f"the {spec.name} method needs --stats (make one with `aqr calibrate`)")
             options["stats"] = stats
         if cls.needs_batch_size:
             options.setdefault("batch_size", args.batch_size)
+        chosen.append((label, spec.name, options))
+    model = load_model(args)
+    run_on, where = _test_data(args, model)
+    results: dict[str, float | None] = {}
+    for label, name, options in chosen:
         try:
-            method = create(spec.name, model, protocol=args.protocol, seed=args.seed, **options)
+            method = create(name, model, protocol=args.protocol, seed=args.seed, **options)
         except NotApplicable as err:
             results[label] = None
             print(f"{label:>24}: n/a ({err})", file=sys.stderr)
             continue
-        acc, n = evaluate(method, data.images, data.labels, args.batch_size)
+        acc, n = run_on(method)
         results[label] = acc
         print(f"{label:>24}: {acc:6.2f} %  ({n} images, {where}, batch {args.batch_size})", file=sys.stderr)
     if args.json:
