@@ -344,3 +344,26 @@ def test_torchvision_checkpoint_and_missing_cache(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty"))
     with pytest.raises(models.WeightsNotFound, match="--checkpoint FILE"):
         models.load("torchvision:resnet18")
+
+
+@pytest.mark.slow
+def test_throughput_benchmark_runs_on_a_cpu(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "imagenet_throughput.py"
+    out = tmp_path / "t.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--model", "resnet20", "--calib-images",
+                           "48", "--eval-images", "32", "--image-size", "48", "--workers", "1", "--batch-size", "16",
+                           "--calib-batch-size", "16", "--loader-images", "32", "--work", str(tmp_path / "w"),
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["stages"]) == {"generate", "corrupt", "loader", "calibrate", "source", "aqr"}
+    assert result["weights"] == "random" and result["stages"]["calibrate"]["images"] == 48
+    for stage in ("calibrate", "source", "aqr"):
+        numbers = result["stages"][stage]
+        assert numbers["images_per_s"] > 0 and 0 <= numbers["loader_wait_fraction"] <= 1
+        assert numbers["gpu_util_source"] is None                     # no GPU here: said, not invented
+    assert len(list((tmp_path / "w" / "imagenet-c" / "gaussian_noise" / "5").rglob("*.JPEG"))) == 32
