@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from aqr.data.corruption_params import CORRUPTIONS, get_param_set
-from aqr.data.corruptions import corrupt, image_rng, load_frost_overlays
+from aqr.data.corruptions import check_request, corrupt, image_rng, load_frost_overlays
 from aqr.util.files import atomic_write
 
 MANIFEST = "manifest.json"
@@ -132,16 +132,7 @@ def generate_cifar_c(
     labels = np.asarray(labels)
     if labels.shape != (len(images),):
         raise ValueError(f"labels must have shape ({len(images)},), got {labels.shape}")
-    pset = get_param_set(config.params)
-    for name in config.corruptions:
-        pset.get(name, 1)
-    severities = tuple(int(s) for s in config.severities)
-    if not severities or len(set(severities)) != len(severities) or not all(1 <= s <= 5 for s in severities):
-        raise ValueError(f"severities must be distinct integers in 1..5, got {severities}")
-    if "frost" in config.corruptions:
-        if config.frost_dir is None:
-            raise ValueError("the frost corruption needs --frost-dir (folder with frost1.png .. frost5.jpg)")
-        load_frost_overlays(config.frost_dir, pset.frost_scale)  # fail early, before any work
+    pset, severities = check_request(config.params, config.corruptions, config.severities, config.frost_dir)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -237,6 +237,24 @@ def load_frost_overlays(frost_dir: str | Path, scale: float) -> tuple[np.ndarray
     return tuple(overlays)
 
 
+
+def check_request(params: str | ParamSet, corruptions: Sequence[str], severities: Sequence[int],
+                  frost_dir: str | Path | None) -> tuple[ParamSet, tuple[int, ...]]:
+    """The parameter set and severities of a generation request; ValueError (before any work) on an
+    unknown corruption, severities not distinct in 1..5, or frost without readable overlays."""
+    pset = get_param_set(params)
+    for name in corruptions:
+        pset.get(name, 1)
+    chosen = tuple(int(s) for s in severities)
+    if not chosen or len(set(chosen)) != len(chosen) or not all(1 <= s <= 5 for s in chosen):
+        raise ValueError(f"severities must be distinct integers in 1..5, got {chosen}")
+    if "frost" in corruptions:
+        if frost_dir is None:
+            raise ValueError("the frost corruption needs --frost-dir (folder with frost1.png .. frost5.jpg)")
+        load_frost_overlays(frost_dir, pset.frost_scale)
+    return pset, chosen
+
+
 # ----------------------------------------------------------------------------- corruptions
 # Each takes (float or uint8 image, parameter(s), rng, ParamSet, overlays) and returns uint8.
 

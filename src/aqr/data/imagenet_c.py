@@ -113,19 +113,9 @@ def generate_imagenet_c(source: ImageFolder, out_dir: str | Path, config: Folder
     Raises ValueError on an unknown corruption or severity, a frost request without ``frost_dir``,
     or an ``out_dir`` written with other settings.
     """
-    from aqr.data.corruption_params import get_param_set
-    from aqr.data.corruptions import load_frost_overlays
+    from aqr.data.corruptions import check_request
 
-    pset = get_param_set(config.params)
-    for name in config.corruptions:
-        pset.get(name, 1)
-    severities = tuple(int(s) for s in config.severities)
-    if not severities or len(set(severities)) != len(severities) or not all(1 <= s <= 5 for s in severities):
-        raise ValueError(f"severities must be distinct integers in 1..5, got {severities}")
-    if "frost" in config.corruptions:
-        if config.frost_dir is None:
-            raise ValueError("the frost corruption needs --frost-dir (folder with frost1.png .. frost5.jpg)")
-        load_frost_overlays(config.frost_dir, pset.frost_scale)  # fail early, before any work
+    pset, severities = check_request(config.params, config.corruptions, config.severities, config.frost_dir)
     chosen = np.arange(len(source)) if indices is None else np.asarray(indices, dtype=np.int64)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
