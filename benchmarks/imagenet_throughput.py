@@ -248,7 +248,12 @@ def main() -> int:
         "calib_batch_size": args.calib_batch_size, "stages": {}}
     stages = result["stages"]
     t_start = time.perf_counter()
-    model, weights = load_model(args.model)
+    try:
+        model, weights = load_model(args.model)
+    except ImportError as err:
+        print(f"imagenet_throughput: {err}\n(for a measurement without timm, --model resnet18 is aqr's own "
+              "ResNet-18, run at the given --image-size)", file=sys.stderr)
+        return 2
     model.to(device)
     result["weights"] = weights
     preprocess = models.preprocessing(model).with_overrides(args.image_size)

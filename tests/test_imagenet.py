@@ -25,7 +25,7 @@ from aqr.bench.runner import evaluate_batches, run_grid, source_selection  # noq
 from aqr.cli import main as cli_main  # noqa: E402
 from aqr.data.images import ImageFolder, Preprocess, balanced_subset, listing_fingerprint  # noqa: E402
 from aqr.data.imagenet_c import FolderGenerationConfig, ImageNetCFolder, generate_imagenet_c  # noqa: E402
-from optional_packages import require  # noqa: E402
+from tests.optional_packages import require  # noqa: E402
 
 CLASSES = ("n01", "n02", "n03")
 PER_CLASS = 12

@@ -12,7 +12,7 @@ from torch import nn
 import aqr.models as models
 from aqr.models import CheckpointError, Normalize, NormalizedModel
 from aqr.models.resnet_cifar import BasicBlock, CifarResNet, option_a_shortcut
-from optional_packages import require
+from tests.optional_packages import require
 
 
 
