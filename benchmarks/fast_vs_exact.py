@@ -6,6 +6,12 @@ one row per (corruption, severity) and the mean difference fast - exact in accur
 
     python benchmarks/fast_vs_exact.py --cifar-c /path/to/cifar10c [--data-dir DIR] [--n 1000] [--severities 5] \
         [--target-samples 8192,4096] [--variants default native=0 "target_samples=4096,native=0"]
+    python benchmarks/fast_vs_exact.py --cifar-c DIR --device cuda --models resnet20 resnet20_gn vit_ln \
+        --batch-sizes 128 512 --corruptions gaussian_noise,fog,contrast
+
+Besides accuracy, each fast column reports the share of images whose prediction differs from the
+exact path's (``disagree``). ``--models`` takes ``resnet20`` (the third-party checkpoint,
+``--checkpoint``) and zoo names; every model's statistics come from the clean images 0-4999.
 
 ``--variants`` names fast columns by their options (see ``benchmarks/aqr_variants.py``);
 ``--target-samples`` is the shorthand for ``target_samples=S`` columns.
@@ -40,11 +46,12 @@ def tensors(dataset: torch.utils.data.Dataset) -> tuple[torch.Tensor, torch.Tens
     return next(iter(loader))
 
 
-def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int) -> float:
-    correct = 0
-    for xb, yb in zip(x.split(batch), y.split(batch)):
-        correct += int((model(xb).argmax(1) == yb).sum())
-    return 100.0 * correct / len(y)
+def predictions(model: torch.nn.Module, x: torch.Tensor, batch: int, device: str) -> torch.Tensor:
+    return torch.cat([model(xb.to(device)).argmax(1).cpu() for xb in x.split(batch)])
+
+
+def load_model(name: str, checkpoint: Path) -> torch.nn.Module:
+    return models.load("resnet20", checkpoint=checkpoint) if name == "resnet20" else models.load(name)
 
 
 def _data_dir(parser: argparse.ArgumentParser, path: Path | str | None) -> Path:
@@ -64,7 +71,10 @@ def main() -> None:
     parser.add_argument("--corruptions", default=",".join(CORRUPTIONS))
     parser.add_argument("--severities", default="5")
     parser.add_argument("--n", type=int, default=1000, help="evaluated images, from index 5000")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[128])
+    parser.add_argument("--models", nargs="+", default=["resnet20"],
+                        help="resnet20 (the --checkpoint) and/or zoo names, e.g. resnet20_gn vit_ln")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--target-samples", default="8192",
                         help="comma-separated target_samples values: one fast column per value")
@@ -77,38 +87,51 @@ def main() -> None:
         args.clean = args.clean or data_dir / "cifar10_test.npz"
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = models.load("resnet20", checkpoint=args.checkpoint)
     clean_x, _ = tensors(data.load_npz(args.clean))
-    stats = aqr.calibrate(model, clean_x[:5000].split(500))
     variants = args.variants or [f"target_samples={v}" for v in args.target_samples.split(",")]
-    exact = aqr.AQR(model, stats, mode="exact")
-    fast = {v: aqr.AQR(model, stats, **parse_variant(v)) for v in variants}
-    sizes = list(fast)  # column labels
     rows = []
-    print("| corruption | severity | exact | " + " | ".join(f"fast {s} (diff)" for s in sizes) + " |")
-    print("|---|---|---|" + "---|" * len(sizes))
-    for corruption in args.corruptions.split(","):
-        for severity in (int(s) for s in args.severities.split(",")):
-            x, y = tensors(data.load_cifar_c(args.cifar_c, corruption, severity, range(5000, 5000 + args.n)))
-            start = time.perf_counter()
-            row = {"corruption": corruption, "severity": severity, "exact": accuracy(exact, x, y, args.batch_size)}
-            row["exact_s"] = time.perf_counter() - start
-            for s, method in fast.items():
-                start = time.perf_counter()
-                row[f"fast_{s}"] = accuracy(method, x, y, args.batch_size)
-                row[f"fast_{s}_s"] = time.perf_counter() - start
-            rows.append(row)
-            cells = " | ".join(f"{row[f'fast_{s}']:.2f} ({row[f'fast_{s}'] - row['exact']:+.2f})" for s in sizes)
-            print(f"| {corruption} | {severity} | {row['exact']:.2f} | {cells} |", flush=True)
+    print("| model | batch | corruption | severity | exact | " + " | ".join(f"fast {v} (diff, disagree %)" for v in variants) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(variants))
+    for name in args.models:
+        model = load_model(name, args.checkpoint).eval().to(args.device)
+        stats = aqr.calibrate(model, clean_x[:5000].split(500), device=args.device)
+        exact = aqr.AQR(model, stats, mode="exact")
+        fast = {v: aqr.AQR(model, stats, **parse_variant(v)) for v in variants}
+        for batch in args.batch_sizes:
+            for corruption in args.corruptions.split(","):
+                for severity in (int(s) for s in args.severities.split(",")):
+                    x, y = tensors(data.load_cifar_c(args.cifar_c, corruption, severity, range(5000, 5000 + args.n)))
+                    start = time.perf_counter()
+                    want = predictions(exact, x, batch, args.device)
+                    row = {"model": name, "batch": batch, "corruption": corruption, "severity": severity,
+                           "exact": 100.0 * float((want == y).float().mean()), "exact_s": time.perf_counter() - start}
+                    for v, method in fast.items():
+                        start = time.perf_counter()
+                        got = predictions(method, x, batch, args.device)
+                        row[f"fast_{v}_s"] = time.perf_counter() - start
+                        row[f"fast_{v}"] = 100.0 * float((got == y).float().mean())
+                        row[f"disagree_{v}"] = 100.0 * float((got != want).float().mean())
+                    rows.append(row)
+                    cells = " | ".join(f"{row[f'fast_{v}']:.2f} ({row[f'fast_{v}'] - row['exact']:+.2f}, "
+                                       f"{row[f'disagree_{v}']:.2f})" for v in variants)
+                    print(f"| {name} | {batch} | {corruption} | {severity} | {row['exact']:.2f} | {cells} |", flush=True)
+                    if args.json:
+                        args.json.write_text(json.dumps({"rows": rows, "n": args.n, "device": args.device}, indent=2))
     summary = {}
-    for s in sizes:
-        diffs = [r[f"fast_{s}"] - r["exact"] for r in rows]
-        summary[s] = {"mean_diff": sum(diffs) / len(diffs), "mean_abs_diff": sum(map(abs, diffs)) / len(diffs)}
-        print(f"\n{s}: mean fast - exact {summary[s]['mean_diff']:+.3f} points; mean |fast - exact| "
-              f"{summary[s]['mean_abs_diff']:.3f} points over {len(rows)} cells of {args.n} images "
-              f"(one image = {100 / args.n:.2f} points)")
+    for name in args.models:
+        for batch in args.batch_sizes:
+            cell_rows = [r for r in rows if r["model"] == name and r["batch"] == batch]
+            for v in variants:
+                diffs = [r[f"fast_{v}"] - r["exact"] for r in cell_rows]
+                disagree = sum(r[f"disagree_{v}"] for r in cell_rows) / len(cell_rows)
+                summary[f"{name} batch {batch} {v}"] = {"mean_diff": sum(diffs) / len(diffs), "disagree": disagree,
+                                                        "mean_abs_diff": sum(map(abs, diffs)) / len(diffs)}
+                print(f"{name} batch {batch} {v}: mean fast - exact {sum(diffs) / len(diffs):+.3f} points, "
+                      f"mean |fast - exact| {sum(map(abs, diffs)) / len(diffs):.3f}, predictions differing "
+                      f"{disagree:.2f} % over {len(cell_rows)} cells of {args.n} images")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "summary": summary, "n": args.n}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary, "n": args.n, "device": args.device,
+                                         "torch": torch.__version__, "aqr": aqr.__version__}, indent=2))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ process doing only that calibration against one doing only the forward pass.
     python benchmarks/speed.py                     # all models, batch 128 and 512
     python benchmarks/speed.py --quick             # ResNet-20, batch 128, fewer repeats
     python benchmarks/speed.py --json out.json     # also write the numbers
+    python benchmarks/speed.py --device cuda --models resnet50 vit-b16 --batch-sizes 64 16 256 \
+        --dtypes fp32 bf16 --layouts contiguous channels_last --compiled --json gpu.json
 
 Timings need a quiet machine: other processes inflate every row, but ratios within one run stay
 comparable.
@@ -18,6 +20,7 @@ comparable.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -43,21 +46,41 @@ MODELS = {
     "resnet20-gn": lambda: models.load("resnet20_gn") if "resnet20_gn" in models.zoo() else models.create("resnet20", norm="gn"),
     "vit": lambda: models.load("vit_ln") if "vit_ln" in models.zoo() else models.create("vit"),
 }
+
+def _resnet50() -> torch.nn.Module:
+    """torchvision's ResNet-50 (random weights: the cost does not depend on them)."""
+    return models.create("torchvision:resnet50", num_classes=1000)
+
+
+def _vit_b16() -> torch.nn.Module:
+    """ViT-B/16 at 224 px: timm's ``vit_base_patch16_224`` when timm loads, else aqr's ViT at that size."""
+    try:
+        return models.create("timm:vit_base_patch16_224", num_classes=1000)
+    except Exception as err:  # noqa: BLE001 - timm missing or failing beside this torch
+        print(f"timm unavailable ({type(err).__name__}: {err}); aqr's ViT at ViT-B/16 size", flush=True)
+        return models.create("vit", image_size=224, patch_size=16, dim=768, depth=12, heads=12, mlp_ratio=4.0, num_classes=1000)
+
+
+MODELS.update({"resnet50": _resnet50, "vit-b16": _vit_b16})
+INPUT_SIZE = {"resnet50": 224, "vit-b16": 224}  # the rest take 32 x 32 images
 METHODS = ["source", "ttn", "aqr", "aqr-torch", "aqr-exact", "tent", "sar"]  # aqr-torch: native=False
+SLOW_METHODS = ("aqr-exact", "aqr-torch", "tent", "sar")  # timed at the first batch size only on a GPU
 
 
-def images(n: int, seed: int = 0) -> torch.Tensor:
-    """Source-like images: the clean CIFAR-10 test set when available, else uniform noise."""
+def images(n: int, seed: int = 0, size: int = 32) -> torch.Tensor:
+    """Source-like images: the clean CIFAR-10 test set when available (32 px), else uniform noise."""
     path = DATA / "cifar10_test.npz" if DATA else None
-    if path and path.is_file():
+    if size == 32 and path and path.is_file():
         return to_float(load_npz_arrays(path)[0][:n])
-    return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    return torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
-def run_once(fn, x: torch.Tensor, method: str) -> float:
+def run_once(fn, x: torch.Tensor, method: str, dtype: str = "fp32") -> float:
     """Wall time of one batch (gradients on for the methods that take a backward pass)."""
     sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
-    with torch.no_grad() if method not in ("tent", "sar") else torch.enable_grad():
+    grad = torch.enable_grad() if method in ("tent", "sar") else torch.no_grad()
+    autocast = torch.autocast(x.device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+    with grad, autocast:
         start = time.perf_counter()
         fn(x)
         sync()  # GPU work is asynchronous: a batch is done when its kernels are
@@ -69,48 +92,128 @@ def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: in
         return methods.create("aqr", model, stats=stats)
     if method == "aqr-exact":
         return methods.create("aqr", model, stats=stats, mode="exact")
-    if method == "aqr-torch":  # the fast path without aqr's C kernels (as on a machine with no compiler)
+    if method == "aqr-torch":  # the fast path without aqr's kernels (as on a machine with no compiler)
         return methods.create("aqr", model, stats=stats, native=False)
     if method in ("tent", "sar"):
-        arch = "vit" if "vit" in type(model.model).__name__.lower() else "cnn"
+        arch = "vit" if "vit" in type(model.model if hasattr(model, "model") else model).__name__.lower() else "cnn"
         return methods.create(method, model, arch=arch, batch_size=batch)
     return methods.create(method, model)
 
 
+class CompiledAQR:
+    """``torch.compile(model)`` called inside :func:`aqr.recalibrating`: the hooks and folded
+    BatchNorms are in place while the model is traced, so the compiled graph calls aqr's kernels."""
+
+    def __init__(self, model: torch.nn.Module, stats: aqr.SourceStats) -> None:
+        self.block = aqr.recalibrating(model, stats)
+        self.block.__enter__()  # left at exit of the process (a benchmark's model is not reused plainly)
+        self.compiled = torch.compile(model)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.compiled(x)
+
+
+def _round_robin(runners: dict, x: torch.Tensor, dtype: str, warmup: int, repeats: int) -> dict[str, list[float]]:
+    for method, runner in runners.items():
+        for _ in range(warmup):  # torch.compile happens here
+            run_once(runner, x, method, dtype)
+    times: dict[str, list[float]] = {method: [] for method in runners}
+    for _ in range(repeats):
+        for method, runner in runners.items():
+            times[method].append(run_once(runner, x, method, dtype))
+    return times
+
+
+def _peak_memory(runner, x: torch.Tensor, method: str, dtype: str) -> float | None:
+    """Peak GPU memory (MiB) allocated during one batch, over what was allocated before it."""
+    if x.device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run_once(runner, x, method, dtype)
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def per_batch(args: argparse.Namespace) -> list[dict]:
-    """Per model and batch size: every method warmed up, then ``repeats`` rounds that time each
-    method once, back to back. A method's ratio is the median over rounds of its time over the
-    plain forward's time in the same round, so the machine's drift cancels within a round."""
+    """Per model, dtype, layout and batch size: every method warmed up, then ``repeats`` rounds that
+    time each method once, back to back. A method's ratio is the median over rounds of its time over
+    the plain forward's time in the same round, so the machine's drift cancels within a round."""
     rows = []
-    source = images(args.calib_images if not args.quick else 1000)
     for name in args.models:
+        size = INPUT_SIZE.get(name, 32)
         model = MODELS[name]().eval().to(args.device)
-        stats = aqr.calibrate(model, source.split(500))
-        for batch in args.batch_sizes:
-            x = images(batch, seed=1)
-            x = (x + 0.1 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2))).clamp(0, 1)
-            x = x.to(args.device)
-            runners = {"source": build("source", model, stats, batch)}  # the baseline of every ratio
-            for method in args.methods:
-                try:
-                    runners[method] = build(method, model, stats, batch)
-                except methods.NotApplicable:
-                    rows.append({"model": name, "batch": batch, "method": method, "seconds": None, "ratio": None})
-            for method, runner in runners.items():
-                for _ in range(args.warmup):  # torch.compile happens here
-                    run_once(runner, x, method)
-            times: dict[str, list[float]] = {method: [] for method in runners}
-            for _ in range(args.repeats):
-                for method, runner in runners.items():
-                    times[method].append(run_once(runner, x, method))
-            for method in runners:
-                if method not in args.methods:
+        source = images(args.calib_images if size == 32 and not args.quick else 256 if size == 32 else 64, size=size)
+        stats = aqr.calibrate(model, source.split(500 if size == 32 else 32), device=args.device)
+        for dtype in args.dtypes:
+            for layout in args.layouts:
+                if layout == "channels_last" and size == 32 and name.startswith("vit"):
                     continue
+                model = model.to(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+                for i, batch in enumerate(args.batch_sizes):
+                    x = images(batch, seed=1, size=size)
+                    x = (x + 0.1 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2))).clamp(0, 1)
+                    x = x.to(args.device)
+                    if layout == "channels_last":
+                        x = x.to(memory_format=torch.channels_last)
+                    runners = {"source": build("source", model, stats, batch)}  # the baseline of every ratio
+                    for method in args.methods:
+                        if args.device != "cpu" and i > 0 and method in SLOW_METHODS:
+                            continue
+                        try:
+                            runners[method] = build(method, model, stats, batch)
+                        except methods.NotApplicable:
+                            rows.append({"model": name, "batch": batch, "method": method, "dtype": dtype, "layout": layout,
+                                         "compiled": False, "seconds": None, "ratio": None})
+                    times = _round_robin(runners, x, dtype, args.warmup, args.repeats)
+                    for method, runner in runners.items():
+                        ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))
+                        seconds = statistics.median(times[method])
+                        row = {"model": name, "batch": batch, "method": method, "dtype": dtype, "layout": layout,
+                               "compiled": False, "seconds": seconds, "ratio": ratio,
+                               "peak_mib": _peak_memory(runner, x, method, dtype)}
+                        rows.append(row)
+                        _print(row)
+                    _flush(args, rows)
+        if args.compiled:
+            model = model.to(memory_format=torch.contiguous_format)
+            batch = args.batch_sizes[0]
+            x = images(batch, seed=1, size=size).to(args.device)
+            plain = torch.compile(model)
+            runners = {"source": lambda t: plain(t), "aqr": CompiledAQR(model, stats)}
+            times = _round_robin(runners, x, "fp32", args.warmup, args.repeats)
+            for method, runner in runners.items():
                 ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))
-                seconds = statistics.median(times[method])
-                rows.append({"model": name, "batch": batch, "method": method, "seconds": seconds, "ratio": ratio})
-                print(f"{name:12s} batch {batch:4d} {method:10s} {seconds * 1e3:9.1f} ms  x{ratio:.2f}", flush=True)
+                row = {"model": name, "batch": batch, "method": method, "dtype": "fp32", "layout": "contiguous",
+                       "compiled": True, "seconds": statistics.median(times[method]), "ratio": ratio,
+                       "peak_mib": _peak_memory(runner, x, method, "fp32")}
+                rows.append(row)
+                _print(row)
+            runners["aqr"].block.__exit__(None, None, None)
+            _flush(args, rows)
     return rows
+
+
+def _print(row: dict) -> None:
+    mem = f"  +{row['peak_mib']:.0f} MiB" if row.get("peak_mib") is not None else ""
+    tag = f"{row['dtype']}{' cl' if row['layout'] == 'channels_last' else ''}{' compiled' if row['compiled'] else ''}"
+    print(f"{row['model']:12s} batch {row['batch']:4d} {tag:16s} {row['method']:10s} {row['seconds'] * 1e3:9.2f} ms  "
+          f"x{row['ratio']:.2f}{mem}", flush=True)
+
+
+def _flush(args: argparse.Namespace, rows: list[dict]) -> None:
+    """Write the rows so far (a run stopped at a time limit keeps what it measured)."""
+    if args.json:
+        args.json.write_text(json.dumps({**environment(args), "rows": rows}, indent=2))
+
+
+def environment(args: argparse.Namespace) -> dict:
+    on_gpu = args.device.startswith("cuda")
+    return {"device": "cuda" if on_gpu else args.device,
+            "device_name": torch.cuda.get_device_name(args.device) if on_gpu else platform.processor() or platform.machine(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "aqr": aqr.__version__,
+            "threads": torch.get_num_threads(), "python": sys.version.split()[0]}
 
 
 def _peak_rss_child(task: str, n: int, queue: mp.Queue) -> None:
@@ -157,19 +260,23 @@ def calibration(args: argparse.Namespace) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | batch | " + " | ".join(METHODS) + " |", "|---|---|" + "---|" * len(METHODS)]
-    keys = sorted({(r["model"], r["batch"]) for r in rows}, key=lambda k: (list(MODELS).index(k[0]), k[1]))
-    for model, batch in keys:
+    present = [m for m in ["source", *METHODS] if any(r["method"] == m for r in rows)]
+    lines = ["| model | batch | dtype | layout | compiled | " + " | ".join(present) + " |",
+             "|---|---|---|---|---|" + "---|" * len(present)]
+    keys = sorted({(r["model"], r["batch"], r["dtype"], r["layout"], r["compiled"]) for r in rows},
+                  key=lambda k: (list(MODELS).index(k[0]), k[4], k[2], k[3], k[1]))
+    for key in keys:
         cells = []
-        for method in METHODS:
-            r = next((r for r in rows if (r["model"], r["batch"], r["method"]) == (model, batch, method)), None)
+        for method in present:
+            r = next((r for r in rows if (r["model"], r["batch"], r["dtype"], r["layout"], r["compiled"]) == key
+                      and r["method"] == method), None)
             if r is None:
                 cells.append("")
             elif r["seconds"] is None:
                 cells.append("n/a")
             else:
-                cells.append(f"{r['seconds'] * 1e3:.0f} ms (x{r['ratio']:.2f})")
-        lines.append(f"| {model} | {batch} | " + " | ".join(cells) + " |")
+                cells.append(f"{r['seconds'] * 1e3:.1f} ms (x{r['ratio']:.2f})")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {'yes' if key[4] else 'no'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -186,6 +293,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument("--device", default="cpu", help="cpu or cuda; on a GPU the calibration part (peak RSS) is skipped")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+                        help="bf16: the forward under torch.autocast(bfloat16)")
+    parser.add_argument("--layouts", nargs="+", default=["contiguous"], choices=["contiguous", "channels_last"])
+    parser.add_argument("--compiled", action="store_true",
+                        help="also torch.compile(model) plain and inside aqr.recalibrating, at the first batch size")
     args = parser.parse_args()
     if args.device != "cpu":
         args.skip_calibration = True
@@ -194,12 +306,9 @@ def main() -> None:
         os.environ["AQR_BENCH_THREADS"] = str(args.threads)
     if args.quick:
         args.models, args.batch_sizes, args.repeats, args.warmup, args.calib_images = ["resnet20-bn"], [128], 3, 2, 2000
-    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else ""
-    print(f"torch {torch.__version__}, aqr {aqr.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, python {sys.version.split()[0]}, device {args.device} {where}", flush=True)
+    print(", ".join(f"{k} {v}" for k, v in environment(args).items()), flush=True)
     rows = per_batch(args)
-    result = {"rows": rows, "torch": torch.__version__, "aqr": aqr.__version__, "threads": torch.get_num_threads(),
-              "device": args.device, "device_name": where}
+    result = {**environment(args), "rows": rows}
     if not args.skip_calibration:
         result["calibration"] = calibration(args)
     print()

@@ -23,11 +23,10 @@ import functools
 
 import torch
 
-from aqr.backends.base import Affine, LayerBackend, LayerSource, Targets
+from aqr.backends.base import TAIL_CODES, Affine, LayerBackend, LayerSource, Targets
 from aqr.backends.subsets import SubsetCache
 from aqr.core.qmap import PARAMETRIC_TAILS, quantile_levels
 
-TAIL_CODES = {"standard": 0, "average": 0, "none": 1, "clip": 2, "interval": 3, "gaussian": 4}
 ROWS_LAYOUT_BELOW = 16  # as in _kernels.c: fewer values per (row, channel) count as channels-last
 
 

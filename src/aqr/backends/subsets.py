@@ -20,6 +20,14 @@ class SubsetCache:
         self._cache: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
         self._offsets: dict[tuple[object, ...], torch.Tensor] = {}
 
+    def draw(self, positions: int) -> torch.Tensor:
+        """``(S,)`` sorted int64 indices into a channel's ``positions`` values: all of them below
+        ``size``, else a random subset drawn with a seed fixed by the count (the same for every batch)."""
+        if positions <= self.size:
+            return torch.arange(positions)
+        g = torch.Generator().manual_seed(_SUBSET_SEED + positions)
+        return torch.randperm(positions, generator=g)[: self.size].sort().values
+
     def positions(self, x: torch.Tensor) -> torch.Tensor:
         """``(S,)`` int64 flat offsets of the subset positions of channel 0 in contiguous ``x`` (A, C, B).
 
@@ -29,14 +37,20 @@ class SubsetCache:
         a, c, b = x.shape
         key = (a, c, b, x.device)
         if key not in self._cache:
-            total = a * b
-            if total <= self.size:
-                pos = torch.arange(total)
-            else:
-                g = torch.Generator().manual_seed(_SUBSET_SEED + total)
-                pos = torch.randperm(total, generator=g)[: self.size].sort().values
+            pos = self.draw(a * b)
             self._cache[key] = (pos // b * (c * b) + pos % b).to(x.device)
         return self._cache[key]
+
+    def strided_positions(self, x: torch.Tensor) -> torch.Tensor:
+        """``(S,)`` int64 element offsets of the subset positions of channel 0 in ``x`` (A, C, B) with any
+        strides (channel ``c``'s values are at these offsets plus ``c * x.stride(1)``)."""
+        a, _, b = x.shape
+        sa, _, sb = x.stride()
+        key = (a, b, sa, sb, x.device, "strided")
+        if key not in self._offsets:
+            pos = self.draw(a * b)
+            self._offsets[key] = ((pos // b) * sa + (pos % b) * sb).to(x.device)
+        return self._offsets[key]
 
     def offsets(self, x: torch.Tensor) -> torch.Tensor:
         """``(C, S)`` int64 flat offsets into contiguous ``x`` (A, C, B): each channel's subset positions."""

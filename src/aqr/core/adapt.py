@@ -133,16 +133,18 @@ class LayerMap:
         channel (a folded BatchNorm, whose own output ``unmapped()`` computes)."""
         y, finite = self.backend(x.device).recalibrate(as_acb(x, self.info.channel_dim), pre)
         y = y.reshape(x.shape)
-        if self.logits_checked and not host_reads_are_cheap(x.device):  # never folded: pre is None
-            # Reading ``finite`` would stall the GPU at every layer. A non-finite sample makes the
-            # whole map NaN, which reaches the logits, and AQR.forward checks those once.
+        if self.logits_checked and not host_reads_are_cheap(x.device):
+            # Reading ``finite`` would stall the GPU at every layer. A non-finite value makes its
+            # channel's map NaN, which reaches the logits, and AQR.forward checks those once.
+            # ("skip" is never folded here: it needs the unmapped output, see folded_forward.)
             return torch.where(finite, y, x) if self.on_nonfinite == "skip" else y
         if bool(finite):
             return y
         return self._nonfinite(x if unmapped is None else unmapped())
 
     def foldable(self, module: nn.Module) -> bool:
-        """Whether this layer is a BatchNorm with running statistics that the native map can absorb."""
+        """Whether this layer is a BatchNorm with running statistics that aqr's kernels (C on CPU,
+        Triton on a GPU) can absorb into the map."""
         return (
             self.config.mode == "fast" and self.config.native
             and isinstance(module, nn.modules.batchnorm._BatchNorm)
@@ -151,8 +153,8 @@ class LayerMap:
 
     def folded_forward(self, module: nn.modules.batchnorm._BatchNorm,
                        forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A replacement ``forward`` for an eval-mode BatchNorm: the native map reads the BN's input
-        and applies its affine step itself, which saves the BN's pass over the activations.
+        """A replacement ``forward`` for an eval-mode BatchNorm: the map reads the BN's input and
+        applies its affine step itself, which saves the BN's pass over the activations.
 
         Anything the backend cannot fold (training mode, GPU, float64, autograd, no C kernels) runs
         the BN's own ``forward`` and the hook's map instead.
@@ -160,7 +162,9 @@ class LayerMap:
 
         def run(x: torch.Tensor) -> torch.Tensor:
             if (module.training or x.ndim < 2 or x.shape[1] != self.info.channels
-                    or not self.backend(x.device).folds(x)):
+                    or not self.backend(x.device).folds(as_acb(x, 1))
+                    # on a GPU "skip" would need the unmapped output too (no host read of `finite`)
+                    or (self.on_nonfinite == "skip" and not host_reads_are_cheap(x.device))):
                 return self(module, (x,), forward(x))
             alpha = 1.0 / torch.sqrt(module.running_var.float() + module.eps)  # as ATen's eval batch_norm
             if module.weight is not None:
@@ -168,7 +172,6 @@ class LayerMap:
             beta = -module.running_mean.float() * alpha
             if module.bias is not None:
                 beta = module.bias.float() + beta
-            x = x.contiguous()
             return self._fast(x, (alpha.contiguous(), beta.contiguous()), lambda: forward(x))
 
         return run

@@ -1,0 +1,582 @@
+"""The fast AQR path on a GPU, in Triton: four kernels per layer, no host synchronisation.
+
+A layer output is viewed as ``x`` (A, C, B), channel in the middle, with any strides (NCHW,
+channels_last, tokens): nothing is copied. Per layer:
+
+1. ``extremes`` (grid: channel blocks x ``split`` parts): min, max and a NaN flag of every value
+   of each channel, one partial per part (min and max are exact whatever the order, so the result
+   is deterministic). Program (0, 0) also sets the layer's ``finite`` flag to True.
+2. ``targets`` (one program per channel): the channel's ``S`` values at fixed sampled positions
+   (the positions of :class:`aqr.backends.subsets.SubsetCache`), sorted in registers
+   (``tl.sort``; padded with +inf to a power of two), the type-7 knots, p0/p100 from the partials
+   of (1), and the sample's mean and std. A channel with a NaN or an infinite value gets NaN knots
+   and clears ``finite`` (a plain store of False: every writer writes the same value).
+3. ``table`` (one program per channel): the ``cells + 2``-cell slope/intercept table of
+   ``aqr.backends.torch_backend.table_map``: cell 0 the lower tail line, cells 1..cells the exact map at the
+   ``cells + 1`` grid points between p1 and p_{K-2} (the tie rule included), cell cells+1 the upper
+   tail line (all six tails, as ``aqr.core.qmap.tail_lines``). NaN knots give a NaN table.
+4. ``map`` (elementwise, tiles of rows or of channels): ``y = slope[cell] * v + icpt[cell]`` with
+   ``v = x`` or ``v = scale * x + shift`` (``pre``: an eval-mode BatchNorm folded in), computed in
+   float32, written in ``x``'s dtype. NaN goes to cell 0, so it stays NaN.
+
+With ``pre`` the map reads the BatchNorm's input, so (1) and (4) replace the BatchNorm's own pass.
+Memory traffic per value: one read in (1), one read and one write in (4); (2) reads ``S`` values
+per channel; (3) writes ``8 * (cells + 2)`` bytes per channel.
+
+Offsets: per-position and per-row bases are int64 (a layer output may exceed 2**31 values); the
+offsets inside a tile are int32. Under ``torch.compile`` the two host functions are
+``torch.library.triton_op`` custom ops (torch >= 2.6), so the compiled graph calls the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from aqr.backends.base import TAIL_CODES
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError(f"aqr's Triton backend needs triton ({err})") from err
+
+if not hasattr(tl, "gather"):  # pragma: no cover - depends on the environment
+    raise ImportError(f"aqr's Triton backend needs tl.gather (triton >= 3.3); found triton {triton.__version__}")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Tile sizes and warps of the kernels; none changes a result.
+
+    Attributes:
+        map_tile / map_warps: values per program of the map kernel, and its warps.
+        stats_tile / stats_warps: values per loop step of the extremes kernel, and its warps.
+        stats_programs: about how many programs the extremes kernel runs (parts per channel follow).
+        sort_warps: warps of the targets kernel (sort of S values in registers).
+        table_warps: warps of the table kernel.
+    """
+
+    map_tile: int = 2048
+    map_warps: int = 4
+    stats_tile: int = 4096
+    stats_warps: int = 4
+    stats_programs: int = 1024
+    sort_warps: int = 8
+    table_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("map_tile", "stats_tile", "map_warps", "stats_warps", "sort_warps", "table_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.stats_programs < 1:
+            raise ValueError(f"stats_programs must be >= 1, got {self.stats_programs}")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (1) extremes: partial min / max / NaN flag per (channel, part)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["A", "split", "n_tb", "per"])
+def _extremes_rows_kernel(x_ptr, part_ptr, finite_ptr, A, C, B, sxa, sxc, sxb, split, n_tb, per,
+                          TA: tl.constexpr, TB: tl.constexpr):
+    """Channel-major layouts: program (c, s) reduces tiles s*per .. s*per + per - 1 of channel c's
+    (A, B) plane, each TA rows x TB positions (tiles past the last one are masked out)."""
+    c = tl.program_id(0)
+    s = tl.program_id(1)
+    tl.store(finite_ptr, True, mask=(c == 0) & (s == 0))  # cleared by _targets_kernel if need be
+    ia = tl.arange(0, TA)
+    ib = tl.arange(0, TB)
+    mn = tl.full([TA, TB], INF, tl.float32)
+    mx = tl.full([TA, TB], -INF, tl.float32)
+    bad = tl.zeros([TA, TB], tl.int32)
+    cbase = c.to(tl.int64) * sxc
+    for i in range(0, per):  # an argument as the bound: older interpreters take no computed bounds
+        t = s * per + i
+        ta = t // n_tb
+        tb = t - ta * n_tb
+        a = ta * TA + ia
+        b = tb * TB + ib
+        m = (a < A)[:, None] & (b < B)[None, :]
+        off = cbase + (a.to(tl.int64) * sxa)[:, None] + (b.to(tl.int64) * sxb)[None, :]
+        v = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        ok = m & (v == v)
+        mn = tl.minimum(mn, tl.where(ok, v, INF))
+        mx = tl.maximum(mx, tl.where(ok, v, -INF))
+        bad = tl.maximum(bad, (m & (v != v)).to(tl.int32))
+    at = c * split + s
+    plane = C * split
+    tl.store(part_ptr + at, tl.min(tl.min(mn, axis=1), axis=0))
+    tl.store(part_ptr + plane + at, tl.max(tl.max(mx, axis=1), axis=0))
+    tl.store(part_ptr + 2 * plane + at, tl.max(tl.max(bad, axis=1), axis=0).to(tl.float32))
+
+
+@triton.jit(do_not_specialize=["P", "split", "per"])
+def _extremes_cols_kernel(x_ptr, part_ptr, finite_ptr, C, B, P, sxa, sxc, sxb, split, per,
+                          BP: tl.constexpr, BC: tl.constexpr):
+    """Channel-fastest layouts (channels_last, tokens): program (cb, s) reduces position tiles
+    s*per .. s*per + per - 1 of BP positions for the BC channels of block cb."""
+    cb = tl.program_id(0)
+    s = tl.program_id(1)
+    tl.store(finite_ptr, True, mask=(cb == 0) & (s == 0))
+    c = cb * BC + tl.arange(0, BC)
+    cm = c < C
+    coff = c.to(tl.int64) * sxc
+    ip = tl.arange(0, BP)
+    mn = tl.full([BP, BC], INF, tl.float32)
+    mx = tl.full([BP, BC], -INF, tl.float32)
+    bad = tl.zeros([BP, BC], tl.int32)
+    for i in range(0, per):
+        p = (s * per + i) * BP + ip
+        a = p // B
+        b = p - a * B
+        m = (p < P)[:, None] & cm[None, :]
+        off = (a.to(tl.int64) * sxa + b.to(tl.int64) * sxb)[:, None] + coff[None, :]
+        v = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        ok = m & (v == v)
+        mn = tl.minimum(mn, tl.where(ok, v, INF))
+        mx = tl.maximum(mx, tl.where(ok, v, -INF))
+        bad = tl.maximum(bad, (m & (v != v)).to(tl.int32))
+    at = c * split + s
+    plane = C * split
+    tl.store(part_ptr + at, tl.min(mn, axis=0), mask=cm)
+    tl.store(part_ptr + plane + at, tl.max(mx, axis=0), mask=cm)
+    tl.store(part_ptr + 2 * plane + at, tl.max(bad, axis=0).to(tl.float32), mask=cm)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (2) targets: sampled values sorted in registers, type-7 knots, p0/p100 of every value, moments
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["C", "S", "K", "split"])
+def _targets_kernel(x_ptr, pos_ptr, part_ptr, pre_scale_ptr, pre_shift_ptr, rank_ptr, frac_ptr,
+                    tq_ptr, mom_ptr, finite_ptr, C, sxc, S, K, split,
+                    HAS_PRE: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                    SPLIT_BLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    # p0 and p100: the extremes of every value (the partials of _extremes_*_kernel)
+    mn = tl.full([], INF, tl.float32)
+    mx = tl.full([], -INF, tl.float32)
+    bad = tl.full([], 0.0, tl.float32)
+    plane = C * split
+    for s0 in range(0, split, SPLIT_BLOCK):
+        si = s0 + tl.arange(0, SPLIT_BLOCK)
+        sm = si < split
+        at = c * split + si
+        mn = tl.minimum(mn, tl.min(tl.load(part_ptr + at, mask=sm, other=INF), axis=0))
+        mx = tl.maximum(mx, tl.max(tl.load(part_ptr + plane + at, mask=sm, other=-INF), axis=0))
+        bad = tl.maximum(bad, tl.max(tl.load(part_ptr + 2 * plane + at, mask=sm, other=0.0), axis=0))
+    # the sample, gathered at the cached offsets of channel 0 plus c * sxc
+    i = tl.arange(0, S_PAD)
+    im = i < S
+    off = tl.load(pos_ptr + i, mask=im, other=0)
+    v = tl.load(x_ptr + c.to(tl.int64) * sxc + off, mask=im, other=0.0).to(tl.float32)
+    lo_all = mn
+    hi_all = mx
+    if HAS_PRE:
+        a = tl.load(pre_scale_ptr + c)
+        b = tl.load(pre_shift_ptr + c)
+        v = v * a + b
+        # monotone in x, so the extremes of a * x + b are those of x mapped (swapped when a < 0)
+        e0 = mn * a + b
+        e1 = mx * a + b
+        swap = e0 > e1
+        lo_all = tl.where(swap, e1, e0)
+        hi_all = tl.where(swap, e0, e1)
+    finite = (bad == 0.0) & (tl.abs(lo_all) < INF) & (tl.abs(hi_all) < INF)
+    # Sorted as int32 keys in float order (the sign bit kept, the other bits flipped for negative
+    # values): triton <= 3.3 sorts floats through sums of x * 0, which turn +inf into NaN and lose
+    # -0.0's sign, and no version orders NaN. Padding (and NaN, whose channel is not finite
+    # anyway) gets the key of +inf and sorts last.
+    bits = v.to(tl.int32, bitcast=True)
+    key = tl.where(im & (v == v), bits ^ ((bits >> 31) & 0x7FFFFFFF), 0x7F800000)
+    key = tl.sort(key)
+    srt = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    vm = tl.where(im, v, 0.0)
+    mean = tl.sum(vm, axis=0) / S
+    d = tl.where(im, v - mean, 0.0)
+    std = tl.sqrt_rn(tl.sum(d * d, axis=0) / S)
+    k = tl.arange(0, K_PAD)
+    km = k < K
+    r0 = tl.load(rank_ptr + k, mask=km, other=0)
+    f = tl.load(frac_ptr + k, mask=km, other=0.0)
+    r1 = tl.minimum(r0 + 1, S - 1)
+    qa = tl.gather(srt, r0, 0)
+    qb = tl.gather(srt, r1, 0)
+    q = qa + (qb - qa) * f
+    q = tl.where(k == 0, lo_all, tl.where(k == K - 1, hi_all, q))
+    nan = float("nan")
+    q = tl.where(finite, q, nan)
+    tl.store(tq_ptr + c * K + k, q, mask=km)
+    tl.store(mom_ptr + 2 * c, tl.where(finite, mean, nan))
+    tl.store(mom_ptr + 2 * c + 1, tl.where(finite, std, nan))
+    tl.store(finite_ptr, False, mask=finite == 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (3) table: tail lines and the exact map on the grid (aqr.backends.torch_backend.table_map, aqr.core.qmap)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _count(arr, x, N_PAD: tl.constexpr, LOG: tl.constexpr, STRICT: tl.constexpr):
+    """How many entries of the ascending register array ``arr`` (N_PAD entries, at least one of
+    them +inf padding) are <= x (< x when STRICT), for each x: a branch-free binary search."""
+    pos = tl.zeros(x.shape, tl.int32)
+    for step in tl.static_range(LOG):
+        cand = pos + (N_PAD >> (step + 1))
+        v = tl.gather(arr, cand - 1, 0)
+        if STRICT:
+            ok = v < x
+        else:
+            ok = v <= x
+        pos = tl.where(ok, cand, pos)
+    return pos
+
+
+@triton.jit
+def _exact_at(g, tq, sq, run_start, K, K_PAD: tl.constexpr, LOG_K: tl.constexpr):
+    """The exact map at points g: aqr.core.qmap.interp_levels (branch_free) then eval_levels."""
+    p = _count(tq, g, K_PAD, LOG_K, False)  # knots <= g
+    j = tl.minimum(tl.maximum(p - 1, 0), K - 2)
+    lo_knot = tl.gather(tq, j, 0)
+    width = tl.gather(tq, j + 1, 0) - lo_knot
+    pos = width > 0
+    t = tl.where(pos, tl.math.div_rn(g - lo_knot, tl.where(pos, width, 1.0)), (g > lo_knot).to(tl.float32))
+    u = j.to(tl.float32) + t
+    last = tl.maximum(p - 1, 0)
+    tie = (p > 0) & (g == tl.gather(tq, last, 0))
+    u = tl.where(tie, (tl.gather(run_start, last, 0) + last).to(tl.float32) / 2, u)
+    i = tl.minimum(tl.maximum(tl.floor(u).to(tl.int32), 0), K - 2)
+    frac = u - i.to(tl.float32)
+    a = tl.gather(sq, i, 0)
+    return a + (tl.gather(sq, i + 1, 0) - a) * frac
+
+
+@triton.jit
+def _slope(rise, run):
+    return tl.where(run > 0, tl.math.div_rn(rise, tl.where(run > 0, run, 1.0)), 0.0)
+
+
+@triton.jit(do_not_specialize=["mstride", "tail", "K"])
+def _table_kernel(tq_ptr, sq_ptr, mean_ptr, std_ptr, mstride, loc_ptr, scale_ptr, tab_ptr, lo_ptr,
+                  inv_ptr, tail, z0, z98, K,
+                  CELLS: tl.constexpr, CP: tl.constexpr, K_PAD: tl.constexpr, LOG_K: tl.constexpr):
+    c = tl.program_id(0)
+    k = tl.arange(0, K_PAD)
+    km = k < K
+    row = c * K
+    tq = tl.load(tq_ptr + row + k, mask=km, other=INF)
+    sq = tl.load(sq_ptr + row + k, mask=km, other=0.0)
+    finite = tl.sum((km & (tl.abs(tq) >= INF)).to(tl.int32) + (km & (tq != tq)).to(tl.int32), axis=0) == 0
+    run_start = _count(tq, tq, K_PAD, LOG_K, True)  # first index of each knot's run of ties
+    t0 = tl.load(tq_ptr + row)
+    t1 = tl.load(tq_ptr + row + 1)
+    t98 = tl.load(tq_ptr + row + K - 2)
+    t99 = tl.load(tq_ptr + row + K - 1)
+    s0 = tl.load(sq_ptr + row)
+    s1 = tl.load(sq_ptr + row + 1)
+    s98 = tl.load(sq_ptr + row + K - 2)
+    s99 = tl.load(sq_ptr + row + K - 1)
+    # the grid: CELLS + 1 points between p1 and p_{K-2}
+    lo = t1
+    width = tl.math.div_rn(t98 - t1, CELLS * 1.0)
+    inv = tl.where(width > 0, tl.math.div_rn(1.0, tl.where(width > 0, width, 1.0)), 0.0)
+    j = tl.arange(0, CP)
+    g = lo + width * j.to(tl.float32)
+    v0 = _exact_at(g, tq, sq, run_start, K, K_PAD, LOG_K)
+    top = tl.full([2], CELLS, tl.int32)  # the point CELLS, beyond the CP registers when CELLS == CP
+    v_top = tl.max(_exact_at(lo + width * top.to(tl.float32), tq, sq, run_start, K, K_PAD, LOG_K), axis=0)
+    j1 = j + 1
+    v1 = tl.where(j1 < CP, tl.gather(v0, tl.minimum(j1, CP - 1), 0), v_top)
+    slope = (v1 - v0) * inv
+    icpt = v0 - slope * g
+    base = tab_ptr + c.to(tl.int64) * (2 * (CELLS + 2))
+    jm = j < CELLS
+    tl.store(base + 2 * j1, slope, mask=jm)
+    tl.store(base + 2 * j1 + 1, icpt, mask=jm)
+    # tail lines (aqr.core.qmap.tail_lines), all six strategies, chosen by the runtime code `tail`
+    a_lo = _slope(s1 - s0, t1 - t0)
+    b_lo = s0 - a_lo * t0
+    a_hi = _slope(s99 - s98, t99 - t98)
+    b_hi = s98 - a_hi * t98
+    mean = tl.load(mean_ptr + c * mstride)
+    sd = tl.load(std_ptr + c * mstride)
+    sd = tl.where(sd > 0, sd, 1.0)  # constant channel: no spread to rescale
+    scale = tl.load(scale_ptr + c)
+    loc = tl.load(loc_ptr + c)
+    a_p = tl.math.div_rn(scale, sd)
+    # none (1), clip (2), interval (3), gaussian (4); 0 keeps Eq. 1
+    a_lo = tl.where(tail == 1, 1.0, tl.where(tail == 2, 0.0, tl.where(tail >= 3, a_p, a_lo)))
+    a_hi = tl.where(tail == 1, 1.0, tl.where(tail == 2, 0.0, tl.where(tail >= 3, a_p, a_hi)))
+    b_lo = tl.where(tail == 1, 0.0, tl.where(tail == 2, t1, tl.where(
+        tail == 3, s0 - a_p * t0, tl.where(tail == 4, (loc + scale * z0) - a_p * (mean + sd * z0), b_lo))))
+    b_hi = tl.where(tail == 1, 0.0, tl.where(tail == 2, t98, tl.where(
+        tail == 3, s98 - a_p * t98, tl.where(tail == 4, s98 - a_p * (mean + sd * z98), b_hi))))
+    nan = float("nan")
+    # a channel with non-finite knots maps every value to NaN: lo = NaN sends all to cell 0
+    tl.store(base, tl.where(finite, a_lo, nan))
+    tl.store(base + 1, tl.where(finite, b_lo, nan))
+    tl.store(base + 2 * (CELLS + 1), tl.where(finite, a_hi, nan))
+    tl.store(base + 2 * (CELLS + 1) + 1, tl.where(finite, b_hi, nan))
+    tl.store(lo_ptr + c, tl.where(finite, lo, nan))
+    tl.store(inv_ptr + c, inv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (4) map: y = slope[cell] * v + icpt[cell], v = x or pre_scale * x + pre_shift
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_as(ptr, y, mask):
+    """Store float32 ``y`` in ``ptr``'s dtype, rounding to nearest even. bfloat16 is rounded by
+    hand: Triton's interpreter truncates in ``.to(tl.bfloat16)`` while GPUs round, and the tests
+    run in the interpreter."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = tl.where(y == y, y.to(tl.uint32, bitcast=True), 0x7FC00000)  # NaN: a quiet NaN
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        tl.store(ptr, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lookup(v, lo, inv, tab_row, mask, CELLS: tl.constexpr):
+    """The table map of float32 ``v``; ``tab_row`` points at each value's channel table (read
+    only where ``mask``: a tile's padding may lie beyond the last channel)."""
+    t = (v - lo) * inv + 1.0
+    t = tl.where(t == t, t, 0.0)  # NaN -> cell 0, where it stays NaN
+    t = tl.minimum(tl.maximum(t, 0.0), CELLS + 1.0)
+    cell = t.to(tl.int32)
+    slope = tl.load(tab_row + 2 * cell, mask=mask, other=0.0)
+    icpt = tl.load(tab_row + 2 * cell + 1, mask=mask, other=0.0)
+    return slope * v + icpt
+
+
+@triton.jit(do_not_specialize=["R", "C"])
+def _map_rows_kernel(x_ptr, y_ptr, tab_ptr, lo_ptr, inv_ptr, pre_scale_ptr, pre_shift_ptr,
+                     R, C, B, sxa, sxc, sxb, sya, syc, syb,
+                     CELLS: tl.constexpr, HAS_PRE: tl.constexpr, BR: tl.constexpr, BB: tl.constexpr):
+    """Channel-major layouts: a tile of BR rows (a, c) x BB positions b."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    b = tl.program_id(1) * BB + tl.arange(0, BB)
+    rm = r < R
+    a = r // C
+    c = r - a * C
+    m = rm[:, None] & (b < B)[None, :]
+    a64 = a.to(tl.int64)
+    c64 = c.to(tl.int64)
+    b64 = b.to(tl.int64)
+    xoff = (a64 * sxa + c64 * sxc)[:, None] + (b64 * sxb)[None, :]
+    yoff = (a64 * sya + c64 * syc)[:, None] + (b64 * syb)[None, :]
+    x = tl.load(x_ptr + xoff, mask=m, other=0.0)
+    v = x.to(tl.float32)
+    if HAS_PRE:
+        pa = tl.load(pre_scale_ptr + c, mask=rm, other=1.0)
+        pb = tl.load(pre_shift_ptr + c, mask=rm, other=0.0)
+        v = v * pa[:, None] + pb[:, None]
+    lo = tl.load(lo_ptr + c, mask=rm, other=0.0)[:, None]
+    inv = tl.load(inv_ptr + c, mask=rm, other=0.0)[:, None]
+    tab_row = tab_ptr + (c64 * (2 * (CELLS + 2)))[:, None]
+    y = _lookup(v, lo, inv, tab_row, m, CELLS)
+    _store_as(y_ptr + yoff, y, m)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _map_cols_kernel(x_ptr, y_ptr, tab_ptr, lo_ptr, inv_ptr, pre_scale_ptr, pre_shift_ptr,
+                     P, C, B, sxa, sxc, sxb, sya, syc, syb,
+                     CELLS: tl.constexpr, HAS_PRE: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
+    """Channel-fastest layouts: a tile of BP positions (a, b) x BC channels."""
+    p = tl.program_id(0) * BP + tl.arange(0, BP)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    a = p // B
+    b = p - a * B
+    m = (p < P)[:, None] & cm[None, :]
+    a64 = a.to(tl.int64)
+    b64 = b.to(tl.int64)
+    c64 = c.to(tl.int64)
+    xoff = (a64 * sxa + b64 * sxb)[:, None] + (c64 * sxc)[None, :]
+    yoff = (a64 * sya + b64 * syb)[:, None] + (c64 * syc)[None, :]
+    x = tl.load(x_ptr + xoff, mask=m, other=0.0)
+    v = x.to(tl.float32)
+    if HAS_PRE:
+        pa = tl.load(pre_scale_ptr + c, mask=cm, other=1.0)
+        pb = tl.load(pre_shift_ptr + c, mask=cm, other=0.0)
+        v = v * pa[None, :] + pb[None, :]
+    lo = tl.load(lo_ptr + c, mask=cm, other=0.0)[None, :]
+    inv = tl.load(inv_ptr + c, mask=cm, other=0.0)[None, :]
+    tab_row = tab_ptr + (c64 * (2 * (CELLS + 2)))[None, :]
+    y = _lookup(v, lo, inv, tab_row, m, CELLS)
+    _store_as(y_ptr + yoff, y, m)
+
+
+# ---------------------------------------------------------------------------------------------------
+# host side: launches (no host synchronisation, no data-dependent shapes)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _kernel(fn, x: torch.Tensor):
+    """``fn``, wrapped for tracing when ``x`` is a traced tensor (inside the triton_op under
+    torch.compile), else the plain kernel (wrap_triton's dispatch costs time in eager mode)."""
+    if type(x) is torch.Tensor or _wrap_triton is None:
+        return fn
+    return _wrap_triton(fn)
+
+
+def _channels_fastest(x: torch.Tensor) -> bool:
+    """Whether the channel is the innermost dim in memory (channels_last, tokens)."""
+    _, _, b = x.shape
+    sa, sc, sb = x.stride()
+    return sc == 1 and (b == 1 or sb != 1)
+
+
+def targets_impl(
+    x: torch.Tensor,
+    pre_scale: Optional[torch.Tensor],
+    pre_shift: Optional[torch.Tensor],
+    positions: torch.Tensor,
+    ranks: torch.Tensor,
+    fracs: torch.Tensor,
+    stats_tile: int,
+    stats_warps: int,
+    stats_programs: int,
+    sort_warps: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Knots (C, K), moments (C, 2) and the finite flag of ``x`` (A, C, B); see the module doc."""
+    a, c, b = x.shape
+    k = ranks.shape[0]
+    s = positions.shape[0]
+    sxa, sxc, sxb = x.stride()
+    dev = x.device
+    finite = torch.empty((), dtype=torch.bool, device=dev)
+    if _channels_fastest(x):
+        bc = min(_pow2(c), 128)
+        bp = max(1, min(_pow2(a * b), stats_tile // bc))
+        tiles = _cdiv(a * b, bp)
+        per = _cdiv(tiles, max(1, min(tiles, _cdiv(stats_programs, _cdiv(c, bc)))))
+        split = _cdiv(tiles, per)
+        part = torch.empty(3, c, split, dtype=torch.float32, device=dev)
+        _kernel(_extremes_cols_kernel, x)[(_cdiv(c, bc), split)](
+            x, part, finite, c, b, a * b, sxa, sxc, sxb, split, per, BP=bp, BC=bc, num_warps=stats_warps)
+    else:
+        tb = min(_pow2(b), 1024, stats_tile)
+        ta = max(1, min(_pow2(a), stats_tile // tb))
+        n_tb = _cdiv(b, tb)
+        tiles = _cdiv(a, ta) * n_tb
+        per = _cdiv(tiles, max(1, min(tiles, _cdiv(stats_programs, c))))
+        split = _cdiv(tiles, per)
+        part = torch.empty(3, c, split, dtype=torch.float32, device=dev)
+        _kernel(_extremes_rows_kernel, x)[(c, split)](
+            x, part, finite, a, c, b, sxa, sxc, sxb, split, n_tb, per, TA=ta, TB=tb, num_warps=stats_warps)
+    tq = torch.empty(c, k, dtype=torch.float32, device=dev)
+    moments = torch.empty(c, 2, dtype=torch.float32, device=dev)
+    has_pre = pre_scale is not None
+    _kernel(_targets_kernel, x)[(c,)](
+        x, positions, part, pre_scale if has_pre else part, pre_shift if has_pre else part, ranks, fracs,
+        tq, moments, finite, c, sxc, s, k, split,
+        HAS_PRE=has_pre, S_PAD=max(2, _pow2(s)), K_PAD=_pow2(k), SPLIT_BLOCK=64, num_warps=sort_warps)
+    return tq, moments, finite
+
+
+def apply_impl(
+    x: torch.Tensor,
+    tq: torch.Tensor,
+    sq: torch.Tensor,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    loc: torch.Tensor,
+    scale: torch.Tensor,
+    pre_scale: Optional[torch.Tensor],
+    pre_shift: Optional[torch.Tensor],
+    tail: int,
+    z0: float,
+    z98: float,
+    cells: int,
+    map_tile: int,
+    map_warps: int,
+    table_warps: int,
+) -> torch.Tensor:
+    """The table map of ``x`` (A, C, B) with knots ``tq``/``sq`` (C, K); see the module doc.
+
+    ``mean``/``std`` are (C, 1) views (any row stride); ``loc``/``scale`` (C,). The parametric
+    values are read by the parametric tails only (callers pass any (C,)-sized tensors otherwise).
+    """
+    a, c, b = x.shape
+    k = tq.shape[1]
+    dev = x.device
+    tab = torch.empty(c, cells + 2, 2, dtype=torch.float32, device=dev)
+    lo = torch.empty(c, dtype=torch.float32, device=dev)
+    inv = torch.empty(c, dtype=torch.float32, device=dev)
+    k_pad = _pow2(k + 1)  # at least one +inf pad: the binary searches rely on it
+    _kernel(_table_kernel, x)[(c,)](
+        tq, sq, mean, std, mean.stride(0), loc, scale, tab, lo, inv, tail, z0, z98, k,
+        CELLS=cells, CP=_pow2(cells), K_PAD=k_pad, LOG_K=k_pad.bit_length() - 1, num_warps=table_warps)
+    # same strides as x when x is dense (NCHW, channels_last, tokens), else contiguous
+    y = torch.empty_like(x)
+    has_pre = pre_scale is not None
+    ps = pre_scale if has_pre else lo
+    pb = pre_shift if has_pre else lo
+    sxa, sxc, sxb = x.stride()
+    sya, syc, syb = y.stride()
+    if _channels_fastest(x):
+        bc = min(_pow2(c), 128)
+        bp = max(1, map_tile // bc)
+        grid = (_cdiv(a * b, bp), _cdiv(c, bc))
+        _kernel(_map_cols_kernel, x)[grid](
+            x, y, tab, lo, inv, ps, pb, a * b, c, b, sxa, sxc, sxb, sya, syc, syb,
+            CELLS=cells, HAS_PRE=has_pre, BP=bp, BC=bc, num_warps=map_warps)
+    else:
+        bb = min(_pow2(b), 1024, map_tile)
+        br = max(1, map_tile // bb)
+        grid = (_cdiv(a * c, br), _cdiv(b, bb))
+        _kernel(_map_rows_kernel, x)[grid](
+            x, y, tab, lo, inv, ps, pb, a * c, c, b, sxa, sxc, sxb, sya, syc, syb,
+            CELLS=cells, HAS_PRE=has_pre, BR=br, BB=bb, num_warps=map_warps)
+    return y
+
+
+def _register() -> tuple[object, object, str]:
+    """The two host functions as ``torch.library.triton_op`` custom ops (torch >= 2.6), so that
+    torch.compile traces the kernels; otherwise functions that a compiled model runs eagerly
+    (a graph break around each call). Also returns why the ops are missing ("" when present)."""
+    triton_op = getattr(torch.library, "triton_op", None)
+    if triton_op is None or _wrap_triton is None:
+        why = f"torch {torch.__version__} has no torch.library.triton_op"
+    else:
+        try:
+            return (triton_op("aqr_triton::targets", targets_impl, mutates_args=()),
+                    triton_op("aqr_triton::apply", apply_impl, mutates_args=()), "")
+        except Exception as err:  # noqa: BLE001 - e.g. registered twice, or a schema torch cannot infer
+            why = f"triton_op registration failed: {type(err).__name__}: {err}"
+    return torch.compiler.disable(targets_impl), torch.compiler.disable(apply_impl), why
+
+
+_wrap_triton = getattr(torch.library, "wrap_triton", None)
+targets_op, apply_op, CUSTOM_OPS_MISSING = _register()
+
+
+def call(op, impl, *args):
+    """The custom op while torch.compile traces (it sees the kernels), the plain function in eager
+    mode (a custom op's dispatch costs tens of microseconds per call)."""
+    return op(*args) if torch.compiler.is_compiling() else impl(*args)
+
+
