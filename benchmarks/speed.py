@@ -63,8 +63,9 @@ def _vit_b16() -> torch.nn.Module:
 
 MODELS.update({"resnet50": _resnet50, "vit-b16": _vit_b16})
 INPUT_SIZE = {"resnet50": 224, "vit-b16": 224}  # the rest take 32 x 32 images
-METHODS = ["source", "ttn", "aqr", "aqr-torch", "aqr-exact", "tent", "sar"]  # aqr-torch: native=False
-SLOW_METHODS = ("aqr-exact", "aqr-torch", "tent", "sar")  # timed at the first batch size only on a GPU
+# aqr-torch: native=False (no C kernels on CPU); aqr-triton: triton=True (aqr's Triton kernels on a GPU)
+METHODS = ["source", "ttn", "aqr", "aqr-torch", "aqr-triton", "aqr-exact", "tent", "sar"]
+SLOW_METHODS = ("aqr-exact", "tent", "sar")  # timed at the first batch size only on a GPU
 
 
 def images(n: int, seed: int = 0, size: int = 32) -> torch.Tensor:
@@ -94,6 +95,8 @@ def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: in
         return methods.create("aqr", model, stats=stats, mode="exact")
     if method == "aqr-torch":  # the fast path without aqr's kernels (as on a machine with no compiler)
         return methods.create("aqr", model, stats=stats, native=False)
+    if method == "aqr-triton":
+        return methods.create("aqr", model, stats=stats, triton=True)
     if method in ("tent", "sar"):
         arch = "vit" if "vit" in type(model.model if hasattr(model, "model") else model).__name__.lower() else "cnn"
         return methods.create(method, model, arch=arch, batch_size=batch)
@@ -105,7 +108,7 @@ class CompiledAQR:
     BatchNorms are in place while the model is traced, so the compiled graph calls aqr's kernels."""
 
     def __init__(self, model: torch.nn.Module, stats: aqr.SourceStats) -> None:
-        self.block = aqr.recalibrating(model, stats)
+        self.block = aqr.recalibrating(model, stats, triton=True)
         self.block.__enter__()  # left at exit of the process (a benchmark's model is not reused plainly)
         self.compiled = torch.compile(model)
 

@@ -246,3 +246,21 @@ def test_gpu_path_matches_cpu_path(tail):
     torch.testing.assert_close(compiled, want, atol=1e-4, rtol=1e-4)
     x[3, 2, 17] = float("nan")  # outside the sample (the extremes are taken over every value)
     assert not bool(map_sample(x, *args)[1])
+
+
+def test_folded_batchnorm_follows_updates_of_its_statistics():
+    """The folded BatchNorm's (scale, shift) is kept between batches: an in-place update of its
+    running statistics or weights, or a replaced buffer, must reach the next batch."""
+    model = bn_cnn()  # its own copy: this test changes the model
+    stats = aqr.calibrate(model, loader(images(512, seed=2), batch=256))
+    x = images(64, seed=5)
+    adapted = aqr.AQR(model, stats)
+    adapted(x)
+    bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    with torch.no_grad():
+        bn.running_mean.add_(0.3)
+        bn.weight.mul_(1.5)
+    fresh = aqr.AQR(model, stats)  # nothing cached
+    torch.testing.assert_close(adapted(x), fresh(x), rtol=0, atol=0)
+    bn.running_var = bn.running_var * 2.0  # a new tensor, not an in-place update
+    torch.testing.assert_close(adapted(x), aqr.AQR(model, stats)(x), rtol=0, atol=0)

@@ -17,27 +17,27 @@ from aqr.backends.subsets import SubsetCache
 from aqr.backends.torch_backend import TorchBackend
 
 
-def choose_backend(source: LayerSource, subsets: SubsetCache, *, native: bool = True,
+def choose_backend(source: LayerSource, subsets: SubsetCache, *, native: bool = True, triton: bool = False,
                    compile: bool = True) -> LayerBackend:
     """The backend for one layer on ``source``'s device.
 
-    With ``native``: on CPU aqr's C kernels (built on first use; where they cannot be built, a
-    warning once and torch), on a CUDA GPU aqr's Triton kernels (where triton is missing, a warning
-    once and torch); both hand inputs they do not take (float64, autograd) to torch. Otherwise, and
-    on other devices: torch, compiled with ``torch.compile`` when ``compile``.
+    With ``native``, on CPU: aqr's C kernels (built on first use; where they cannot be built, a
+    warning once and torch). With ``triton``, on a CUDA GPU: aqr's Triton kernels (where triton is
+    missing, a warning once and torch). Both hand inputs they do not take (float64, autograd) to
+    torch. Otherwise: torch, compiled with ``torch.compile`` when ``compile``.
     """
     torch_backend = TorchBackend(source, subsets, compile)
     if native and source.device.type == "cpu":
         lib = native_kernels()
         if lib is not None:
             return NativeBackend(source, subsets, lib, torch_backend)
-    if native and source.device.type == "cuda":
+    if triton and (source.device.type == "cuda" or (source.device.type == "cpu" and not native)):
         from aqr.backends import triton_backend  # imports triton: only where a GPU is used
 
         if triton_backend.available(source.device):
             return triton_backend.TritonBackend(source, subsets, torch_backend)
-        warnings.warn(f"aqr's Triton kernels are unavailable ({triton_backend.UNAVAILABLE or 'no triton'}); "
-                  "the fast path runs through torch on the GPU", stacklevel=3)
+        warnings.warn(f"aqr's Triton kernels are unavailable ({triton_backend.UNAVAILABLE or 'no GPU'}); "
+                      "the fast path runs through torch", stacklevel=3)
     return torch_backend
 
 

@@ -48,7 +48,7 @@ if not hasattr(tl, "gather"):  # pragma: no cover - depends on the environment
     raise ImportError(f"aqr's Triton backend needs tl.gather (triton >= 3.3); found triton {triton.__version__}")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INF = float("inf")
+INF = tl.constexpr(float("inf"))
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,9 @@ class AQRConfig:
         compile: fuse the fast kernel with ``torch.compile`` (falls back to eager with a warning).
         native: on CPU, run the fast path in aqr's C kernels (:mod:`aqr.backends.native`, built with the
             system C compiler on first use); without a compiler it warns once and uses torch.
+        triton: on a CUDA GPU, run the fast path in aqr's Triton kernels
+            (:mod:`aqr.backends.triton_backend`; experimental: on an H100 they are not yet faster than
+            the torch path, see ``docs/results/speed/``); without triton it warns once and uses torch.
     """
 
     tail: str | None = None
@@ -58,6 +61,7 @@ class AQRConfig:
     grid: int = 1024
     compile: bool = True
     native: bool = True
+    triton: bool = False
 
     def __post_init__(self) -> None:
         if self.tail is not None and self.tail not in TAILS:
@@ -99,6 +103,7 @@ class LayerMap:
         self.config = config
         self.subsets = subsets or SubsetCache(config.target_samples)
         self.logits_checked = logits_checked  # AQR's forward checks the logits for NaN/Inf
+        self._fold_cache: dict[torch.device, tuple[tuple[object, ...], Affine]] = {}
 
     def source_on(self, device: torch.device) -> LayerSource:
         """The layer's source side on ``device`` (moved once)."""
@@ -110,7 +115,7 @@ class LayerMap:
         """The fast-path backend for ``device``, chosen on first use."""
         if device not in self._backends:
             self._backends[device] = choose_backend(self.source_on(device), self.subsets, native=self.config.native,
-                                                    compile=self.config.compile)
+                                                    triton=self.config.triton, compile=self.config.compile)
         return self._backends[device]
 
     def __call__(self, _module: nn.Module, _inputs: object, output: object) -> torch.Tensor:
@@ -146,7 +151,7 @@ class LayerMap:
         """Whether this layer is a BatchNorm with running statistics that aqr's kernels (C on CPU,
         Triton on a GPU) can absorb into the map."""
         return (
-            self.config.mode == "fast" and self.config.native
+            self.config.mode == "fast" and (self.config.native or self.config.triton)
             and isinstance(module, nn.modules.batchnorm._BatchNorm)
             and module.track_running_stats and module.running_mean is not None and module.running_var is not None
         )
@@ -166,15 +171,30 @@ class LayerMap:
                     # on a GPU "skip" would need the unmapped output too (no host read of `finite`)
                     or (self.on_nonfinite == "skip" and not host_reads_are_cheap(x.device))):
                 return self(module, (x,), forward(x))
-            alpha = 1.0 / torch.sqrt(module.running_var.float() + module.eps)  # as ATen's eval batch_norm
-            if module.weight is not None:
-                alpha = alpha * module.weight.float()
-            beta = -module.running_mean.float() * alpha
-            if module.bias is not None:
-                beta = module.bias.float() + beta
-            return self._fast(x, (alpha.contiguous(), beta.contiguous()), lambda: forward(x))
+            return self._fast(x, self._folded_affine(module), lambda: forward(x))
 
         return run
+
+    def _folded_affine(self, module: nn.modules.batchnorm._BatchNorm) -> Affine:
+        """The eval-mode BatchNorm as ``(scale, shift)`` per channel, as ATen's eval batch_norm computes it.
+
+        Kept until one of the BN's tensors changes (replaced, or updated in place: its version
+        moves), so a forward pass does not recompute it in a handful of small ops per layer.
+        """
+        tensors = (module.running_var, module.running_mean, module.weight, module.bias)
+        key = (module.eps, *((id(t), t._version) if t is not None else None for t in tensors))
+        cached = self._fold_cache.get(module.running_var.device)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        alpha = 1.0 / torch.sqrt(module.running_var.float() + module.eps)
+        if module.weight is not None:
+            alpha = alpha * module.weight.float()
+        beta = -module.running_mean.float() * alpha
+        if module.bias is not None:
+            beta = module.bias.float() + beta
+        affine = (alpha.contiguous(), beta.contiguous())
+        self._fold_cache[module.running_var.device] = (key, affine)
+        return affine
 
     def _nonfinite(self, out: torch.Tensor) -> torch.Tensor:
         if self.on_nonfinite == "skip":
