@@ -4,9 +4,9 @@ method lists."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+from aqr.util.threads import torch_threads  # noqa: F401  (the commands import it from here)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -28,20 +28,6 @@ def add_threads(p: argparse.ArgumentParser, default: int | None = None,
                 help: str = "torch CPU threads (torch.set_num_threads; default: torch's)") -> None:
     """``--threads N``."""
     p.add_argument("--threads", type=int, default=default, help=help)
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Within the block torch uses ``n`` CPU threads (unchanged for ``None`` or 0); restored after."""
-    import torch
-
-    before = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
