@@ -181,19 +181,47 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def location_free(cell: Cell) -> dict[str, Any]:
+    """The cell as a dict without where its files live: each path is replaced by the role it plays.
+
+    The files enter a key by their content hashes, so nodes (or users) that mount the same data at
+    different paths compute the same keys. Generation inputs (``clean``, ``frost_dir``) drop out:
+    the generated files' hashes stand for them.
+    """
+    d = cell.to_dict()
+    model, data = d["model"], d["data"]
+    if model["checkpoint"] is not None:
+        model["checkpoint"] = "<weights file>"
+    elif Path(model["model"]).is_file():  # an aqr checkpoint given by path (else a zoo or hub name)
+        model["model"] = "<weights file>"
+    model["source_data"] = "<source file>"
+    data.update(root="<data folder>", clean=None, frost_dir=None)
+    return d
+
+
 def cell_key(cell: Cell, fingerprints: Mapping[str, str], version: str) -> str:
     """Stable id of a cell's result: its config, the content hashes of its files and the code version.
 
     ``fingerprints`` maps each of the cell's files (checkpoint, source data, evaluation data) to its
-    sha256, so regenerated data or retrained weights never reuse old rows.
+    sha256, so regenerated data or retrained weights never reuse old rows; where the files live
+    does not count (:func:`location_free`).
     """
+    return _key(location_free(cell), cell.method, fingerprints, version)
+
+
+def legacy_cell_key(cell: Cell, fingerprints: Mapping[str, str], version: str) -> str:
+    """The key aqr gave a cell before keys were location-free (file paths included), for old databases."""
+    return _key(cell.to_dict(), cell.method, fingerprints, version)
+
+
+def _key(config: Mapping[str, Any], method: str, fingerprints: Mapping[str, str], version: str) -> str:
     payload = {
-        "cell": cell.to_dict(),
+        "cell": config,
         "files": dict(sorted(fingerprints.items())),
         "aqr": version,
         "protocol_version": PROTOCOL_VERSION,
     }
-    if cell.method == "aqr":
+    if method == "aqr":
         payload["aqr_stats_version"] = AQR_STATS_VERSION
         payload["aqr_fast_path_version"] = AQR_FAST_PATH_VERSION
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:32]

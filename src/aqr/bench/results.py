@@ -129,6 +129,14 @@ class ResultsDB:
             self._conn.executemany("INSERT OR IGNORE INTO experiment_cells VALUES (?, ?)",
                                    [(experiment, k) for k in keys])
 
+    def rekey(self, old: str, new: str) -> None:
+        """Store the row of key ``old`` (and its experiment memberships) under ``new`` instead, in one transaction."""
+        with self._conn:
+            self._conn.execute("BEGIN")
+            self._conn.execute("UPDATE OR REPLACE results SET key = ? WHERE key = ?", (new, old))
+            self._conn.execute("UPDATE OR IGNORE experiment_cells SET key = ? WHERE key = ?", (new, old))
+            self._conn.execute("DELETE FROM experiment_cells WHERE key = ?", (old,))
+
     # ---- reading ----------------------------------------------------------------------------
     def finished(self, keys: Iterable[str] | None = None) -> set[str]:
         """Keys with a stored 'ok' or 'n/a' row (errors are retried), optionally among ``keys``."""

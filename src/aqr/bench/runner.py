@@ -3,12 +3,15 @@
 :func:`run_cell` is a pure function of a :class:`aqr.bench.grid.Cell` (plus where the statistics cache
 is): it loads the model, data and statistics it needs, runs one method and returns a
 :class:`CellResult`. :func:`run_grid` expands a grid, skips the cells already in the results
-database, prepares every source-statistics file once, runs the rest (in this process or in worker
-processes) and is the only writer of the database.
+database, prepares every source-statistics file once, runs the rest on an executor (this process,
+local worker processes: :mod:`aqr.bench.executors`; a Ray cluster: :mod:`aqr.bench.ray_executor`)
+and is the only writer of the database. Runs sharing a database divide the cells between them
+(:mod:`aqr.bench.claims`).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -18,23 +21,29 @@ import sys
 import time
 import traceback
 import warnings
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from aqr.bench.grid import STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key, eval_indices, parse_range
+from aqr.bench.grid import (STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key,
+                            eval_indices, legacy_cell_key, location_free, parse_range)
 from aqr.bench.results import ResultsDB
 from aqr.core.calibrate import DEFAULT_TAIL_UNIT
 from aqr.core.stats import StatsError
 from aqr.data.arrays import to_float
 from aqr.data.images import ImageFolder, Preprocess, balanced_subset, is_image_source, listing_fingerprint
 from aqr.util.files import sha256_cached
+from aqr.util.threads import torch_threads
+
+if TYPE_CHECKING:
+    from aqr.bench.executors import CellExecutor, CellSettings
+    from aqr.bench.claims import Claims
+    from aqr.bench.ray_executor import RayOptions
 
 DEFAULT_K = 101
 DEFAULT_MAX_SAMPLES = 100_000
@@ -42,13 +51,20 @@ DEFAULT_MAX_SAMPLES = 100_000
 
 @dataclass(frozen=True)
 class CellResult:
-    """What a cell produced. ``status``: ``"ok"``, ``"n/a"`` (method not applicable) or ``"error"``."""
+    """What a cell produced. ``status``: ``"ok"``, ``"n/a"`` (method not applicable) or ``"error"``.
+
+    ``node``, ``threads`` and ``device``: the host that ran the cell, torch's thread count and the
+    device there (``None`` when the cell never ran, e.g. its worker died).
+    """
 
     status: str
     accuracy: float | None = None
     n_images: int | None = None
     wall_s: float | None = None
     message: str | None = None
+    node: str | None = None
+    threads: int | None = None
+    device: str | None = None
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -160,7 +176,7 @@ def stats_path(cell: Cell, cache_dir: str | Path) -> Path:
     """Where the cell's source statistics are cached: keyed by weights, source data and its options."""
     fp = fingerprints(cell)
     key = {"weights": fp.get("weights"), "source": fp["source"], "indices": cell.model.source_indices,
-           "model": cell.model.model, **stats_options(cell)}
+           "model": location_free(cell)["model"]["model"], **stats_options(cell)}
     if cell.model.image_size or cell.model.resize:  # only when set, so older cache files keep their names
         key["preprocess"] = [cell.model.image_size, cell.model.resize]
     digest = hashlib.sha256(canonical_json(key).encode()).hexdigest()[:20]
@@ -241,25 +257,32 @@ def data_loader(dataset: Any, batch_size: int, workers: int = 0, device: torch.d
                       persistent_workers=False, prefetch_factor=4 if workers else None)
 
 
-def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False, device: str | None = None,
-                 loader_workers: int = 0) -> Path:
-    """Compute (once) and cache the source statistics a cell needs; returns the stats file.
-
-    The file is written atomically, so concurrent or interrupted runs never leave half a file.
-    """
+def compute_stats(cell: Cell, progress: bool = False, device: str | None = None, loader_workers: int = 0,
+                  threads: int | None = None) -> Any:
+    """The source statistics a cell needs (:class:`aqr.SourceStats`), computed now on ``device`` with
+    ``threads`` torch threads (default: unchanged) and ``loader_workers`` decoding processes."""
     from aqr.core.calibrate import calibrate
 
-    path = stats_path(cell, cache_dir)
-    if path.is_file():
-        return path
     opts = stats_options(cell)
     model = load_model(cell.model)
     if device is not None:
         model.to(device)
     source = source_dataset(cell.model, model_preprocess(cell.model, model))
-    stats = calibrate(model, data_loader(source, 500, loader_workers, device), num_quantiles=opts["K"],
-                      max_samples=opts["max_samples"], tail_unit=opts["tail_unit"], progress=progress)
-    return stats.save(path)
+    with torch_threads(threads):
+        return calibrate(model, data_loader(source, 500, loader_workers, device), num_quantiles=opts["K"],
+                         max_samples=opts["max_samples"], tail_unit=opts["tail_unit"], progress=progress)
+
+
+def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False, device: str | None = None,
+                 loader_workers: int = 0, threads: int | None = None) -> Path:
+    """Compute (once) and cache the source statistics a cell needs; returns the stats file.
+
+    The file is written atomically, so concurrent or interrupted runs never leave half a file.
+    """
+    path = stats_path(cell, cache_dir)
+    if path.is_file():
+        return path
+    return compute_stats(cell, progress, device, loader_workers, threads).save(path)
 
 
 @functools.lru_cache(maxsize=4)
@@ -297,8 +320,12 @@ def eval_folder(cell: Cell, preprocess: Preprocess) -> Subset:
     return Subset(folder, eval_indices(cell, pool))
 
 
-def build_method(cell: Cell, cache_dir: str | Path, device: str | None = None, loader_workers: int = 0) -> nn.Module:
-    """The method of a cell around its (cached) model, given what the method declares it needs."""
+def build_method(cell: Cell, cache_dir: str | Path, device: str | None = None, loader_workers: int = 0,
+                 stats_file: str | Path | None = None) -> nn.Module:
+    """The method of a cell around its (cached) model, given what the method declares it needs.
+
+    ``stats_file``: the cell's source statistics, if the caller has them (else from ``cache_dir``).
+    """
     from aqr.methods import create, method_class
 
     cls = method_class(cell.method)
@@ -311,7 +338,8 @@ def build_method(cell: Cell, cache_dir: str | Path, device: str | None = None, l
     if cls.needs_batch_size:  # which only the cell knows
         options.setdefault("batch_size", cell.batch_size)
     if cls.needs_stats:
-        path = ensure_stats(cell, cache_dir, device=device, loader_workers=loader_workers)
+        path = (Path(stats_file) if stats_file is not None
+                else ensure_stats(cell, cache_dir, device=device, loader_workers=loader_workers))
         stats = _load_stats(str(path))
         if not stats.computed_with(model):
             # A library user gets a warning; a benchmark cell must not score stale statistics.
@@ -330,38 +358,33 @@ def needs_stats(cell: Cell) -> bool:
 
 
 def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False, device: str | None = None,
-             loader_workers: int = 0) -> CellResult:
-    """Evaluate one cell (on ``device``; image folders decoded by ``loader_workers`` processes).
+             loader_workers: int = 0, *, stats_file: str | Path | None = None,
+             threads: int | None = None) -> CellResult:
+    """Evaluate one cell (on ``device``; image folders decoded by ``loader_workers`` processes; ``threads``
+    torch threads, restored after; ``stats_file``: see :func:`build_method`).
     Never raises for a failing method: errors come back as ``status="error"``."""
     from aqr.methods import NotApplicable
 
     t0 = time.perf_counter()
-    try:
-        torch.manual_seed(cell.seed)
-        method = build_method(cell, cache_dir, device, loader_workers)
-        desc = f"{cell.variant} {cell.corruption}-{cell.severity}"
-        if uses_image_folders(cell.data):
-            folder = eval_folder(cell, model_preprocess(cell.model, load_model(cell.model)))
-            loader = data_loader(folder, cell.batch_size, loader_workers, device)
-            acc, n = evaluate_batches(method, loader, progress, desc, total=len(loader))
-        else:
-            images, labels = eval_data(cell)
-            acc, n = evaluate(method, images, labels, cell.batch_size, progress=progress, desc=desc)
-        return CellResult("ok", acc, n, time.perf_counter() - t0)
-    except NotApplicable as err:
-        return CellResult("n/a", None, None, time.perf_counter() - t0, str(err))
-    except Exception as err:  # recorded, so one broken cell doesn't stop a grid
-        msg = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=6)}"
-        return CellResult("error", None, None, time.perf_counter() - t0, msg)
-
-
-def _worker_init(threads: int | None) -> None:
-    if threads:
-        torch.set_num_threads(threads)
-
-
-def _run_cell_dict(cell_dict: dict, cache_dir: str, device: str | None = None, loader_workers: int = 0) -> CellResult:
-    return run_cell(Cell.from_dict(cell_dict), cache_dir, device=device, loader_workers=loader_workers)
+    with torch_threads(threads):
+        where = {"node": platform.node(), "threads": torch.get_num_threads(), "device": str(device or "cpu")}
+        try:
+            torch.manual_seed(cell.seed)
+            method = build_method(cell, cache_dir, device, loader_workers, stats_file)
+            desc = f"{cell.variant} {cell.corruption}-{cell.severity}"
+            if uses_image_folders(cell.data):
+                folder = eval_folder(cell, model_preprocess(cell.model, load_model(cell.model)))
+                loader = data_loader(folder, cell.batch_size, loader_workers, device)
+                acc, n = evaluate_batches(method, loader, progress, desc, total=len(loader))
+            else:
+                images, labels = eval_data(cell)
+                acc, n = evaluate(method, images, labels, cell.batch_size, progress=progress, desc=desc)
+            return CellResult("ok", acc, n, time.perf_counter() - t0, **where)
+        except NotApplicable as err:
+            return CellResult("n/a", None, None, time.perf_counter() - t0, str(err), **where)
+        except Exception as err:  # recorded, so one broken cell doesn't stop a grid
+            msg = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=6)}"
+            return CellResult("error", None, None, time.perf_counter() - t0, msg, **where)
 
 
 # ----------------------------------------------------------------------------- provenance
@@ -380,14 +403,21 @@ def _git_commit() -> str | None:
         return None
 
 
-def provenance(cell: Cell, files: dict[str, str], key: str) -> dict[str, Any]:
-    """Everything needed to trust and reproduce a row: versions, commit, hashes, seed, protocol."""
+def provenance(cell: Cell, files: dict[str, str], key: str, result: CellResult | None = None,
+               executor: str = "local", run: str | None = None) -> dict[str, Any]:
+    """Everything needed to trust and reproduce a row: versions, commit, hashes, seed, protocol.
+
+    ``host`` is where the grid's driver ran; ``node``, ``threads`` and ``device`` where and how the
+    cell ran (from its ``result``), ``executor`` what ran it and ``run`` which driver.
+    """
     from aqr import __version__
 
+    result = result or CellResult("ok")
     return {
         "aqr": __version__, "torch": torch.__version__, "numpy": np.__version__,
         "python": platform.python_version(), "git_commit": _git_commit(), "host": platform.node(),
-        "machine": platform.machine(), "threads": torch.get_num_threads(), "config_hash": key,
+        "machine": platform.machine(), "executor": executor, "run": run, "node": result.node,
+        "threads": result.threads, "device": result.device, "config_hash": key,
         "files": files, "seed": cell.seed, "protocol": cell.protocol,
         "source": {"data": cell.model.source_data, "indices": cell.model.source_indices},
         "eval": {"data": cell.data.root, "pool": cell.data.eval_indices, "n_images": cell.n_images,
@@ -400,13 +430,14 @@ def provenance(cell: Cell, files: dict[str, str], key: str) -> dict[str, Any]:
 
 @dataclass
 class GridSummary:
-    """What a :func:`run_grid` call did."""
+    """What a :func:`run_grid` call did (``by_others``: cells another run on the database finished meanwhile)."""
 
     total: int = 0
     skipped: int = 0
     ran: int = 0
     errors: int = 0
     not_applicable: int = 0
+    by_others: int = 0
     wall_s: float = 0.0
     error_messages: list[str] = field(default_factory=list)
 
@@ -465,6 +496,20 @@ def keyed_cells(grid: GridSpec) -> list[tuple[str, Cell, dict[str, str]]]:
     return keyed
 
 
+def adopt_legacy_rows(db: ResultsDB, keyed: Sequence[tuple[str, Cell, dict[str, str]]]) -> int:
+    """Rekey the finished rows stored under :func:`aqr.bench.grid.legacy_cell_key` (keys with file
+    locations) to today's keys, so a database from before keys were location-free is reused; returns
+    how many. A legacy key matches only a row computed under today's versions and files.
+    """
+    missing = {key: (cell, fp) for key, cell, fp in keyed}
+    missing = {k: v for k, v in missing.items() if k not in db.finished(missing)}
+    legacy = {legacy_cell_key(cell, fp, _version()): key for key, (cell, fp) in missing.items()}
+    found = db.finished(legacy)
+    for old in found:
+        db.rekey(old, legacy[old])
+    return len(found)
+
+
 def clear_caches() -> None:
     """Forget the models, statistics and evaluation images cached in this process.
 
@@ -476,91 +521,142 @@ def clear_caches() -> None:
     _load_eval.cache_clear()
 
 
+def make_executor(executor: str, cache_dir: str | Path, settings: CellSettings, workers: int = 1,
+                  ray: RayOptions | None = None, progress: bool = True,
+                  log: Callable[[str], None] = print) -> CellExecutor:
+    """The executor named ``executor``: ``"local"`` (``workers`` processes) or ``"ray"`` (``ray`` options)."""
+    if executor == "local":
+        from aqr.bench.executors import LocalExecutor
+
+        return LocalExecutor(cache_dir, settings, workers=workers, progress=progress, log=log)
+    if executor == "ray":
+        from aqr.bench.ray_executor import RayExecutor, RayOptions
+
+        return RayExecutor(cache_dir, ray or RayOptions(), settings, progress=progress, log=log)
+    raise ValueError(f"unknown executor {executor!r}; expected 'local' or 'ray'")
+
+
 def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", workers: int = 1,
              threads: int | None = None, progress: bool = True, limit: int | None = None,
-             log: Callable[[str], None] = print, device: str | None = None, loader_workers: int = 0) -> GridSummary:
-    """Run every cell of ``grid`` not already in ``db``; each result is committed as it finishes.
+             log: Callable[[str], None] = print, device: str | None = None, loader_workers: int = 0,
+             executor: str = "local", ray: RayOptions | None = None, lease_s: float = 120.0) -> GridSummary:
+    """Run every cell of ``grid`` not already in ``db``; each result is committed as it arrives.
 
-    ``workers`` > 1 runs cells in that many processes (``threads`` torch threads each); the parent
-    alone writes the database. ``limit`` stops after that many new cells (for smoke tests).
-    Models run on ``device`` (default CPU); image folders are decoded by ``loader_workers`` processes.
+    ``executor="local"`` runs cells in this process, or in ``workers`` processes; ``"ray"`` runs
+    each cell as a Ray task (see :class:`aqr.bench.ray_executor.RayOptions`). Either way a cell uses
+    ``threads`` torch threads (set inside it), its model runs on ``device`` (default CPU; under Ray,
+    CUDA when cells get GPUs), image folders are decoded by ``loader_workers`` processes, and this
+    process alone writes the database. Cells are claimed in ``db`` before they start (``lease_s``,
+    see :mod:`aqr.bench.claims`), so runs sharing a database divide the cells. ``limit`` stops
+    after that many new cells (smoke tests).
     """
-    from tqdm.auto import tqdm
+    from aqr.bench.claims import Claims
+    from aqr.bench.executors import CellSettings
 
     t0 = time.perf_counter()
     summary = GridSummary()
     ensure_data(grid.data, grid.corruptions, progress=progress, severities=grid.severities)
     keyed = keyed_cells(grid)
-    cells = [cell for _, cell, _ in keyed]
-    summary.total = len(cells)
+    summary.total = len(keyed)
     db.add_membership(grid.name, [k for k, _, _ in keyed])
+    adopted = adopt_legacy_rows(db, keyed)
+    if adopted:
+        log(f"{adopted} rows stored under keys with file locations now have location-free keys")
     done = db.finished(k for k, _, _ in keyed)
     todo = [item for item in keyed if item[0] not in done]
-    summary.skipped = len(cells) - len(todo)
+    summary.skipped = len(keyed) - len(todo)
     if limit is not None:
         todo = todo[:limit]
-    log(f"grid {grid.name!r}: {len(cells)} cells, {summary.skipped} already in {db.path}, {len(todo)} to run")
+    log(f"grid {grid.name!r}: {len(keyed)} cells, {summary.skipped} already in {db.path}, {len(todo)} to run")
     if not todo:
         summary.wall_s = time.perf_counter() - t0
         return summary
 
-    # statistics once per (model, K, samples), before any cell needs them
-    needed: dict[Path, Cell] = {}
-    for _, cell, _ in todo:
-        if needs_stats(cell):
-            needed.setdefault(stats_path(cell, cache_dir), cell)
-    for path, cell in needed.items():
-        if not path.is_file():
-            log(f"calibrating {cell.model.name} (K={stats_options(cell)['K']}) -> {path}")
-            ensure_stats(cell, cache_dir, progress=progress, device=device, loader_workers=loader_workers)
-
-    bar = tqdm(total=len(todo), desc=grid.name, unit="cell", disable=not progress, dynamic_ncols=True)
-
-    def record(key: str, cell: Cell, fp: dict[str, str], result: CellResult) -> None:
-        db.add(key, cell.to_dict(), result.status, result.accuracy, result.n_images, result.wall_s,
-               provenance(cell, fp, key), result.message)
-        summary.ran += 1
-        if result.status == "error":
-            summary.errors += 1
-            summary.error_messages.append(f"{cell.model.name} {cell.variant} {cell.corruption}-{cell.severity} "
-                                          f"b{cell.batch_size} s{cell.seed}: {result.message.splitlines()[0]}")
-        elif result.status == "n/a":
-            summary.not_applicable += 1
-        acc = "n/a" if result.accuracy is None else f"{result.accuracy:.2f}"
-        bar.set_postfix_str(f"{cell.model.name} {cell.variant} {cell.corruption}-{cell.severity} "
-                            f"b{cell.batch_size}: {acc}", refresh=False)
-        bar.update(1)
-
+    settings = CellSettings(threads=threads, device=device, loader_workers=loader_workers)
+    runner = make_executor(executor, cache_dir, settings, workers, ray, progress, log)
     try:
-        if workers <= 1:
-            if threads:
-                torch.set_num_threads(threads)
-            for key, cell, fp in todo:
-                record(key, cell, fp, run_cell(cell, cache_dir, progress=progress, device=device,
-                                               loader_workers=loader_workers))
-        else:
-            import multiprocessing as mp
-
-            with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                     initargs=(threads,)) as pool:
-                pending = {}
-                queue = iter(todo)
-                for item in queue:
-                    pending[pool.submit(_run_cell_dict, item[1].to_dict(), str(cache_dir), device, loader_workers)] = item
-                    if len(pending) >= 2 * workers:
-                        break
-                while pending:
-                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        key, cell, fp = pending.pop(fut)
-                        record(key, cell, fp, fut.result())
-                        nxt = next(queue, None)
-                        if nxt is not None:
-                            pending[pool.submit(_run_cell_dict, nxt[1].to_dict(), str(cache_dir), device, loader_workers)] = nxt
+        with Claims(db.path, lease_s) as claims:
+            stats = _prepare(runner, todo, cache_dir)
+            _drive(runner, claims, todo, stats, db, grid.name, summary, progress)
     finally:
-        bar.close()
+        runner.close()
     summary.wall_s = time.perf_counter() - t0
     return summary
+
+
+def _prepare(runner: CellExecutor, todo: Sequence[tuple[str, Cell, dict[str, str]]],
+             cache_dir: str | Path) -> dict[str, Any]:
+    """Check the cells' files where they will run and prepare the statistics once per file.
+
+    Returns cell key -> the executor's handle on the cell's statistics (for cells that need them).
+    """
+    files = {path for _, cell, _ in todo for path in cell_files(cell).values()}
+    runner.check_files({path: -1 if path.is_dir() else path.stat().st_size for path in files})
+    needed: dict[Path, Cell] = {}
+    of_key: dict[str, Path] = {}
+    for key, cell, _ in todo:
+        if needs_stats(cell):
+            of_key[key] = stats_path(cell, cache_dir)
+            needed.setdefault(of_key[key], cell)
+    handles = runner.prepare_stats(needed)
+    return {key: handles[path] for key, path in of_key.items()}
+
+
+def _drive(runner: CellExecutor, claims: Claims, todo: Sequence[tuple[str, Cell, dict[str, str]]],
+           stats: dict[str, Any], db: ResultsDB, name: str, summary: GridSummary, progress: bool) -> None:
+    """Claim, submit and record cells until each of ``todo`` has a row (from this run or another)."""
+    from tqdm.auto import tqdm
+
+    from aqr.bench.claims import BUSY, CLAIMED
+
+    poll_s = min(5.0, claims.lease_s / 6)
+    queue = collections.deque(todo)
+    waiting: list[tuple[str, Cell, dict[str, str]]] = []   # claimed by other runs: checked again later
+    in_flight: dict[Any, tuple[str, Cell, dict[str, str]]] = {}
+    last_check = time.monotonic()
+    bar = tqdm(total=len(todo), desc=name, unit="cell", disable=not progress, dynamic_ncols=True)
+    try:
+        while queue or waiting or in_flight:
+            if waiting and time.monotonic() - last_check >= poll_s:
+                queue.extend(waiting)
+                waiting.clear()
+                last_check = time.monotonic()
+            while queue and len(in_flight) < runner.capacity():
+                item = queue.popleft()
+                state = claims.claim(item[0])
+                if state == CLAIMED:
+                    in_flight[runner.submit(item[1], stats.get(item[0]))] = item
+                elif state == BUSY:
+                    waiting.append(item)
+                else:
+                    summary.by_others += 1
+                    bar.update(1)
+            if in_flight:
+                for handle, result in runner.wait(list(in_flight), poll_s):
+                    key, cell, fp = in_flight.pop(handle)
+                    db.add(key, cell.to_dict(), result.status, result.accuracy, result.n_images, result.wall_s,
+                           provenance(cell, fp, key, result, runner.name, claims.owner), result.message)
+                    claims.release(key)
+                    _count(summary, cell, result)
+                    acc = "n/a" if result.accuracy is None else f"{result.accuracy:.2f}"
+                    bar.set_postfix_str(f"{cell.model.name} {cell.variant} {cell.corruption}-{cell.severity} "
+                                        f"b{cell.batch_size}: {acc}", refresh=False)
+                    bar.update(1)
+            elif waiting:
+                time.sleep(max(0.0, poll_s - (time.monotonic() - last_check)))
+    finally:
+        bar.close()
+
+
+def _count(summary: GridSummary, cell: Cell, result: CellResult) -> None:
+    summary.ran += 1
+    if result.status == "error":
+        summary.errors += 1
+        first = (result.message or "").splitlines()[0] if result.message else ""
+        summary.error_messages.append(f"{cell.model.name} {cell.variant} {cell.corruption}-{cell.severity} "
+                                      f"b{cell.batch_size} s{cell.seed}: {first}")
+    elif result.status == "n/a":
+        summary.not_applicable += 1
 
 
 def _version() -> str:

@@ -1,0 +1,121 @@
+"""Where :func:`aqr.bench.runner.run_grid` runs cells: the interface, and the local executor.
+
+An executor takes cells and hands back their :class:`~aqr.bench.runner.CellResult` as they finish;
+the grid's driver decides what to run and alone writes the results database. The local executor
+runs cells in the driver's process or in a pool of worker processes on this machine; the Ray
+executor (:mod:`aqr.bench.ray_executor`) runs them as tasks on a Ray cluster.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from aqr.bench.grid import Cell
+from aqr.bench.runner import CellResult, ensure_stats, run_cell, stats_options
+
+
+@dataclass(frozen=True)
+class CellSettings:
+    """How each cell runs, whatever runs it: torch threads (``None``: the process's), the device of
+    the model (``None``: CPU) and the processes decoding image folders."""
+
+    threads: int | None = None
+    device: str | None = None
+    loader_workers: int = 0
+
+
+class CellExecutor(Protocol):
+    """What the grid's driver needs from an executor."""
+
+    #: recorded in every row's provenance ("local", "ray")
+    name: str
+
+    def capacity(self) -> int:
+        """How many cells to keep submitted at once (what runs, plus a queue that keeps it busy)."""
+
+    def check_files(self, sizes: Mapping[Path, int]) -> None:
+        """Raise if a file the cells read (with its size here; -1: a folder) is unreadable where cells run."""
+
+    def prepare_stats(self, needed: Mapping[Path, Cell]) -> dict[Path, Any]:
+        """Compute each missing statistics file once (``needed``: file -> a cell that needs it);
+        returns file -> what :meth:`submit` takes for the cells that need it."""
+
+    def submit(self, cell: Cell, stats: Any | None) -> Hashable:
+        """Start a cell; returns a handle."""
+
+    def wait(self, handles: Sequence[Hashable], timeout: float) -> list[tuple[Hashable, CellResult]]:
+        """The handles among ``handles`` that finished (at least one, unless ``timeout`` s pass), with results."""
+
+    def close(self) -> None:
+        """Stop the workers (cells not finished are lost; their claims expire)."""
+
+
+def run_cell_task(cell_dict: dict, cache_dir: str, stats_file: str | None, settings: CellSettings) -> CellResult:
+    """:func:`aqr.bench.runner.run_cell` on a cell sent as plain data (what a worker process receives)."""
+    return run_cell(Cell.from_dict(cell_dict), cache_dir, device=settings.device,
+                    loader_workers=settings.loader_workers, stats_file=stats_file, threads=settings.threads)
+
+
+class LocalExecutor:
+    """Cells in this process (``workers`` <= 1) or in ``workers`` spawned processes of this machine."""
+
+    name = "local"
+
+    def __init__(self, cache_dir: str | Path, settings: CellSettings = CellSettings(), workers: int = 1,
+                 progress: bool = True, log: Callable[[str], None] = print) -> None:
+        self.cache_dir = str(cache_dir)
+        self.workers = max(1, int(workers))
+        self.settings = settings
+        self.progress = progress
+        self.log = log
+        self._inline: collections.OrderedDict[int, tuple[Cell, Any]] = collections.OrderedDict()
+        self._numbers = itertools.count()
+        self._pool: ProcessPoolExecutor | None = None
+        if self.workers > 1:
+            import multiprocessing as mp
+
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+
+    def capacity(self) -> int:
+        return 1 if self._pool is None else 2 * self.workers
+
+    def check_files(self, sizes: Mapping[Path, int]) -> None:
+        """Nothing to do: the driver hashed every file moments ago on this machine."""
+
+    def prepare_stats(self, needed: Mapping[Path, Cell]) -> dict[Path, Any]:
+        for path, cell in needed.items():
+            if not path.is_file():
+                self.log(f"calibrating {cell.model.name} (K={stats_options(cell)['K']}) -> {path}")
+                ensure_stats(cell, self.cache_dir, progress=self.progress, device=self.settings.device,
+                             loader_workers=self.settings.loader_workers, threads=self.settings.threads)
+        return {path: str(path) for path in needed}
+
+    def submit(self, cell: Cell, stats: Any | None) -> Hashable:
+        if self._pool is None:  # run when waited for, so the driver records each result at once
+            handle = next(self._numbers)
+            self._inline[handle] = (cell, stats)
+            return handle
+        return self._pool.submit(run_cell_task, cell.to_dict(), self.cache_dir, stats, self.settings)
+
+    def wait(self, handles: Sequence[Hashable], timeout: float) -> list[tuple[Hashable, CellResult]]:
+        if self._pool is None:
+            wanted = set(handles)
+            handle = next(h for h in self._inline if h in wanted)
+            cell, stats = self._inline.pop(handle)
+            s = self.settings
+            return [(handle, run_cell(cell, self.cache_dir, self.progress, s.device, s.loader_workers,
+                                      stats_file=stats, threads=s.threads))]
+        finished, _ = wait([h for h in handles if isinstance(h, Future)], timeout=timeout,
+                           return_when=FIRST_COMPLETED)
+        return [(fut, fut.result()) for fut in finished]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
