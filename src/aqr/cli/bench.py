@@ -73,11 +73,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_grid_arguments(p)
     p.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
     p.add_argument("--cache", default=DEFAULT_CACHE, help="folder for cached source statistics")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (the parent writes the database)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N]: where the models run (default cpu)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="where cells run: 'local' processes (default) or tasks on a Ray cluster (needs aqr[ray])")
+    p.add_argument("--workers", type=int, default=1, help="local worker processes (the parent writes the database)")
+    p.add_argument("--device", default=None,
+                   help="cpu or cuda[:N]: where the models run (default cpu; under Ray, cuda when --gpus-per-cell > 0)")
     p.add_argument("--loader-workers", type=int, default=0,
                    help="DataLoader processes decoding image files, per cell (image-folder grids)")
-    add_threads(p, help="torch threads per process")
+    add_threads(p, help="torch threads inside each cell, under either executor (default: torch's, or "
+                        "--cpus-per-cell under Ray)")
+    ray = p.add_argument_group("Ray executor")
+    ray.add_argument("--ray-address", default=None,
+                     help="'auto' (a running cluster) or HOST:PORT of the head node (default: Ray's choice: "
+                          "RAY_ADDRESS, a cluster started on this machine, else a new local one)")
+    ray.add_argument("--cpus-per-cell", type=float, default=None, help="CPUs Ray reserves per cell (default: --threads or 1)")
+    ray.add_argument("--gpus-per-cell", type=float, default=0.0,
+                     help="GPUs Ray reserves per cell (fractions share a GPU); > 0 runs the cells on CUDA")
+    ray.add_argument("--max-retries", type=int, default=2, help="reruns of a cell whose Ray worker died (default 2)")
     p.add_argument("--limit", type=int, default=None, help="run at most this many new cells")
     p.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     p.add_argument("--no-progress", action="store_true")
@@ -90,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return _run(args)
-    except (FileNotFoundError, ResultsDBError, KeyError, ValueError, ImportError) as err:
+    except (FileNotFoundError, ResultsDBError, KeyError, ValueError, ImportError, ConnectionError) as err:
         print(f"aqr bench: error: {err}", file=sys.stderr)
         return 2
 
@@ -106,13 +118,20 @@ def _run(args: argparse.Namespace) -> int:
             print(line)
         print(f"{len(grid)} cells", file=sys.stderr)
         return 0
+    ray = None
+    if args.executor == "ray":
+        from aqr.bench.ray_executor import RayOptions
+
+        ray = RayOptions(address=args.ray_address, cpus_per_cell=args.cpus_per_cell or args.threads or 1,
+                         gpus_per_cell=args.gpus_per_cell, max_retries=args.max_retries)
     with ResultsDB(args.db) as db:
         summary = run_grid(grid, db, args.cache, workers=args.workers, threads=args.threads,
                            progress=not args.no_progress, limit=args.limit,
                            log=lambda m: print(m, file=sys.stderr), device=args.device,
-                           loader_workers=args.loader_workers)
+                           loader_workers=args.loader_workers, executor=args.executor, ray=ray)
+    others = f", {summary.by_others} run by another process on the database" if summary.by_others else ""
     print(f"{summary.ran} cells run ({summary.errors} errors, {summary.not_applicable} n/a), "
-          f"{summary.skipped} skipped as finished, {summary.wall_s:.1f} s", file=sys.stderr)
+          f"{summary.skipped} skipped as finished{others}, {summary.wall_s:.1f} s", file=sys.stderr)
     for msg in summary.error_messages[:10]:
         print(f"error: {msg}", file=sys.stderr)
     if args.json:
