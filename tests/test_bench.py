@@ -274,15 +274,10 @@ def test_cli_dry_run_lists_cells(tiny: GridSpec, tmp_path: Path, capsys: pytest.
     assert len(lines) == 1 + len(tiny)
 
 
-@pytest.mark.slow
-def test_sigkill_mid_run_loses_only_cells_in_flight(tmp_path: Path) -> None:
-    grid, _ = _tiny_setup(tmp_path)
-    grid = replace(grid, seeds=(0, 1, 2))                       # 60 cells
-    config = _grid_file(grid, tmp_path / "grid.json")
-    db_path = tmp_path / "r.db"
-    cmd = [sys.executable, "-m", "aqr", "bench", "--config", str(config), "--db", str(db_path),
-           "--cache", str(tmp_path / "cache"), "--threads", "1", "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _sigkill_and_resume(cmd: list[str], db_path: Path, grid: GridSpec, after_rows: int,
+                        env: dict[str, str] | None = None) -> list:
+    """Run ``cmd`` (an ``aqr bench`` into ``db_path``), SIGKILL it once ``after_rows`` rows are stored,
+    check the database kept them intact, rerun ``cmd`` and check it resumed; returns the final rows."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def count() -> int:
@@ -298,24 +293,36 @@ def test_sigkill_mid_run_loses_only_cells_in_flight(tmp_path: Path) -> None:
             return 0
 
     deadline = time.time() + 120
-    while count() < 5 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, f"run ended before it could be killed: {proc.stderr.read().decode()[-500:]}"
+    while count() < after_rows and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, f"run ended before it could be killed: {proc.stderr.read().decode()[-800:]}"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     con = sqlite3.connect(db_path)
     assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     kept = dict(con.execute("SELECT key, created FROM results").fetchall())
     con.close()
-    assert 5 <= len(kept) < len(grid)
+    assert after_rows <= len(kept) < len(grid)
 
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-1000:]
+    assert done.returncode == 0, done.stderr[-1500:]
     assert f"{len(kept)} already in" in done.stderr
     with ResultsDB(db_path) as db:
         rows = db.rows(grid.name)
-        assert len(rows) == len(grid)
-        assert all(kept[r.key] == r.created for r in rows if r.key in kept)   # not recomputed
+    assert len(rows) == len(grid)
+    assert all(kept[r.key] == r.created for r in rows if r.key in kept)   # not recomputed
+    return rows
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_loses_only_cells_in_flight(tmp_path: Path) -> None:
+    grid, _ = _tiny_setup(tmp_path)
+    grid = replace(grid, seeds=(0, 1, 2))                       # 60 cells
+    config = _grid_file(grid, tmp_path / "grid.json")
+    db_path = tmp_path / "r.db"
+    cmd = [sys.executable, "-m", "aqr", "bench", "--config", str(config), "--db", str(db_path),
+           "--cache", str(tmp_path / "cache"), "--threads", "1", "--no-progress"]
+    _sigkill_and_resume(cmd, db_path, grid, 5, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_cli_calibrate_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

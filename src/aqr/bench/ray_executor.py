@@ -21,10 +21,11 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import aqr
 from aqr.bench.executors import run_cell_task
 from aqr.bench.grid import Cell
 from aqr.bench.runner import CellResult, compute_stats, stats_options
@@ -43,6 +44,11 @@ class RayOptions:
         cpus_per_cell: CPUs Ray reserves for one cell (a cell's default thread count).
         gpus_per_cell: GPUs Ray reserves for one cell (fractions share a GPU); > 0 runs cells on CUDA.
         max_retries: reruns of a cell whose worker process died, before it is an ``error`` row.
+        ship_code: run the driver's own ``aqr`` package on the nodes (the job's ``py_modules``
+            runtime environment), so that every row is computed by the code its provenance names;
+            the nodes still need aqr's dependencies (torch, numpy, safetensors, ...). ``False``:
+            the nodes import the aqr they have installed. Applies when this executor connects
+            (Ray allows it only in ``ray.init``); a process already connected keeps its job's.
         init: further ``ray.init`` arguments when a new local instance starts (``num_cpus``,
             ``object_store_memory``, ...).
     """
@@ -51,6 +57,7 @@ class RayOptions:
     cpus_per_cell: float = 1.0
     gpus_per_cell: float = 0.0
     max_retries: int = 2
+    ship_code: bool = True
     init: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -80,18 +87,22 @@ def node_cache() -> Path:
 
 
 def _cell_task(cell_dict: dict, stats: tuple[str, list] | None, threads: int, device: str | None) -> CellResult:
-    """One cell on a node; ``stats``: (file name, [object ref of its bytes]), written here once per node."""
+    """One cell on a node; ``stats``: (file name, [object ref of its bytes]), written here once per node.
+
+    The result's ``node`` is ``host/Ray node id`` (several nodes may share a host).
+    """
+    import ray
+
     stats_file = None
     if stats is not None:
-        import ray
-
         name, (ref,) = stats  # the ref is wrapped in a list so that Ray ships the bytes only when needed
         stats_file = node_cache() / "stats" / name
         if not stats_file.is_file():
             data = ray.get(ref)
             atomic_write(stats_file, lambda tmp: tmp.write_bytes(data))
-    return run_cell_task(cell_dict, str(node_cache()), None if stats_file is None else str(stats_file),
-                         threads, device)
+    result = run_cell_task(cell_dict, str(node_cache()), None if stats_file is None else str(stats_file),
+                           threads, device)
+    return replace(result, node=f"{result.node}/{ray.get_runtime_context().get_node_id()[:12]}")
 
 
 def _stats_task(cell_dict: dict, threads: int) -> bytes:
@@ -141,7 +152,15 @@ class RayExecutor:
         self.log = log
         self._owns = not ray.is_initialized()
         if self._owns:
-            ray.init(address=options.address, **dict(options.init))
+            init = dict(options.init)
+            if options.ship_code:
+                init.setdefault("runtime_env", {"py_modules": [str(Path(aqr.__file__).parent)],
+                                                "excludes": ["__pycache__"]})
+            try:
+                ray.init(address=options.address, **init)
+            except ConnectionError as err:
+                raise ConnectionError(f"{err}; a cluster with token authentication also needs RAY_AUTH_MODE=token "
+                                      "and its token (~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)") from err
         resources = {"num_cpus": options.cpus_per_cell, "num_gpus": options.gpus_per_cell}
         self._cell = ray.remote(_cell_task).options(max_retries=options.max_retries, retry_exceptions=False,
                                                     **resources)
