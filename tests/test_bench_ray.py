@@ -17,6 +17,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from aqr.bench.executors import CellSettings  # noqa: E402
 from aqr.bench.grid import GridSpec  # noqa: E402
 from aqr.bench.ray_executor import RayExecutor, RayOptions  # noqa: E402
 from aqr.bench.results import ResultsDB  # noqa: E402
@@ -123,6 +124,12 @@ def test_files_missing_on_a_node_are_named_up_front(cluster: str, tmp_path: Path
             executor.check_files({present: 5, tmp_path / "gone.npy": 10})
         with pytest.raises(FileNotFoundError, match="has 5 bytes there, 6 on the driver"):
             executor.check_files({present: 6})
+        executor.check_files({tmp_path: -1})                                 # a folder of images
+        with pytest.raises(FileNotFoundError, match="empty folder"):
+            (tmp_path / "empty").mkdir()
+            executor.check_files({tmp_path / "empty": -1})
+        with pytest.raises(ValueError, match="needs GPUs per cell"):
+            RayExecutor(tmp_path / "cache", RayOptions(), CellSettings(device="cuda"))
         with pytest.raises(ValueError, match="no node of the Ray cluster offers 64 CPUs"):
             RayExecutor(tmp_path / "cache", RayOptions(cpus_per_cell=64)).check_files({present: 5})
     finally:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import aqr
-from aqr.bench.executors import run_cell_task
+from aqr.bench.executors import CellSettings, run_cell_task
 from aqr.bench.grid import Cell
 from aqr.bench.runner import CellResult, compute_stats, stats_options
 from aqr.util.files import atomic_write
@@ -86,7 +86,7 @@ def node_cache() -> Path:
 # ----------------------------------------------------------------------------- what runs on the nodes
 
 
-def _cell_task(cell_dict: dict, stats: tuple[str, list] | None, threads: int, device: str | None) -> CellResult:
+def _cell_task(cell_dict: dict, stats: tuple[str, list] | None, settings: CellSettings) -> CellResult:
     """One cell on a node; ``stats``: (file name, [object ref of its bytes]), written here once per node.
 
     The result's ``node`` is ``host/Ray node id`` (several nodes may share a host).
@@ -100,26 +100,33 @@ def _cell_task(cell_dict: dict, stats: tuple[str, list] | None, threads: int, de
         if not stats_file.is_file():
             data = ray.get(ref)
             atomic_write(stats_file, lambda tmp: tmp.write_bytes(data))
-    result = run_cell_task(cell_dict, str(node_cache()), None if stats_file is None else str(stats_file),
-                           threads, device)
+    result = run_cell_task(cell_dict, str(node_cache()), None if stats_file is None else str(stats_file), settings)
     return replace(result, node=f"{result.node}/{ray.get_runtime_context().get_node_id()[:12]}")
 
 
-def _stats_task(cell_dict: dict, threads: int) -> bytes:
+def _stats_task(cell_dict: dict, settings: CellSettings) -> bytes:
     """The safetensors bytes of a cell's source statistics, computed on a node."""
     folder = Path(tempfile.mkdtemp(prefix="aqr-stats-"))
     try:
-        path = compute_stats(Cell.from_dict(cell_dict), threads=threads).save(folder / "stats.aqr.safetensors")
+        stats = compute_stats(Cell.from_dict(cell_dict), device=settings.device,
+                              loader_workers=settings.loader_workers, threads=settings.threads)
+        path = stats.save(folder / "stats.aqr.safetensors")
         return path.read_bytes()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def _check_files_task(sizes: dict[str, int]) -> list[str]:
-    """What is wrong with the files on this node: unreadable, or of another size than the driver's."""
+    """What is wrong with the files on this node: unreadable, or of another size than the driver's
+    (size -1: a folder, which must be readable and not empty)."""
     problems = []
     for path, size in sizes.items():
         try:
+            if size < 0:
+                with os.scandir(path) as entries:
+                    if next(entries, None) is None:
+                        problems.append(f"{path} is an empty folder there")
+                continue
             with open(path, "rb") as f:
                 f.read(1)
             found = os.stat(path).st_size
@@ -137,18 +144,23 @@ def _check_files_task(sizes: dict[str, int]) -> list[str]:
 class RayExecutor:
     """Runs cells as Ray tasks (see the module docs); connects to Ray, or starts it, on creation.
 
-    ``threads``: torch threads inside each cell (default: ``cpus_per_cell`` rounded up).
+    ``settings``: how each cell runs; its threads default to ``cpus_per_cell`` rounded up, its
+    device to CUDA when cells get GPUs (a CUDA device without GPUs per cell is refused).
     """
 
     name = "ray"
 
-    def __init__(self, cache_dir: str | Path, options: RayOptions, threads: int | None = None,
+    def __init__(self, cache_dir: str | Path, options: RayOptions, settings: CellSettings = CellSettings(),
                  progress: bool = True, log: Callable[[str], None] = print) -> None:
         self.ray = ray = import_ray()
         self.options = options
         self.cache_dir = Path(cache_dir)
-        self.threads = threads or max(1, math.ceil(options.cpus_per_cell))
-        self.device = "cuda" if options.gpus_per_cell > 0 else None
+        device = settings.device or ("cuda" if options.gpus_per_cell > 0 else None)
+        if str(device).startswith("cuda") and options.gpus_per_cell <= 0:
+            raise ValueError(f"device {device!r} under Ray needs GPUs per cell (--gpus-per-cell), or Ray "
+                             "schedules cells where no GPU is reserved for them")
+        self.settings = replace(settings, threads=settings.threads or max(1, math.ceil(options.cpus_per_cell)),
+                                device=device)
         self.log = log
         self._owns = not ray.is_initialized()
         if self._owns:
@@ -220,7 +232,7 @@ class RayExecutor:
                 refs[path] = self.ray.put(data[path])
             else:
                 self.log(f"calibrating {cell.model.name} (K={stats_options(cell)['K']}) on the cluster -> {path}")
-                refs[path] = self._stats.remote(cell.to_dict(), self.threads)
+                refs[path] = self._stats.remote(cell.to_dict(), self.settings)
         for path, ref in refs.items():
             if path not in data:
                 data[path] = self.ray.get(ref)  # a failed calibration raises its own error, as locally
@@ -230,7 +242,7 @@ class RayExecutor:
 
     # ---- cells ------------------------------------------------------------------------------
     def submit(self, cell: Cell, stats: Any | None) -> Hashable:
-        ref = self._cell.remote(cell.to_dict(), stats, self.threads, self.device)
+        ref = self._cell.remote(cell.to_dict(), stats, self.settings)
         self._outstanding.add(ref)
         return ref
 
