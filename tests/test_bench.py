@@ -274,6 +274,13 @@ def test_cli_dry_run_lists_cells(tiny: GridSpec, tmp_path: Path, capsys: pytest.
     assert len(lines) == 1 + len(tiny)
 
 
+def _bench_command(grid: GridSpec, tmp_path: Path, *extra: str) -> list[str]:
+    """The command running ``aqr bench`` on ``grid`` (as a grid file) into ``tmp_path/r.db`` with one thread."""
+    config = _grid_file(grid, tmp_path / "grid.json")
+    return [sys.executable, "-m", "aqr", "bench", "--config", str(config), "--db", str(tmp_path / "r.db"),
+            "--cache", str(tmp_path / "cache"), "--threads", "1", "--no-progress", *extra]
+
+
 def _sigkill_and_resume(cmd: list[str], db_path: Path, grid: GridSpec, after_rows: int,
                         env: dict[str, str] | None = None) -> list:
     """Run ``cmd`` (an ``aqr bench`` into ``db_path``), SIGKILL it once ``after_rows`` rows are stored,
@@ -318,11 +325,8 @@ def _sigkill_and_resume(cmd: list[str], db_path: Path, grid: GridSpec, after_row
 def test_sigkill_mid_run_loses_only_cells_in_flight(tmp_path: Path) -> None:
     grid, _ = _tiny_setup(tmp_path)
     grid = replace(grid, seeds=(0, 1, 2))                       # 60 cells
-    config = _grid_file(grid, tmp_path / "grid.json")
-    db_path = tmp_path / "r.db"
-    cmd = [sys.executable, "-m", "aqr", "bench", "--config", str(config), "--db", str(db_path),
-           "--cache", str(tmp_path / "cache"), "--threads", "1", "--no-progress"]
-    _sigkill_and_resume(cmd, db_path, grid, 5, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _sigkill_and_resume(_bench_command(grid, tmp_path), tmp_path / "r.db", grid, 5,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_cli_calibrate_then_evaluate(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -19,7 +19,7 @@ from aqr.bench.claims import BUSY, CLAIMED, DONE, Claims
 from aqr.bench.grid import GridSpec, ModelSpec, legacy_cell_key
 from aqr.bench.results import ResultsDB
 from aqr.bench.runner import keyed_cells, run_grid
-from tests.test_bench import _cell, _grid_file, _tiny_setup
+from tests.test_bench import _bench_command, _cell, _tiny_setup
 
 
 def _db(tmp_path: Path) -> Path:
@@ -89,10 +89,8 @@ def test_stored_rows_are_done_and_old_errors_are_retried(tmp_path: Path) -> None
 def test_two_runs_on_one_database_divide_the_cells(tmp_path: Path) -> None:
     grid, _ = _tiny_setup(tmp_path)
     grid = replace(grid, seeds=(0, 1, 2))                       # 60 cells
-    config = _grid_file(grid, tmp_path / "grid.json")
     db_path = tmp_path / "r.db"
-    cmd = [sys.executable, "-m", "aqr", "bench", "--config", str(config), "--db", str(db_path),
-           "--cache", str(tmp_path / "cache"), "--threads", "1", "--no-progress", "--json"]
+    cmd = _bench_command(grid, tmp_path, "--json")
     with ResultsDB(db_path) as db:                              # statistics first, so both start on cells at once
         run_grid(replace(grid, name="stats", methods=grid.methods[-1:], corruptions=grid.corruptions[:1], seeds=(7,)), db,
                  tmp_path / "cache", threads=1, progress=False, log=lambda m: None)

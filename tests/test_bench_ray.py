@@ -6,7 +6,6 @@ import contextlib
 import os
 import platform
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from aqr.bench.grid import GridSpec  # noqa: E402
 from aqr.bench.ray_executor import RayExecutor, RayOptions  # noqa: E402
 from aqr.bench.results import ResultsDB  # noqa: E402
 from aqr.bench.runner import run_grid  # noqa: E402
-from tests.test_bench import _grid_file, _sigkill_and_resume, _tiny_setup  # noqa: E402
+from tests.test_bench import _bench_command, _sigkill_and_resume, _tiny_setup  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +139,6 @@ def test_files_missing_on_a_node_are_named_up_front(cluster: str, tmp_path: Path
 def test_cli_on_a_running_cluster_resumes_after_a_sigkilled_driver(cluster: str, tmp_path: Path) -> None:
     grid, _ = _tiny_setup(tmp_path)
     grid = replace(grid, methods=grid.methods[:-1])            # 16 cells, no statistics to compute
-    config = _grid_file(grid, tmp_path / "grid.json")
-    cmd = [sys.executable, "-m", "aqr", "bench", "--config", str(config), "--db", str(tmp_path / "r.db"), "--cache",
-           str(tmp_path / "cache"), "--executor", "ray", "--ray-address", cluster, "--threads", "1", "--no-progress"]
+    cmd = _bench_command(grid, tmp_path, "--executor", "ray", "--ray-address", cluster)
     rows = _sigkill_and_resume(cmd, tmp_path / "r.db", grid, 2)
     assert {r.provenance["executor"] for r in rows} == {"ray"}
