@@ -1,13 +1,14 @@
-"""Test-time adaptation methods behind one interface: source, TTN, TENT, SAR and AQR.
+"""Test-time adaptation methods behind one interface: source, TTN, TENT, SAR, AQR and RBN.
 
 >>> method = create("tent", model)              # episodic, the AQR paper's protocol
 >>> logits = method(x)                          # scored logits for batch x
 >>> method = create("sar", model, protocol="online", lr=1e-3)
 >>> method = create("aqr", model, stats=stats)  # stats from aqr.calibrate
+>>> method = create("rbn", model, protocol="online")  # RoTTA's robust BatchNorm, for streams
 
 ``create`` deep-copies ``model``; the user's model is never modified. Options are the fields of
 :class:`ProtocolConfig` (``protocol``, ``steps``, ``seed``) plus the method's own config dataclass
-(``TentConfig``, ``SARConfig``, ``AQRMethodConfig``). A method class declares what a caller must
+(``TentConfig``, ``SARConfig``, ``AQRMethodConfig``, ``RBNConfig``). A method class declares what a caller must
 supply: ``needs_stats`` (AQR) and ``needs_batch_size`` (TENT, SAR); see :func:`method_class`.
 """
 
@@ -21,13 +22,14 @@ from torch import nn
 
 from .aqr_method import AQRMethod, AQRMethodConfig
 from .base import NotApplicable, ProtocolConfig, TTAMethod, softmax_entropy
+from .rbn import RBN, RBNConfig, RobustBatchNorm
 from .sar import FREEZE_PRESETS, SAR, SARConfig
 from .source import Source
 from .tent import Tent, TentConfig, default_lr, infer_arch
 from .ttn import TTN
 
 METHODS: Mapping[str, type[TTAMethod]] = MappingProxyType(
-    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod)}
+    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, RBN)}
 )
 
 _PROTOCOL_KEYS = frozenset(f.name for f in fields(ProtocolConfig))
@@ -66,6 +68,9 @@ __all__ = [
     "METHODS",
     "NotApplicable",
     "ProtocolConfig",
+    "RBN",
+    "RBNConfig",
+    "RobustBatchNorm",
     "SAR",
     "SARConfig",
     "Source",
