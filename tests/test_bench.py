@@ -34,7 +34,8 @@ from aqr.bench.grid import (
     preset,
 )
 from aqr.bench.results import ResultsDB, ResultsDBError
-from aqr.bench.runner import evaluate, fingerprints, run_cell, run_grid, stats_path
+from aqr.bench.runner import eval_data, evaluate, fingerprints, run_cell, run_grid, stats_path
+from aqr.data.streams import mean_run_length
 
 CORRUPTIONS = ("gaussian_noise", "contrast")
 
@@ -120,6 +121,22 @@ def test_cell_key_changes_with_config_files_and_version() -> None:
     assert key != cell_key(replace(cell, options=(("tail", "clip"),)), files, "1.0")
     assert key != cell_key(cell, {**files, "weights": "z"}, "1.0")
     assert key != cell_key(cell, files, "1.1")
+
+
+def test_stream_order_enters_the_cell_and_its_key_only_when_set() -> None:
+    cell = _cell()
+    files = {"weights": "a", "source": "b", "eval": "c", "labels": "d"}
+    assert "order" not in cell.to_dict()  # keys of cells recorded before orders existed stay the same
+    ordered = replace(cell, order="delta=0.1")
+    assert ordered.to_dict()["order"] == "delta=0.1" and Cell.from_dict(ordered.to_dict()) == ordered
+    keys = {cell_key(c, files, "1.0") for c in (cell, ordered, replace(cell, order="delta=1"),
+                                                 replace(ordered, seed=1), replace(cell, order="iid"))}
+    assert len(keys) == 5
+    grid = replace(preset("smoke", DATA), order="delta=0.10")
+    assert grid.order == "delta=0.1" and {c.order for c in grid.cells()} == {"delta=0.1"}
+    assert grid_from_mapping({"preset": "smoke", "order": "mixed"}, DATA).order == "mixed"
+    with pytest.raises(ValueError, match="stream order"):
+        replace(preset("smoke", DATA), order="sorted")
 
 
 def test_eval_indices_are_a_seeded_subset_of_the_pool() -> None:
@@ -236,6 +253,26 @@ def test_run_cell_matches_a_direct_evaluation(tiny: GridSpec, tmp_path: Path) ->
     assert result.status == "ok" and result.accuracy == acc and result.n_images == n == 32
 
 
+def test_a_stream_order_reorders_the_same_images(tiny: GridSpec, tmp_path: Path) -> None:
+    cell = next(c for c in replace(tiny, n_images=48).cells() if c.method == "ttn" and c.model.name == "tiny_bn")
+    images, labels = eval_data(cell)
+    ordered = replace(cell, order="delta=0.01")
+    o_images, o_labels = eval_data(ordered)
+    assert sorted(map(bytes, o_images)) == sorted(map(bytes, images))  # the same drawn images
+    assert mean_run_length(o_labels) > 2 * mean_run_length(labels)
+    assert np.array_equal(eval_data(ordered)[1], o_labels)  # seeded
+    result = run_cell(ordered, tmp_path / "cache")
+    assert result.status == "ok" and result.n_images == 48
+    mixed = run_cell(replace(cell, order="mixed"), tmp_path / "cache")
+    assert mixed.status == "error" and "mixes corruptions" in mixed.message
+    with ResultsDB(tmp_path / "r.db") as db:
+        run_grid(replace(tiny, methods=(MethodSpec("rbn"),), order="delta=0.1", protocol="online"), db, tmp_path / "cache",
+                 progress=False, log=lambda m: None)
+        rows = db.rows("tiny")
+        assert {r.status for r in rows} == {"ok", "n/a"}  # rbn needs BatchNorm: n/a on the GN model
+        assert all("delta=0.1" in r.provenance["eval"]["order"] for r in rows)
+
+
 def test_a_broken_cell_is_recorded_not_fatal(tiny: GridSpec, tmp_path: Path) -> None:
     grid = replace(tiny, methods=(MethodSpec("source"), MethodSpec("tent", {"lr": "fast"})))
     with ResultsDB(tmp_path / "r.db") as db:
@@ -272,6 +309,20 @@ def test_cli_dry_run_lists_cells(tiny: GridSpec, tmp_path: Path, capsys: pytest.
     assert cli_main(["bench", "--config", str(config), "--dry-run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 + len(tiny)
+
+
+def test_cli_order_flag_names_the_order_in_the_grid(tiny: GridSpec, tmp_path: Path) -> None:
+    import argparse
+
+    from aqr.cli.bench import add_grid_arguments, grid_from_args
+
+    parser = argparse.ArgumentParser()
+    add_grid_arguments(parser)
+    config = str(_grid_file(tiny, tmp_path / "grid.json"))
+    grid = grid_from_args(parser.parse_args(["--config", config, "--order", "delta=0.10"]))
+    assert (grid.name, grid.order) == ("tiny-delta=0.1", "delta=0.1")
+    assert grid_from_args(parser.parse_args(["--config", config])).order is None
+    assert cli_main(["bench", "--config", config, "--order", "sideways", "--dry-run"]) == 2
 
 
 def _bench_command(grid: GridSpec, tmp_path: Path, *extra: str) -> list[str]:

@@ -7,6 +7,10 @@ process or on any machine; :func:`cell_key` names a cell's result in the results
 
 A :class:`GridSpec` is the cross product models x methods x corruptions x severities x batch sizes x
 seeds, from a preset (:func:`preset`), a YAML/JSON file (:func:`load_grid`) or Python.
+
+A cell's images come in a seeded random order unless it names a stream order (``Cell.order``, the
+text of a :class:`aqr.data.streams.StreamOrder`, e.g. ``"delta=0.1"``): then the same images are put
+in that order, class-correlated, with the cell's seed; the order is part of the cell's key.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from aqr.data.corruption_params import CORRUPTIONS
 from aqr.data.location import DataDirError, resolve_data_dir
+from aqr.data.streams import StreamOrder
 
 # Bump when the meaning of a cell's result changes (evaluation loop, image selection, metrics), so
 # rows computed under the old rules are never reused for a new run.
@@ -30,10 +35,14 @@ AQR_STATS_VERSION = 2
 # 1: p0/p100 and inner knots from the sample (numpy sort); 2: p0/p100 from every value, inner knots
 # from the sample's histogram (aqr.backends.native), 2026-11-26.
 AQR_FAST_PATH_VERSION = 2
+# Part of the keys of cells with a stream order only: bump when aqr.data.streams orders images differently.
+STREAM_ORDER_VERSION = 1
 
 PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet")
 # ModelSpec fields added after results were recorded: absent from a cell's dict while None
 OPTIONAL_MODEL_FIELDS = ("image_size", "resize")
+# Cell fields added after results were recorded: absent from a cell's dict while None
+OPTIONAL_CELL_FIELDS = ("order",)
 TAIL_NAMES = ("standard", "average", "none", "clip", "interval", "gaussian")
 # Method options that change the source statistics (not the adaptation): they key the stats cache.
 STATS_OPTIONS = ("K", "max_samples", "tail_unit")
@@ -120,7 +129,12 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class Cell:
-    """One result: a model, a method with options, one corruption/severity/batch size/seed."""
+    """One result: a model, a method with options, one corruption/severity/batch size/seed.
+
+    ``order``: ``None`` evaluates the drawn images in their seeded random order; otherwise the
+    canonical text of a :class:`~aqr.data.streams.StreamOrder` (see :func:`canonical_order`) that
+    reorders them with the cell's seed.
+    """
 
     model: ModelSpec
     data: DataSpec
@@ -132,6 +146,7 @@ class Cell:
     seed: int
     n_images: int | None
     protocol: str = "episodic"
+    order: str | None = None
 
     @property
     def option_dict(self) -> dict[str, Any]:
@@ -150,6 +165,9 @@ class Cell:
         for key in OPTIONAL_MODEL_FIELDS:  # unset, they are left out: keys of older cells stay the same
             if d["model"][key] is None:
                 del d["model"][key]
+        for key in OPTIONAL_CELL_FIELDS:
+            if d[key] is None:
+                del d[key]
         return d
 
     @classmethod
@@ -175,6 +193,12 @@ def _freeze_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
             value = tuple(value)
         frozen.append((key, value))
     return tuple(frozen)
+
+
+def canonical_order(order: "str | StreamOrder | None") -> str | None:
+    """The canonical text of a stream order (``"delta=0.10"`` -> ``"delta=0.1"``), ``None`` for none;
+    ``ValueError`` for text that names no order."""
+    return None if order is None else str(StreamOrder.parse(order))
 
 
 def canonical_json(obj: Any) -> str:
@@ -221,6 +245,8 @@ def _key(config: Mapping[str, Any], method: str, fingerprints: Mapping[str, str]
         "aqr": version,
         "protocol_version": PROTOCOL_VERSION,
     }
+    if config.get("order") is not None:
+        payload["stream_order_version"] = STREAM_ORDER_VERSION
     if method == "aqr":
         payload["aqr_stats_version"] = AQR_STATS_VERSION
         payload["aqr_fast_path_version"] = AQR_FAST_PATH_VERSION
@@ -276,8 +302,10 @@ class GridSpec:
     seeds: tuple[int, ...] = (0, 1, 2)
     n_images: int | None = 2000
     protocol: str = "episodic"
+    order: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "order", canonical_order(self.order))
         unknown = [c for c in self.corruptions if c not in CORRUPTIONS]
         if unknown:
             raise ValueError(f"unknown corruptions {unknown}; expected names from {', '.join(CORRUPTIONS)}")
@@ -302,7 +330,7 @@ class GridSpec:
                             for method in self.methods:
                                 yield Cell(model, self.data, method.name, _freeze_options(method.options),
                                            corruption, int(severity), int(batch_size), int(seed),
-                                           self.n_images, self.protocol)
+                                           self.n_images, self.protocol, self.order)
 
     def __len__(self) -> int:
         return (len(self.models) * len(self.methods) * len(self.corruptions) * len(self.severities)
@@ -418,7 +446,7 @@ def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path | None = Non
     :func:`default_models` or mappings with :class:`ModelSpec` fields), ``data`` (a mapping with
     :class:`DataSpec` fields), ``methods`` (``"tent"``, ``"aqr:tail=clip"`` or mappings with a
     ``method`` key), ``corruptions`` (``"all"`` or a list), ``severities``, ``batch_sizes``,
-    ``seeds``, ``n_images``, ``protocol``.
+    ``seeds``, ``n_images``, ``protocol``, ``order`` (a stream order such as ``"delta=0.1"``).
 
     Defaults come from the preset (``main`` when none is named), which reads the data folder
     (``data_dir`` or ``$AQR_DATA_DIR``). A grid that names no preset and lists only its own models
@@ -426,7 +454,7 @@ def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path | None = Non
     source to generate from.
     """
     allowed = {"name", "preset", "models", "data", "methods", "corruptions", "severities", "batch_sizes",
-               "seeds", "n_images", "protocol"}
+               "seeds", "n_images", "protocol", "order"}
     unknown = set(spec) - allowed
     if unknown:
         raise ValueError(f"unknown grid keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -465,8 +493,9 @@ def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path | None = Non
             changes[key] = tuple(int(v) for v in spec[key])
     if "n_images" in spec:
         changes["n_images"] = None if spec["n_images"] in (None, "all") else int(spec["n_images"])
-    if "protocol" in spec:
-        changes["protocol"] = spec["protocol"]
+    for key in ("protocol", "order"):
+        if key in spec:
+            changes[key] = spec[key]
     return replace(base, **changes)
 
 
@@ -491,9 +520,10 @@ def load_grid(path: str | Path, data_dir: str | Path | None = None,
 
 
 def eval_indices(cell: Cell, pool: Sequence[int]) -> list[int]:
-    """The test images a cell evaluates, in order: a seeded permutation of the pool, cut to n_images.
+    """The test images a cell evaluates: a seeded permutation of the pool, cut to n_images.
 
-    The seed changes both which images are drawn and how they are grouped into batches.
+    The seed changes both which images are drawn and how they are grouped into batches. A cell with
+    a stream order then puts them in that order (:func:`stream_positions`).
     """
     import numpy as np
 
@@ -505,3 +535,15 @@ def eval_indices(cell: Cell, pool: Sequence[int]) -> list[int]:
         order = order[: cell.n_images]
     pool = list(pool)
     return [pool[i] for i in order]
+
+
+def stream_positions(cell: Cell, labels: Sequence[int]) -> Sequence[int] | None:
+    """Where the cell's stream order puts its drawn images (positions into ``labels``, their labels in
+    draw order), or ``None`` when the cell has no order. A mixed order needs a stream of several
+    corruptions, which a one-corruption cell is not."""
+    if cell.order is None:
+        return None
+    order = StreamOrder.parse(cell.order)
+    if order.mixed:
+        raise ValueError(f"stream order {cell.order!r} mixes corruptions; a cell of one corruption cannot")
+    return order.positions(labels, cell.seed).tolist()

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from aqr.bench.grid import (STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key,
-                            eval_indices, legacy_cell_key, location_free, parse_range)
+                            eval_indices, legacy_cell_key, location_free, parse_range, stream_positions)
 from aqr.bench.results import ResultsDB
 from aqr.core.calibrate import DEFAULT_TAIL_UNIT
 from aqr.core.stats import StatsError
@@ -305,7 +305,9 @@ def eval_data(cell: Cell) -> tuple[np.ndarray, np.ndarray]:
     pool = parse_range(cell.data.eval_indices)
     if pool is None:
         raise ValueError("DataSpec.eval_indices must be set")
-    return _load_eval(cell.data.root, cell.corruption, cell.severity, tuple(eval_indices(cell, pool)))
+    images, labels = _load_eval(cell.data.root, cell.corruption, cell.severity, tuple(eval_indices(cell, pool)))
+    positions = stream_positions(cell, labels)
+    return (images, labels) if positions is None else (images[positions], labels[positions])
 
 
 def eval_folder(cell: Cell, preprocess: Preprocess) -> Subset:
@@ -317,7 +319,9 @@ def eval_folder(cell: Cell, preprocess: Preprocess) -> Subset:
     pool = list(range(len(folder))) if text in (None, "", "all") else parse_range(text)
     if max(pool) >= len(folder):
         raise ValueError(f"eval_indices {text!r} exceed the {len(folder)} images of {cell.corruption}/{cell.severity}")
-    return Subset(folder, eval_indices(cell, pool))
+    drawn = eval_indices(cell, pool)
+    positions = stream_positions(cell, folder.labels[drawn])
+    return Subset(folder, drawn if positions is None else [drawn[i] for i in positions])
 
 
 def build_method(cell: Cell, cache_dir: str | Path, device: str | None = None, loader_workers: int = 0,
@@ -413,6 +417,9 @@ def provenance(cell: Cell, files: dict[str, str], key: str, result: CellResult |
     from aqr import __version__
 
     result = result or CellResult("ok")
+    order = "numpy default_rng(seed).permutation(pool)[:n_images]"
+    if cell.order is not None:
+        order += f", then stream order {cell.order!r} (aqr.data.streams, seed {cell.seed})"
     return {
         "aqr": __version__, "torch": torch.__version__, "numpy": np.__version__,
         "python": platform.python_version(), "git_commit": _git_commit(), "host": platform.node(),
@@ -421,7 +428,7 @@ def provenance(cell: Cell, files: dict[str, str], key: str, result: CellResult |
         "files": files, "seed": cell.seed, "protocol": cell.protocol,
         "source": {"data": cell.model.source_data, "indices": cell.model.source_indices},
         "eval": {"data": cell.data.root, "pool": cell.data.eval_indices, "n_images": cell.n_images,
-                 "order": "numpy default_rng(seed).permutation(pool)[:n_images]"},
+                 "order": order},
     }
 
 

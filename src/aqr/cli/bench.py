@@ -33,6 +33,10 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=ints, default=None)
     p.add_argument("--seeds", type=ints, default=None)
     p.add_argument("--n-images", type=int, default=None, help="evaluated images per cell")
+    p.add_argument("--order", default=None,
+                   help="stream order of each cell's images: 'iid' or 'delta=D' (class-correlated, Dirichlet "
+                        "concentration D as in RoTTA; small D: long runs of one class); the grid's name, under "
+                        "which its cells are recorded, gets '-<order>' appended")
     add_image_arguments(p, workers=False)
 
 
@@ -60,6 +64,11 @@ def grid_from_args(args: argparse.Namespace):
     if args.image_size or args.resize:
         changes["models"] = tuple(replace(m, image_size=args.image_size or m.image_size, resize=args.resize or m.resize)
                                   for m in changes.get("models", grid.models))
+    if args.order:  # the report reads an experiment's rows by its name: keep orders apart
+        from aqr.bench.grid import canonical_order
+
+        changes["order"] = canonical_order(args.order)
+        changes["name"] = f"{grid.name}-{changes['order']}"
     changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
                    n_images=args.n_images)
     return grid.override(**changes)
