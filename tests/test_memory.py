@@ -48,7 +48,7 @@ def test_reset_empties_it() -> None:
     assert len(memory) == 6
     memory.reset()
     assert len(memory) == 0 and memory.class_counts().sum() == 0 and len(memory.ages()) == 0
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="holds no items"):
         memory.items()
     assert np.array_equal(offer(memory, [2]), [0])  # usable again, from the first slot
     assert memory.ages().tolist() == [1]
@@ -181,3 +181,23 @@ def test_same_items_as_the_rule_written_plainly(capacity: int, num_classes: int)
     expected = [entry[0] for entries in plain.lists for entry in entries]
     assert memory.items().flatten().long().tolist() == expected
     assert memory.ages().tolist() == [entry[2] for entries in plain.lists for entry in entries]
+
+
+def test_callers_may_keep_the_payloads_at_the_slots() -> None:
+    memory, shadow = ClassBalancedMemory(6, 3), ClassBalancedMemory(6, 3)
+    rng = np.random.default_rng(3)
+    own = torch.zeros(6, 2)  # e.g. one buffer per layer, of any shape
+    for step in range(10):
+        classes, u = torch.as_tensor(rng.integers(0, 3, 5)), torch.as_tensor(rng.random(5))
+        payload = torch.arange(5 * step, 5 * step + 5, dtype=torch.float32)[:, None]
+        slots = memory.add(None, classes, u)
+        assert np.array_equal(slots, shadow.add(payload, classes, u))  # the same decisions
+        kept = slots >= 0
+        own[torch.as_tensor(slots[kept])] = payload[torch.as_tensor(kept)].expand(-1, 2)
+    assert torch.equal(own[torch.as_tensor(memory.slots())][:, :1], shadow.items())
+    with pytest.raises(ValueError, match="holds no items"):
+        memory.items()
+    with pytest.raises(ValueError, match="every time or never"):
+        memory.add(torch.zeros(1, 1), [0], [0.1])
+    with pytest.raises(ValueError, match="every time or never"):
+        shadow.add(None, [0], [0.1])

@@ -31,7 +31,9 @@ class ClassBalancedMemory:
 
     ``lambda_t`` and ``lambda_u`` weigh an item's age and uncertainty when choosing whom to replace
     (RoTTA: 1 and 1). :meth:`add` offers items, :meth:`items` returns what is held, :meth:`reset`
-    empties it.
+    empties it. A caller that keeps several payloads per item (e.g. statistics of every layer) may
+    offer ``items=None`` and store them itself at the slots :meth:`add` returns (:meth:`slots` lists
+    the occupied ones).
     """
 
     def __init__(self, capacity: int, num_classes: int, lambda_t: float = 1.0, lambda_u: float = 1.0) -> None:
@@ -76,14 +78,18 @@ class ClassBalancedMemory:
         return self._counts.copy()
 
     def _held(self) -> np.ndarray:
-        """Occupied slots ordered by class, then by arrival."""
         slots = np.flatnonzero(self._class >= 0)
         return slots[np.lexsort((self._born[slots], self._class[slots]))]
+
+    def slots(self) -> np.ndarray:
+        """The occupied slots (in ``[0, capacity)``), ordered by class then arrival: the order of :meth:`items`."""
+        return self._held()
 
     def items(self) -> torch.Tensor:
         """The items held, shape ``(len(self), *item_shape)``, ordered by class then arrival."""
         if self._payload is None:
-            raise ValueError("the memory is empty: add items first")
+            raise ValueError("the memory holds no items: add some first (offered with items=None, they are the "
+                             "caller's to keep at slots())")
         return self._payload[torch.as_tensor(self._held(), device=self._payload.device)]
 
     def classes(self) -> np.ndarray:
@@ -105,21 +111,23 @@ class ClassBalancedMemory:
         return (self.lambda_t / (1.0 + np.exp(-age / self.capacity))
                 + self.lambda_u * np.asarray(uncertainty, dtype=np.float64) / math.log(self.num_classes))
 
-    def add(self, items: torch.Tensor, classes: torch.Tensor | np.ndarray,
+    def add(self, items: torch.Tensor | None, classes: torch.Tensor | np.ndarray,
             uncertainties: torch.Tensor | np.ndarray) -> np.ndarray:
-        """Offer ``items`` (shape ``(n, *item_shape)``) one by one, in order, with their predicted classes
-        and uncertainties (e.g. prediction entropies); returns each item's slot, or -1 if turned away.
+        """Offer ``n`` items one by one, in order, with their predicted classes and uncertainties (e.g.
+        prediction entropies); returns each item's slot, or -1 if turned away.
 
-        Items are copied in. Raises ``ValueError`` (and changes nothing) for classes outside
-        ``[0, num_classes)``, negative or non-finite uncertainties, or an item shape, dtype or device
-        other than that of the items already held.
+        ``items`` (shape ``(n, *item_shape)``) are copied in; ``None`` stores nothing (the caller keeps
+        the payloads at the returned slots). Raises ``ValueError`` (and changes nothing) for classes
+        outside ``[0, num_classes)``, negative or non-finite uncertainties, or items of another shape,
+        dtype or device than those held (or none where items are held, or the reverse).
         """
-        if not isinstance(items, torch.Tensor):
-            raise ValueError(f"items must be a tensor, got {type(items).__name__}")
+        if items is not None and not isinstance(items, torch.Tensor):
+            raise ValueError(f"items must be a tensor or None, got {type(items).__name__}")
         classes = np.asarray(torch.as_tensor(classes).detach().cpu(), dtype=np.int64).reshape(-1)
         uncertainties = np.asarray(torch.as_tensor(uncertainties).detach().cpu(), dtype=np.float64).reshape(-1)
-        if not (len(items) == len(classes) == len(uncertainties)):
-            raise ValueError(f"{len(items)} items but {len(classes)} classes and {len(uncertainties)} uncertainties")
+        n = len(classes) if items is None else len(items)
+        if not (n == len(classes) == len(uncertainties)):
+            raise ValueError(f"{n} items but {len(classes)} classes and {len(uncertainties)} uncertainties")
         if classes.size and (classes.min() < 0 or classes.max() >= self.num_classes):
             raise ValueError(f"classes must lie in [0, {self.num_classes}), got [{classes.min()}, {classes.max()}]")
         if not np.all(np.isfinite(uncertainties) & (uncertainties >= 0)):
@@ -131,12 +139,18 @@ class ClassBalancedMemory:
             if slot >= 0:
                 self._class[slot], self._born[slot], self._uncertainty[slot] = cls, self._clock, uncertainty
                 self._counts[cls] += 1
-                self._payload[slot] = items[i].detach()
+                if items is not None:
+                    self._payload[slot] = items[i].detach()
                 slots[i] = slot
             self._clock += 1
         return slots
 
-    def _check_payload(self, items: torch.Tensor) -> None:
+    def _check_payload(self, items: torch.Tensor | None) -> None:
+        if (items is None) != (self._payload is None) and self._clock > 0:
+            raise ValueError("offer items every time or never: this memory " +
+                             ("holds items" if self._payload is not None else "was offered items=None"))
+        if items is None:
+            return
         if self._payload is None:
             if len(items):
                 self._payload = torch.zeros((self.capacity, *items.shape[1:]), dtype=items.dtype, device=items.device)

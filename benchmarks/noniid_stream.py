@@ -1,0 +1,116 @@
+"""Methods on a continual CIFAR-10-C stream in i.i.d., class-correlated and mixed orders (issue 16).
+
+One stream per order: the corruptions in the given (continual) order at one severity, each a block of
+the same ``--n`` test images drawn from 5000-9999 with ``--seed``, put in the order by
+:class:`aqr.data.streams.StreamOrder` (``iid``, ``delta=D`` as RoTTA builds it, ``mixed``); every method
+sees the same images in the same order, online (no reset), at one batch size. Prints and appends one
+JSON line per (order, method) to ``--out`` (rows already there are skipped: rerun to resume), and
+with ``--table`` writes a markdown table of accuracy against order.
+
+    python benchmarks/noniid_stream.py --cifar-c cache/cifar10c --out runs/noniid.jsonl --table runs/noniid.md
+
+``--checkpoint`` defaults to the data folder's akamaster ResNet-20 (``--data-dir`` or ``$AQR_DATA_DIR``).
+Methods that need source statistics are not offered here; the ``stream-noniid`` bench preset is
+meant to supersede this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from aqr import methods, models
+from aqr.data import DataDirError, load_cifar_c, resolve_data_dir, to_float
+from aqr.data.streams import StreamOrder, mean_run_length, take
+
+FOUR = "gaussian_noise,defocus_blur,fog,contrast"
+
+
+def run_stream(method: torch.nn.Module, images: np.ndarray, labels: np.ndarray, batch: int) -> np.ndarray:
+    """Whether each image of the stream was classified right, feeding ``method`` ``batch`` images at a time."""
+    correct = np.zeros(len(labels), dtype=bool)
+    for start in range(0, len(labels), batch):
+        logits = method(to_float(images[start : start + batch]))
+        correct[start : start + batch] = logits.argmax(1).numpy() == labels[start : start + batch]
+    return correct
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per method, one column per order (accuracy %, mean over the stream)."""
+    orders = list(dict.fromkeys(r["order"] for r in rows))
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    acc = {(r["order"], r["method"]): r["accuracy"] for r in rows}
+    runs = {r["order"]: r["mean_class_run"] for r in rows}
+    lines = ["| method | " + " | ".join(f"{o} (run {runs[o]:.1f})" for o in orders) + " |",
+             "|---|" + "---|" * len(orders)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{acc[(o, name)]:.2f}" if (o, name) in acc else "—"
+                                                 for o in orders) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cifar-c", required=True, help="CIFAR-10-C folder (aqr corrupt layout)")
+    p.add_argument("--data-dir", default=None, help="data folder (default: $AQR_DATA_DIR)")
+    p.add_argument("--checkpoint", default=None, help="default: the data folder's akamaster ResNet-20")
+    p.add_argument("--corruptions", default=FOUR, help="comma list, in stream order")
+    p.add_argument("--severity", type=int, default=5)
+    p.add_argument("--orders", default="iid,delta=1,delta=0.1,delta=0.01,mixed")
+    p.add_argument("--methods", default="source,ttn,rbn")
+    p.add_argument("--n", type=int, default=1000, help="images per corruption block")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", required=True, help="JSON lines, one per (order, method); resumable")
+    p.add_argument("--table", default=None, help="also write a markdown table here")
+    args = p.parse_args(argv)
+    if args.checkpoint is None:
+        try:
+            args.checkpoint = str(resolve_data_dir(args.data_dir) / "checkpoints/akamaster/resnet20-12fca82f.th")
+        except DataDirError as err:
+            p.error(str(err))
+    torch.set_num_threads(args.threads)
+    corruptions = args.corruptions.split(",")
+    pool = np.arange(5000, 10000)
+    drawn = pool[np.random.default_rng(args.seed).permutation(len(pool))[: args.n]]
+    blocks = [load_cifar_c(args.cifar_c, c, args.severity, drawn) for c in corruptions]
+    block_images, block_labels = [np.asarray(b.images) for b in blocks], [b.labels for b in blocks]
+    model = models.load("resnet20", checkpoint=args.checkpoint)
+    out = Path(args.out)
+    setting = {"corruptions": corruptions, "severity": args.severity, "n_images": args.n * len(corruptions),
+               "batch": args.batch, "seed": args.seed}
+    rows = [r for r in map(json.loads, out.read_text().splitlines())] if out.is_file() else []
+    rows = [r for r in rows if all(r.get(k) == v for k, v in setting.items())]
+    done = {(r["order"], r["method"]) for r in rows}
+    for text in args.orders.split(","):
+        order = StreamOrder.parse(text)
+        stream = order.stream(block_labels, args.seed)
+        images, labels = take(block_images, stream), take(block_labels, stream)
+        for name in args.methods.split(","):
+            if (str(order), name) in done:
+                continue
+            method = methods.create(name, model, protocol="online", seed=args.seed)
+            t0 = time.perf_counter()
+            correct = run_stream(method, images, labels, args.batch)
+            row = {"order": str(order), "method": name, "accuracy": round(100 * float(correct.mean()), 2),
+                   "per_corruption": {c: round(100 * float(correct[stream[:, 0] == k].mean()), 2)
+                                      for k, c in enumerate(corruptions)},
+                   **setting, "mean_class_run": round(mean_run_length(labels), 2),
+                   "wall_s": round(time.perf_counter() - t0, 1), "threads": args.threads}
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.table:
+        Path(args.table).write_text(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
