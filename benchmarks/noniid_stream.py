@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     block_images, block_labels = [np.asarray(b.images) for b in blocks], [b.labels for b in blocks]
     model = models.load("resnet20", checkpoint=args.checkpoint)
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     setting = {"corruptions": corruptions, "severity": args.severity, "n_images": args.n * len(corruptions),
                "batch": args.batch, "seed": args.seed}
     rows = [r for r in map(json.loads, out.read_text().splitlines())] if out.is_file() else []
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.table:
+        Path(args.table).parent.mkdir(parents=True, exist_ok=True)
         Path(args.table).write_text(table(rows))
     return 0
 
