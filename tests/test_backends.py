@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aqr.backends import LayerSource, NativeBackend, SubsetCache, TorchBackend, build, choose_backend
-from aqr.core.qmap import TAILS, quantile_map
+from aqr.backends import LayerSource, NativeBackend, SubsetCache, Targets, TorchBackend, build, choose_backend
+from aqr.core.qmap import TAILS, channel_quantiles, quantile_map
 
 LIB, WHY = build.load_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")
@@ -48,17 +48,63 @@ def test_target_knots_then_apply_is_recalibrate(tail, shape):
 
 @pytest.mark.parametrize("tail", TAILS)
 def test_each_backend_follows_the_reference_map_with_its_knots(tail):
-    """With its own target knots, each backend's map is the reference map up to the table's grid (on
-    the continuous channels; around tied knots the table interpolates across the map's jumps)."""
+    """With its own target knots, each backend's map is the reference map up to the table's grid, on
+    every channel: around tied knots (channel 1) and on a constant channel (2) too."""
     source, x = _source(tail, cells=4096), _batch()
     rows = x.transpose(0, 1).reshape(5, -1)
-    continuous = [0, 3, 4]
     for backend in _backends(source, SubsetCache(x.shape[0] * x.shape[2])):
         targets = backend.target_knots(x)
         want = quantile_map(rows, source.knots, targets.knots, tail, source_loc=source.loc,
                             source_scale=source.scale, gaussian_p=0.01).reshape(5, x.shape[0], -1).transpose(0, 1)
         y = backend.recalibrate(x)[0]
-        torch.testing.assert_close(y[:, continuous], want[:, continuous], atol=2e-3, rtol=2e-3, msg=backend.name)
+        torch.testing.assert_close(y, want, atol=2e-3, rtol=2e-3, msg=backend.name)
+
+
+def _tied_batch(shape: tuple[int, int, int], tie: float = 0.3, seed: int = 21) -> torch.Tensor:
+    """Gaussian channels; in channel 0, 30 % of the values (spread over the batch) equal ``tie``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    channel = x[:, 0].reshape(-1)
+    channel[torch.randperm(channel.numel(), generator=g)[: channel.numel() * 3 // 10]] = tie
+    x[:, 0] = channel.reshape(x[:, 0].shape)
+    return x
+
+
+@pytest.mark.parametrize("tail", TAILS)
+@pytest.mark.parametrize("shape", [(32, 3, 64), (2000, 3, 1)])  # channel-major and channels-last
+def test_tied_values_and_their_neighbours_follow_the_tie_rule(tail, shape):
+    """Issue 14, item 7: a value equal to a run of tied target knots maps to the source at the run's
+    middle level, as in the exact map; values within a cell of it follow the exact map too (the
+    table used to draw a line across the jump: 0.18 source std off on the tie, 1.3 beside it)."""
+    tie = 0.3
+    source, x = _source(tail, c=3, k=101, cells=1024), _tied_batch(shape, tie)
+    rows = x.transpose(0, 1).reshape(3, -1)
+    tq = channel_quantiles(rows, 101, dim=0)
+    run = (tq[0] == tie).nonzero().squeeze(1)
+    assert len(run) > 20 and 1 < run[0] and run[-1] < 98  # a long run of tied inner knots
+    # probe values: every tenth value of channel 0 moved to within two table cells of the tie
+    cell = float(tq[0, 98] - tq[0, 1]) / 1024
+    channel = x[:, 0].reshape(-1).clone()
+    g = torch.Generator().manual_seed(22)
+    channel[::10] = tie + (torch.rand(channel[::10].shape, generator=g) - 0.5) * 4 * cell
+    x[:, 0] = channel.reshape(x[:, 0].shape)
+    probe = x.transpose(0, 1).reshape(3, -1)
+    var, mean = torch.var_mean(probe.double(), dim=1, correction=0, keepdim=True)  # as the reference's tails
+    targets = Targets(tq, mean.float(), var.sqrt().float(), torch.tensor(True))
+    want = quantile_map(probe, source.knots, tq, tail, source_loc=source.loc, source_scale=source.scale,
+                        gaussian_p=0.01).reshape(3, shape[0], shape[2]).transpose(0, 1)
+    level = (run[0] + run[-1]) / 2  # the documented rule, spelled out
+    low = int(level)
+    middle = source.knots[0, low] + (source.knots[0, low + 1] - source.knots[0, low]) * (level - low)
+    at_tie, close_by = x[:, 0] == tie, ((x[:, 0] - tie).abs() < cell) & (x[:, 0] != tie)
+    assert int(at_tie.sum()) > 100 and int(close_by.sum()) > 50
+    for backend in _backends(source, SubsetCache(8192)):
+        got = backend.apply(x, targets)
+        torch.testing.assert_close(got[:, 0][at_tie], middle.expand(int(at_tie.sum())), atol=1e-5, rtol=1e-5,
+                                   msg=backend.name)
+        torch.testing.assert_close(got[:, 0][at_tie], want[:, 0][at_tie], atol=1e-5, rtol=1e-5, msg=backend.name)
+        torch.testing.assert_close(got[:, 0][close_by], want[:, 0][close_by], atol=1e-5, rtol=1e-5, msg=backend.name)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3, msg=backend.name)  # and everywhere else
 
 
 def test_pre_maps_the_affine_output_in_every_backend():

@@ -5,6 +5,12 @@
  * or torch headers: arrays are passed as raw pointers through ctypes, which also releases the GIL.
  *
  * Layout: a layer output is viewed as x[A][C][B] (float32, contiguous), channel c in the middle.
+ *
+ * Every array index computed from data (a histogram bucket, a table cell, a knot level) is clamped
+ * to its array's bounds *before* the float is converted to an integer, NaN going to the lowest
+ * index: any finite or non-finite input stays in bounds (tests/test_native_fuzz.py runs this file
+ * under AddressSanitizer and UBSan). Ranges and interpolations that can exceed FLT_MAX between
+ * two finite floats (max - min of a channel spanning +-3.4e38) are computed in double.
  */
 #include <float.h>
 #include <math.h>
@@ -21,6 +27,39 @@ enum { MAX_THREADS = 64 };
 /* Below this many values per (row, channel), a layout counts as channels-last: the kernels read
    row by row over all channels instead of channel by channel. */
 enum { ROWS_LAYOUT_BELOW = 16 };
+
+/* Status codes of the entry points. */
+enum { AQR_OK = 0, AQR_NO_MEMORY = -1, AQR_BAD_ARGUMENT = -2 };
+
+/* Whether the sizes describe arrays the kernels can index: a positive layout, K >= 3 knots (p0, an
+   inner knot, p100), at least one cell, and int32 gather indices over every channel's table. */
+static int sizes_ok(int64_t A, int64_t C, int64_t B, int64_t K, int64_t cells) {
+    return A >= 0 && C >= 1 && B >= 1 && K >= 3 && cells >= 1 && cells < INT32_MAX / 4 &&
+           C <= INT32_MAX / (cells + 2);
+}
+
+/* Whether the sample description is in bounds: S >= 1 positions each inside channel 0 of the
+   (A, C, B) layout (NULL: 0..S-1 is checked by the caller), nondecreasing ranks in [0, S - 1]. */
+static int sample_ok(int64_t A, int64_t C, int64_t B, const int64_t *pos, int64_t S, int64_t K,
+                     const int64_t *rank_lo, int64_t nbins) {
+    if (S < 1 || S > INT32_MAX / 4 || nbins < 1 || nbins > INT32_MAX / 8 || S > A * B) return 0;
+    for (int64_t i = 0; i < S; i++) {
+        if (pos[i] < 0 || pos[i] / B >= A * C || pos[i] / B % C != 0) return 0;
+    }
+    for (int64_t k = 0; k < K; k++) {
+        if (rank_lo[k] < 0 || rank_lo[k] >= S || (k > 0 && rank_lo[k] < rank_lo[k - 1])) return 0;
+    }
+    return 1;
+}
+
+/* Tail codes (aqr.backends.native.TAIL_CODES); the parametric tails read arrays that must be given. */
+enum { TAIL_EQ1 = 0, TAIL_NONE = 1, TAIL_CLIP = 2, TAIL_INTERVAL = 3, TAIL_GAUSSIAN = 4 };
+
+static int tail_ok(int tail, const void *mean, const void *std, const void *loc, const void *scale, const void *z) {
+    if (tail < TAIL_EQ1 || tail > TAIL_GAUSSIAN) return 0;
+    if (tail >= TAIL_INTERVAL && (!std || !scale)) return 0;
+    return tail != TAIL_GAUSSIAN || (mean && loc && z);
+}
 
 /* The number of parts parallel_for will use for n items. */
 static int num_parts(int64_t n, int nthreads) {
@@ -176,41 +215,50 @@ static int min_max(const float *v, int64_t n, float *mn_out, float *mx_out) {
     return nan;
 }
 
-/* Bucket of each value, bin[i] = min((v[i] - mn) * scale, NB - 1): monotone in v[i], because
-   IEEE rounding is monotone. */
+/* Bucket of each value, bin[i] = (v[i] - mn) * scale clamped to [0, NB - 1] as a float before it
+   is converted (an overflow to inf, or NaN, would convert to INT_MIN): monotone in v[i], because
+   IEEE rounding and the clamp are monotone. */
 static void bucket_index(const float *v, int64_t n, float mn, float scale, int32_t NB, int32_t *bin) {
+    const float top = (float)(NB - 1);
     int64_t i = 0;
 #ifdef __AVX2__
     const __m256 vmn = _mm256_set1_ps(mn), vscale = _mm256_set1_ps(scale);
-    const __m256i top = _mm256_set1_epi32(NB - 1);
+    const __m256 zero = _mm256_setzero_ps(), vtop = _mm256_set1_ps(top);
     for (; i + 8 <= n; i += 8) {
         __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + i), vmn), vscale);
-        _mm256_storeu_si256((__m256i *)(bin + i), _mm256_min_epi32(_mm256_cvttps_epi32(t), top));
+        t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* max(NaN, 0) is 0: its second operand */
+        _mm256_storeu_si256((__m256i *)(bin + i), _mm256_cvttps_epi32(t));
     }
 #endif
     for (; i < n; i++) {
-        int32_t b = (int32_t)((v[i] - mn) * scale);
-        bin[i] = b < NB - 1 ? b : NB - 1;
+        float t = (v[i] - mn) * scale;
+        t = t > 0.0f ? t : 0.0f; /* NaN fails the test: bucket 0 */
+        bin[i] = (int32_t)(t < top ? t : top);
     }
 }
 
+/* Mean and population std of v[0..n), n >= 1, in double and in two passes: E[x^2] - E[x]^2 loses
+   every digit for values of 1e30 with a spread of 1, and float squares overflow above 1.8e19. */
 static void moments_of(const float *v, int64_t n, float *out) {
-    double sum[4] = {0}, sumsq[4] = {0}; /* four chains: the adds' latency does not serialize */
+    double sum[4] = {0}, sq[4] = {0}; /* four chains: the adds' latency does not serialize */
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
-        for (int j = 0; j < 4; j++) {
-            sum[j] += v[i + j];
-            sumsq[j] += (double)v[i + j] * v[i + j];
-        }
+        for (int j = 0; j < 4; j++) sum[j] += v[i + j];
     }
-    for (; i < n; i++) {
-        sum[0] += v[i];
-        sumsq[0] += (double)v[i] * v[i];
+    for (; i < n; i++) sum[0] += v[i];
+    double mean = (sum[0] + sum[1] + sum[2] + sum[3]) / (double)n;
+    for (i = 0; i + 4 <= n; i += 4) {
+        for (int j = 0; j < 4; j++) sq[j] += ((double)v[i + j] - mean) * ((double)v[i + j] - mean);
     }
-    double mean = (sum[0] + sum[1] + sum[2] + sum[3]) / n;
-    double var = (sumsq[0] + sumsq[1] + sumsq[2] + sumsq[3]) / n - mean * mean;
+    for (; i < n; i++) sq[0] += ((double)v[i] - mean) * ((double)v[i] - mean);
     out[0] = (float)mean;
-    out[1] = (float)sqrt(var > 0 ? var : 0);
+    out[1] = (float)sqrt((sq[0] + sq[1] + sq[2] + sq[3]) / (double)n);
+}
+
+/* a + (b - a) * f for floats a <= b, in double: b - a overflows float for a = -b = 3e38, and the
+   result is exact when a == b (tied knots stay tied). aqr.core.qmap.sorted_quantiles does the same. */
+static float lerp_knots(float a, float b, float f) {
+    return (float)((double)a + ((double)b - (double)a) * (double)f);
 }
 
 /* Min, max and NaN flag of every value of channel c, channel-major layouts: A rows of B contiguous
@@ -282,8 +330,11 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
             if (a->finite[c]) out[0] = lo_all, out[K - 1] = hi_all;
             continue;
         }
-        float scale = (float)NB / (mx - mn);
-        if (!isfinite(scale)) scale = (float)NB / FLT_MAX; /* a tiny range: one bucket is enough */
+        /* In double: mx - mn overflows float when the sample spans more than FLT_MAX. A range so
+           small that NB / range overflows float puts every value in the first buckets (then
+           crowded, hence sorted); bucket_index clamps whatever lands outside. */
+        double scale_d = (double)NB / ((double)mx - (double)mn);
+        float scale = scale_d < (double)FLT_MAX ? (float)scale_d : FLT_MAX;
         bucket_index(buf, S, mn, scale, NB, bin);
         memset(hist, 0, sizeof(int32_t) * HISTS * (NB + 1));
         int64_t i = 0;
@@ -326,19 +377,19 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
                 }
             }
         }
-        float width = 1.0f / scale;
+        double width = 1.0 / (double)scale; /* of a bucket as bucket_index assigns them; in double: see scale_d */
         for (int64_t k = 0; k < K; k++) {
             float v[2];
             for (int j = 0; j < 2; j++) {
                 int64_t at = index[k] + (j && a->rank_lo[k] + 1 < S);
                 int64_t rank = ranks[at];
                 int32_t b = bucket[at];
-                float n = (float)(start[b + 1] - start[b]);
-                float est = mn + ((float)b + ((float)(rank - start[b]) + 0.5f) / n) * width;
+                double n = (double)(start[b + 1] - start[b]);
+                double est = (double)mn + ((double)b + ((double)(rank - start[b]) + 0.5) / n) * width;
                 est = est < mn ? mn : (est > mx ? mx : est);
-                v[j] = rank == 0 ? mn : (rank == S - 1 ? mx : (exact[at] ? placed[rank] : est));
+                v[j] = rank == 0 ? mn : (rank == S - 1 ? mx : (exact[at] ? placed[rank] : (float)est));
             }
-            out[k] = v[0] + (v[1] - v[0]) * a->frac[k];
+            out[k] = lerp_knots(v[0], v[1], a->frac[k]);
         }
         out[0] = lo_all;
         out[K - 1] = hi_all;
@@ -392,11 +443,13 @@ static void transpose_part(void *p, int part, int64_t i0, int64_t i1) {
    (NULL: of x) at pos + c * B (S positions), read from an nbins-bucket histogram (buckets with more
    than `crowded` values are sorted), except p0 and p100, taken over every value; moments[c] =
    (mean, std) of the sample unless moments is NULL; finite[c] = whether every value of the channel
-   is finite (else tq[c] is NaN). Returns 0, or -1 when the scratch memory could not be allocated. */
+   is finite (else tq[c] is NaN). Returns 0, -1 when the scratch memory could not be allocated, or
+   -2 when the sizes, positions or ranks are out of bounds. */
 int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const int64_t *pos,
                          const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
                          const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
                          float *tq, float *moments, int32_t *finite, int nthreads) {
+    if (!sizes_ok(A, C, B, K, 1) || !sample_ok(A, C, B, pos, S, K, rank_lo, nbins)) return AQR_BAD_ARGUMENT;
     /* Channels-last (rows): channel c's samples sit C * B apart. Its extremes come from one pass
        over the rows and its sample is gathered once into a (C, S) buffer, instead of reading every
        row once per channel. Channel-major layouts do both per channel, in quantiles_part. */
@@ -448,11 +501,19 @@ int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const 
 /* ------------------------------------------------------------------------------------------------
  * The lookup-table map. Each channel's table: cell 0 is the lower tail line, cells 1..cells the
  * exact map (Eq. 1) interpolated between grid points spanning [p1^T, p_{K-2}^T], cell cells+1 the
- * upper tail line. Mirrors aqr.backends.torch_backend.table_map (same float32 arithmetic order).
+ * upper tail line. Mirrors aqr.backends.torch_backend.table_map (same float32 arithmetic order);
+ * the rule both implement is in that module's docstring ("Marked cells").
+ *
+ * Marked cells hold NaN as slope and intercept. The exact map jumps at a value shared by a run of
+ * tied target knots (from the source at the run's first level to its last, with the middle level
+ * at the value itself); a line per cell would smear that jump over the cell. So the cell of every
+ * tied knot and its two neighbours are marked (unless all K knots are equal: then every value is
+ * that value, and cell 1 maps it to the middle level), as is any cell whose line is not finite.
+ * A value whose table result is NaN is mapped by exact_value instead.
  * ---------------------------------------------------------------------------------------------- */
 
-/* Tail strategies (aqr.core.qmap.TAILS); "standard" and "average" differ only in the source knots. */
-enum { TAIL_EQ1 = 0, TAIL_NONE = 1, TAIL_CLIP = 2, TAIL_INTERVAL = 3, TAIL_GAUSSIAN = 4 };
+/* Tail strategies (aqr.core.qmap.TAILS, codes above); "standard" and "average" differ only in the
+   source knots. */
 
 typedef struct map_args {
     const float *x;
@@ -514,36 +575,80 @@ static void tail_lines(const map_args *a, int64_t c, float lines[4]) {
     }
 }
 
-/* The exact map at point g, given p = number of knots <= g (aqr.core.qmap.interp_levels/eval_levels). */
-static float exact_at(float g, int64_t p, const float *tq, const float *sq, const int64_t *run_start,
-                      int64_t K) {
+/* The exact map at point g (aqr.core.qmap.interp_levels then eval_levels), given p = the number of
+   knots <= g (0 for NaN) and run_first = the first index of the run of knots equal to tq[p - 1]. */
+static float exact_at(float g, int64_t p, const float *tq, const float *sq, int64_t run_first, int64_t K) {
     int64_t j = p - 1;
     j = j < 0 ? 0 : (j > K - 2 ? K - 2 : j);
     float lo_knot = tq[j], width = tq[j + 1] - lo_knot;
     float t = width > 0 ? (g - lo_knot) / width : (float)(g > lo_knot);
     float u = (float)j + t;
     int64_t last = p - 1 < 0 ? 0 : p - 1;
-    if (p > 0 && g == tq[last]) u = (float)(run_start[last] + last) / 2;
-    int64_t i = (int64_t)floorf(u);
-    i = i < 0 ? 0 : (i > K - 2 ? K - 2 : i);
+    if (p > 0 && g == tq[last]) u = (float)(run_first + last) / 2;
+    /* the level's interval, clamped as a float before the conversion (u may be +-inf or NaN) */
+    float fl = floorf(u);
+    int64_t i = fl >= (float)(K - 2) ? K - 2 : (fl > 0.0f ? (int64_t)fl : 0);
     float f = u - (float)i;
     return sq[i] + (sq[i + 1] - sq[i]) * f;
 }
 
-/* tab[2 * cell] is the slope and tab[2 * cell + 1] the intercept of each cell's line. */
+/* The map of value v in channel c by Eq. 1 with the tie rule, then the tail strategy's lines below
+   p1^T and at or above p_{K-2}^T (aqr.core.qmap.map_rows on one value): marked cells' values. */
+static float exact_value(const map_args *a, int64_t c, float v) {
+    if (v != v) return v; /* NaN stays NaN (resolve_marked in torch_backend.py skips it too) */
+    const int64_t K = a->K;
+    const float *tq = a->tq + c * K, *sq = a->sq + c * K;
+    int64_t lo = 0, hi = K; /* binary search: p = the number of knots <= v (NaN: 0) */
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (tq[mid] <= v) lo = mid + 1;
+        else hi = mid;
+    }
+    int64_t last = lo > 0 ? lo - 1 : 0, first = last;
+    while (first > 0 && tq[first - 1] == tq[last]) first--;
+    float y = exact_at(v, lo, tq, sq, first, K);
+    if (a->tail != TAIL_EQ1) {
+        float lines[4];
+        tail_lines(a, c, lines);
+        if (v < tq[1]) y = lines[0] * v + lines[1];
+        if (v >= tq[K - 2]) y = lines[2] * v + lines[3];
+    }
+    return y;
+}
+
+/* Marks cell `cell` of a table (see the section comment). */
+static void mark_cell(float *tab, int64_t cell) {
+    tab[2 * cell] = NAN;
+    tab[2 * cell + 1] = NAN;
+}
+
+/* The table cell of value v: cell 0 below lo, 1..cells on the grid, cells + 1 from hi on; the float
+   is clamped before the conversion and NaN goes to cell 0. map_row computes the same, in line. */
+static int64_t cell_of(float v, float lo, float inv, int64_t cells) {
+    float t = (v - lo) * inv + 1.0f;
+    t = t > 0.0f ? t : 0.0f;
+    t = t < (float)(cells + 1) ? t : (float)(cells + 1);
+    return (int64_t)t;
+}
+
+/* tab[2 * cell] is the slope and tab[2 * cell + 1] the intercept of each cell's line (NaN: marked). */
 static void build_table(const map_args *a, int64_t c, float *values, float *tab, int64_t *run_start,
                         float *lo_out, float *inv_out) {
     const int64_t K = a->K, cells = a->cells;
     const float *tq = a->tq + c * K, *sq = a->sq + c * K;
     for (int64_t k = 0; k < K; k++) run_start[k] = (k > 0 && tq[k] == tq[k - 1]) ? run_start[k - 1] : k;
     float lo = tq[1], hi = tq[K - 2];
-    float width = (hi - lo) / (float)cells;
+    /* The grid in double: hi - lo overflows float when the knots span more than FLT_MAX. */
+    double step = ((double)hi - (double)lo) / (double)cells;
+    float width = (float)step;
     float inv = width > 0 ? 1.0f / width : 0.0f;
+    int overflow = !(inv <= FLT_MAX); /* a subnormal width: every value goes to cell 1, marked */
+    if (overflow) inv = 0.0f;
     int64_t p = 0;
     for (int64_t j = 0; j <= cells; j++) {
-        float g = lo + width * (float)j;
+        float g = (float)((double)lo + step * (double)j);
         while (p < K && tq[p] <= g) p++;
-        values[j] = exact_at(g, p, tq, sq, run_start, K);
+        values[j] = exact_at(g, p, tq, sq, run_start[p > 0 ? p - 1 : 0], K);
     }
     float lines[4];
     tail_lines(a, c, lines);
@@ -552,10 +657,25 @@ static void build_table(const map_args *a, int64_t c, float *values, float *tab,
     for (int64_t j = 0; j < cells; j++) {
         float s = (values[j + 1] - values[j]) * inv;
         tab[2 * j + 2] = s;
-        tab[2 * j + 3] = values[j] - s * (lo + width * (float)j);
+        tab[2 * j + 3] = values[j] - s * (float)((double)lo + step * (double)j);
     }
     tab[2 * cells + 2] = lines[2];
     tab[2 * cells + 3] = lines[3];
+    /* All knots equal (every value of the batch is that value, and goes to cell 1): the exact map's
+       value there, the middle level (values[0]) for Eq. 1 tails, the upper tail line's otherwise. */
+    if (tq[0] == tq[K - 1] && a->tail != TAIL_EQ1) tab[3] = lines[2] * tq[0] + lines[3];
+    for (int64_t cell = 0; cell < cells + 2; cell++) {
+        if (!isfinite(tab[2 * cell]) || !isfinite(tab[2 * cell + 1])) mark_cell(tab, cell);
+    }
+    if (overflow) mark_cell(tab, 1);
+    if (tq[0] != tq[K - 1]) { /* the jumps at tied knots */
+        for (int64_t k = 0; k < K; k++) {
+            int tied = (k > 0 && tq[k] == tq[k - 1]) || (k + 1 < K && tq[k] == tq[k + 1]);
+            if (!tied) continue;
+            int64_t cell = cell_of(tq[k], lo, inv, cells);
+            for (int64_t d = cell > 0 ? cell - 1 : 0; d <= cell + 1 && d <= cells + 1; d++) mark_cell(tab, d);
+        }
+    }
     *lo_out = lo;
     *inv_out = inv;
 }
@@ -575,9 +695,25 @@ static inline __m256 pair_lookup(const long long *pairs, __m256i cell, __m256 v)
 }
 #endif
 
-/* yp = the table map of pa * xp + pb (pa = 1, pb = 0 leave x as it is, exactly). */
-static void map_row(const float *xp, float *yp, int64_t n, float pa, float pb, float lo, float inv,
-                    const float *tab, int64_t cells) {
+#ifdef __AVX2__
+/* The lanes of y that are NaN (marked cells, or NaN inputs) get exact_value of their v; lane l
+   belongs to channel c + l * dc (dc = 0: one channel, dc = 1: eight channels side by side). */
+static inline __m256 resolve_marked(const map_args *a, int64_t c, int64_t dc, __m256 v, __m256 y) {
+    int marked = _mm256_movemask_ps(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+    if (!marked) return y;
+    float vs[8], ys[8];
+    _mm256_storeu_ps(vs, v);
+    _mm256_storeu_ps(ys, y);
+    for (int l = 0; l < 8; l++) {
+        if (marked >> l & 1) ys[l] = exact_value(a, c + l * dc, vs[l]);
+    }
+    return _mm256_loadu_ps(ys);
+}
+#endif
+
+/* yp = the table map of pa * xp + pb (pa = 1, pb = 0 leave x as it is, exactly), channel c. */
+static void map_row(const map_args *a, int64_t c, const float *xp, float *yp, int64_t n, float pa, float pb,
+                    float lo, float inv, const float *tab, int64_t cells) {
     int64_t i = 0;
     const float top = (float)(cells + 1);
 #ifdef __AVX2__
@@ -590,16 +726,14 @@ static void map_row(const float *xp, float *yp, int64_t n, float pa, float pb, f
         __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, vlo), vinv), one);
         /* max(t, 0) returns its second operand when t is NaN: NaN goes to cell 0, and stays NaN */
         t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop);
-        _mm256_storeu_ps(yp + i, pair_lookup(pairs, _mm256_cvttps_epi32(t), v));
+        _mm256_storeu_ps(yp + i, resolve_marked(a, c, 0, v, pair_lookup(pairs, _mm256_cvttps_epi32(t), v)));
     }
 #endif
     for (; i < n; i++) {
         float v = xp[i] * pa + pb;
-        float t = (v - lo) * inv + 1.0f;
-        t = t > 0.0f ? t : 0.0f; /* NaN fails the test: cell 0 */
-        t = t < top ? t : top;
-        int64_t cell = (int64_t)t;
-        yp[i] = tab[2 * cell] * v + tab[2 * cell + 1];
+        int64_t cell = cell_of(v, lo, inv, cells);
+        float y = tab[2 * cell] * v + tab[2 * cell + 1];
+        yp[i] = y == y ? y : exact_value(a, c, v);
     }
 }
 
@@ -618,7 +752,7 @@ static void map_channel(map_args *a, int part, int64_t c) {
     float pa = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
     for (int64_t r = 0; r < a->A; r++) {
         int64_t at = (r * a->C + c) * a->B;
-        map_row(a->x + at, a->y + at, a->B, pa, pb, lo, inv, tab, cells);
+        map_row(a, c, a->x + at, a->y + at, a->B, pa, pb, lo, inv, tab, cells);
     }
 }
 
@@ -682,12 +816,13 @@ static void rows_part(void *p, int part, int64_t r0, int64_t r1) {
                     t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* NaN -> cell 0, as in map_row */
                     __m256i cell = _mm256_add_epi32(_mm256_cvttps_epi32(t),
                                                     _mm256_loadu_si256((const __m256i *)(r->pair_base + c)));
-                    _mm256_storeu_ps(yp + c, pair_lookup(pairs, cell, v));
+                    _mm256_storeu_ps(yp + c, resolve_marked(a, c, 1, v, pair_lookup(pairs, cell, v)));
                 }
             }
 #endif
             for (; c < c1; c++) {
-                map_row(xp + c * B, yp + c * B, B, r->pa[c], r->pb[c], r->lo[c], r->inv[c], r->tabs + c * stride, cells);
+                map_row(a, c, xp + c * B, yp + c * B, B, r->pa[c], r->pb[c], r->lo[c], r->inv[c], r->tabs + c * stride,
+                        cells);
             }
         }
     }
@@ -695,11 +830,13 @@ static void rows_part(void *p, int part, int64_t r0, int64_t r1) {
 
 /* y (A, C, B) = the recalibration of pre_scale * x + pre_shift (per channel; NULL: x itself) with
    target knots tq and source knots sq (C, K), and the given tail strategy; mean, std, loc, scale
-   (C) and z (4) are read by the parametric tails only. Returns 0, or -1 when scratch memory failed. */
+   (C) and z (2) are read by the parametric tails only. Returns 0, -1 when scratch memory failed, or
+   -2 for sizes out of bounds or a missing array. */
 int aqr_table_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, const float *pre_scale,
                   const float *pre_shift, const float *tq, const float *sq, int64_t K, int tail,
                   const float *mean, const float *std, const float *loc, const float *scale,
                   const double *z, int64_t cells, int nthreads) {
+    if (!sizes_ok(A, C, B, K, cells) || !tail_ok(tail, mean, std, loc, scale, z)) return AQR_BAD_ARGUMENT;
     int parts = num_parts(C, nthreads);
     char *scratch = malloc((size_t)(parts * map_scratch_bytes(K, cells)));
     if (!scratch) return -1;
@@ -729,13 +866,16 @@ int aqr_table_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, con
    pass per channel. A channel's values are read for its extremes and sample, then mapped while
    they are still in cache, which saves one read of the layer output from memory. Channels whose
    values are not all finite are left unmapped (finite[c] = 0). moments (C, 2) is required by the
-   parametric tails. Returns 0, or -1 when scratch memory failed. */
+   parametric tails. Returns 0, -1 when scratch memory failed, or -2 for a channels-last layout,
+   sizes, positions or ranks out of bounds, or a missing array. */
 int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, const int64_t *pos,
                     const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
                     const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
                     const float *sq, int tail, const float *loc, const float *scale, const double *z,
                     int64_t cells, float *tq, float *moments, int32_t *finite, int nthreads) {
-    if (B < ROWS_LAYOUT_BELOW) return -2;
+    if (B < ROWS_LAYOUT_BELOW || !sizes_ok(A, C, B, K, cells) || !sample_ok(A, C, B, pos, S, K, rank_lo, nbins) ||
+        !tail_ok(tail, moments, moments, loc, scale, z))
+        return AQR_BAD_ARGUMENT;
     int parts = num_parts(C, nthreads);
     char *qscratch = malloc((size_t)(parts * quant_scratch_bytes(S, nbins, K)));
     char *mscratch = malloc((size_t)(parts * map_scratch_bytes(K, cells)));

@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -34,23 +35,36 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aqr"
 
 
-def compile_command() -> list[str] | None:
-    """The compiler invocation (without output and source), or ``None`` when no C compiler is found."""
+def compiler() -> list[str] | None:
+    """The C compiler to use (``$CC``, else ``cc``, ``gcc`` or ``clang`` on the path), or ``None``."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return None if cc is None else cc.split()
+
+
+def compile_command(extra_flags: Sequence[str] = (), simd: bool = True) -> list[str] | None:
+    """The compiler invocation (without output and source), or ``None`` when no C compiler is found.
+
+    ``extra_flags`` come last (a sanitizer build passes ``-fsanitize=...`` and ``-O1``); ``simd``
+    adds ``-mavx2 -mfma`` where torch itself runs AVX2 code.
+    """
+    cc = compiler()
     if cc is None:
         return None
     # -ffp-contract=off: no fused multiply-adds, so the table's float32 arithmetic matches torch's
     flags = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")()
-    if platform.machine().lower() in ("x86_64", "amd64") and capability.startswith("AVX"):
+    if simd and platform.machine().lower() in ("x86_64", "amd64") and capability.startswith("AVX"):
         flags += ["-mavx2", "-mfma"]
-    return [*cc.split(), *flags]
+    return [*cc, *flags, *extra_flags]
 
 
-def build_library(command: list[str]) -> Path:
-    """Compile ``_kernels.c`` with ``command`` into the cache (once per source and command); returns the library."""
+def build_library(command: list[str], name: str = "aqr_kernels") -> Path:
+    """Compile ``_kernels.c`` with ``command`` into the cache (once per source and command); returns the library.
+
+    ``name`` starts the cached file's name (a sanitizer build is kept apart from the normal one).
+    """
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(command).encode()).hexdigest()[:16]
-    target = cache_dir() / f"aqr_kernels_{digest}.so"
+    target = cache_dir() / f"{name}_{digest}.so"
     if target.exists():
         return target
 
@@ -76,9 +90,9 @@ def load_kernels() -> tuple[ctypes.CDLL | None, str]:
         return None, str(err)
 
 
-def load(command: list[str]) -> ctypes.CDLL:
-    """Build the kernels with ``command`` (cached) and load them, on torch's OpenMP team if found."""
-    lib = ctypes.CDLL(str(build_library(command)))
+def load(command: list[str], name: str = "aqr_kernels") -> ctypes.CDLL:
+    """Build the kernels with ``command`` (cached as ``name``) and load them, on torch's OpenMP team if found."""
+    lib = ctypes.CDLL(str(build_library(command, name)))
     lib.aqr_subset_quantiles.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
     lib.aqr_table_map.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I, ctypes.c_int]
     lib.aqr_recalibrate.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _P, _P, _P,

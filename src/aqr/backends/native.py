@@ -31,7 +31,15 @@ ROWS_LAYOUT_BELOW = 16  # as in _kernels.c: fewer values per (row, channel) coun
 
 
 class NativeKernelError(RuntimeError):
-    """A C kernel could not run (its scratch memory could not be allocated)."""
+    """A C kernel could not run: its scratch memory could not be allocated, or it refused its arguments."""
+
+
+def _check(status: int, kernel: str, what: str) -> None:
+    """Raise :class:`NativeKernelError` for a kernel's nonzero status (-1: no memory, -2: bad arguments)."""
+    if status == -1:
+        raise NativeKernelError(f"{kernel} could not allocate scratch memory for {what}")
+    if status != 0:
+        raise NativeKernelError(f"{kernel} refused its arguments ({what}): sizes, positions or ranks out of bounds")
 
 
 @functools.lru_cache(maxsize=64)
@@ -109,8 +117,7 @@ def subset_quantiles(
         _ptr(x), x.shape[0], c, x.shape[2], _ptr(positions), *_affine_ptrs(pre), s, num_quantiles, _ptr(rank_lo),
         _ptr(frac), *_histogram(s), _ptr(tq), _ptr_or_null(stats), _ptr(finite), torch.get_num_threads(),
     )
-    if status != 0:
-        raise NativeKernelError(f"aqr_subset_quantiles could not allocate scratch memory for {c} x {s} values")
+    _check(status, "aqr_subset_quantiles", f"{c} x {s} values")
     mean, std = (None, None) if stats is None else (stats[:, :1], stats[:, 1:])
     return tq, mean, std, bool(finite.all())
 
@@ -133,8 +140,7 @@ def table_map(lib: ctypes.CDLL, x: torch.Tensor, targets: Targets, source: Layer
         *map(_ptr_or_null, (*moments, source.loc, source.scale)), _ptr_or_null(zs), source.cells,
         torch.get_num_threads(),
     )
-    if status != 0:
-        raise NativeKernelError(f"aqr_table_map could not allocate scratch memory for a {source.cells}-cell table")
+    _check(status, "aqr_table_map", f"{c} channels, a {source.cells}-cell table")
     return y
 
 
@@ -163,8 +169,7 @@ def recalibrate(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, sour
         *_histogram(s), _ptr(sq), code, _ptr_or_null(source.loc), _ptr_or_null(source.scale), _ptr_or_null(zs),
         source.cells, _ptr(tq), _ptr_or_null(moments), _ptr(finite), torch.get_num_threads(),
     )
-    if status != 0:
-        raise NativeKernelError(f"aqr_recalibrate could not allocate scratch memory for {c} x {s} values")
+    _check(status, "aqr_recalibrate", f"{c} x {s} values")
     return y, bool(finite.all())
 
 

@@ -33,8 +33,9 @@ PROTOCOL_VERSION = 1
 AQR_STATS_VERSION = 2
 # Part of AQR cells' keys only: bump when the default fast path changes its results.
 # 1: p0/p100 and inner knots from the sample (numpy sort); 2: p0/p100 from every value, inner knots
-# from the sample's histogram (aqr.backends.native), 2026-11-26.
-AQR_FAST_PATH_VERSION = 2
+# from the sample's histogram (aqr.backends.native), 2026-11-26; 3: the tie rule in fast mode (marked
+# table cells map exactly) and ranges in float64 (issue 14).
+AQR_FAST_PATH_VERSION = 3
 # Part of the keys of cells with a stream order only: bump when aqr.data.streams orders images differently.
 STREAM_ORDER_VERSION = 1
 

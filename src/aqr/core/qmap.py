@@ -54,9 +54,21 @@ def sorted_quantiles(sorted_values: torch.Tensor, num_quantiles: int) -> torch.T
     lo = pos.floor().long().clamp_(0, m - 1)
     hi = (lo + 1).clamp_(max=m - 1)
     frac = (pos - lo.to(pos.dtype)).to(sorted_values.dtype)
-    a = sorted_values[..., lo]
-    b = sorted_values[..., hi]
-    return a + (b - a) * frac
+    return lerp_knots(sorted_values[..., lo], sorted_values[..., hi], frac)
+
+
+def lerp_knots(a: torch.Tensor, b: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+    """``a + (b - a) * frac`` for ``a <= b``, without overflow between finite values, in ``a``'s dtype.
+
+    ``b - a`` overflows float32 for ``a = -b = 3e38``: up to float32 it is computed in float64
+    (exact when ``a == b``, so tied knots stay tied; aqr's C kernels do the same). In float64 an
+    overflow falls back to ``a * (1 - frac) + b * frac``.
+    """
+    if a.dtype != torch.float64:
+        wide = a.double() + (b.double() - a.double()) * frac.double()
+        return wide.to(a.dtype)
+    out = a + (b - a) * frac
+    return torch.where(torch.isfinite(out) | ~torch.isfinite(a) | ~torch.isfinite(b), out, a * (1 - frac) + b * frac)
 
 
 def sort_rows(x: torch.Tensor) -> torch.Tensor:
@@ -211,11 +223,32 @@ def map_rows(
     gaussian_p: float = DEFAULT_GAUSSIAN_P,
 ) -> torch.Tensor:
     """:func:`quantile_map` on ``(C, M)`` rows with ``(C, K)`` knots, all of one float dtype and device."""
+    lines = None
+    if tail in ("none", "clip", "interval", "gaussian"):
+        mean = std = None
+        if tail in PARAMETRIC_TAILS:  # in float64: squares of float32 values above 1.8e19 overflow
+            var, mean = torch.var_mean(rows.double(), dim=1, correction=0, keepdim=True)
+            mean, std = mean.to(rows.dtype), var.sqrt().to(rows.dtype)
+        lines = tail_lines(source_q, target_q, tail, mean, std, source_loc, source_scale, gaussian_p)
+    return map_rows_with_lines(rows, source_q, target_q, lines)
+
+
+def map_rows_with_lines(
+    rows: torch.Tensor,
+    source_q: torch.Tensor,
+    target_q: torch.Tensor,
+    lines: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """Eq. 1 with the tie rule on ``(C, M)`` rows, then, unless ``lines`` is ``None`` (the Eq. 1
+    tails), the tail lines of :func:`tail_lines` below ``p1^T`` and at or above ``p_{K-2}^T``."""
     rows, target_q = rows.contiguous(), target_q.contiguous()
     y = eval_levels(interp_levels(rows, target_q), source_q)
-    if tail in ("none", "clip", "interval", "gaussian"):
-        y = _apply_tail(rows, y, source_q, target_q, tail, source_loc, source_scale, gaussian_p)
-    return y
+    if lines is None:
+        return y
+    k = target_q.shape[1]
+    a_lo, b_lo, a_hi, b_hi = lines
+    y = torch.where(rows < target_q[:, 1:2], a_lo * rows + b_lo, y)
+    return torch.where(rows >= target_q[:, k - 2 : k - 1], a_hi * rows + b_hi, y)
 
 
 def tail_lines(
@@ -267,26 +300,6 @@ def tail_lines(
 
 def _slope(rise: torch.Tensor, run: torch.Tensor) -> torch.Tensor:
     return torch.where(run > 0, rise / torch.where(run > 0, run, torch.ones_like(run)), torch.zeros_like(run))
-
-
-def _apply_tail(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    sq: torch.Tensor,
-    tq: torch.Tensor,
-    tail: str,
-    source_loc: torch.Tensor | None,
-    source_scale: torch.Tensor | None,
-    gaussian_p: float,
-) -> torch.Tensor:
-    k = tq.shape[1]
-    mean = std = None
-    if tail in PARAMETRIC_TAILS:
-        mean = x.mean(dim=1, keepdim=True)
-        std = x.std(dim=1, correction=0, keepdim=True)
-    a_lo, b_lo, a_hi, b_hi = tail_lines(sq, tq, tail, mean, std, source_loc, source_scale, gaussian_p)
-    y = torch.where(x < tq[:, 1:2], a_lo * x + b_lo, y)
-    return torch.where(x >= tq[:, k - 2 : k - 1], a_hi * x + b_hi, y)
 
 
 def _per_channel(v: torch.Tensor | None, name: str, tail: str, like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""A property test of aqr's C kernels against the torch backend on extreme finite (and non-finite)
+inputs; run by tests/test_native_fuzz.py with the normal build and, in a subprocess, with a build
+under AddressSanitizer and UBSan (``python native_fuzz.py --sanitized``).
+
+Every layer output and source is small enough that every position is sampled and the C kernels sort
+the sample whole, so both backends see the same target knots: their maps then agree to float32
+rounding, and p0 / p100 and the finite flag exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from aqr.backends import LayerSource, NativeBackend, SubsetCache, Targets, TorchBackend
+from aqr.core.qmap import TAILS
+
+FLT_MAX = float(np.finfo(np.float32).max)
+TINY = float(np.finfo(np.float32).smallest_subnormal)
+SPECIAL = [FLT_MAX, -FLT_MAX, 1e38, -1e38, 2e38, -2e38, TINY, -TINY, 3 * TINY, float(np.finfo(np.float32).tiny),
+           0.0, -0.0, 1.0, -1.0, 1e-30, 65504.0]
+LAYOUTS = [(1, 1, 1), (7, 1, 1), (9, 3, 1), (5, 2, 3), (3, 4, 5), (2, 2, 16), (1, 3, 40), (4, 1, 23)]
+
+
+def finite_floats(special_weight: int = 1) -> st.SearchStrategy[float]:
+    """float32 values: anything finite (subnormals, +-0, +-FLT_MAX included) or one of ``SPECIAL``."""
+    return st.one_of(st.floats(width=32, allow_nan=False, allow_infinity=False),
+                     *[st.sampled_from(SPECIAL)] * special_weight)
+
+
+@st.composite
+def layer_outputs(draw: st.DrawFn, nonfinite: bool = False) -> np.ndarray:
+    """An ``(A, C, B)`` float32 layer output; some channels constant, tied, or spanning +-FLT_MAX."""
+    a, c, b = draw(st.sampled_from(LAYOUTS))
+    x = draw(arrays(np.float32, (a, c, b), elements=finite_floats(3)))
+    for ch in range(c):
+        shape = draw(st.sampled_from(["as drawn", "constant", "tied", "huge range", "tiny range", "normal"]))
+        if shape == "constant":
+            x[:, ch] = x[0, ch, 0]
+        elif shape == "tied":  # 30 % of the channel at one value
+            flat = x[:, ch].reshape(-1)
+            flat[: max(1, flat.size * 3 // 10)] = draw(finite_floats())
+            x[:, ch] = flat.reshape(a, b)
+        elif shape == "huge range" and a * b >= 2:
+            x[0, ch, 0], x[-1, ch, -1] = FLT_MAX, -FLT_MAX
+        elif shape == "tiny range":
+            x[:, ch] = np.float32(draw(st.sampled_from([0.0, 1.0, 1e30]))) + TINY * np.arange(a * b).reshape(a, b)
+        elif shape == "normal":
+            x[:, ch] = np.random.default_rng(draw(st.integers(0, 2**16))).normal(size=(a, b)).astype(np.float32)
+    if nonfinite:
+        x.reshape(-1)[draw(st.integers(0, x.size - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    return x
+
+
+@st.composite
+def sources(draw: st.DrawFn, channels: int) -> LayerSource:
+    """A layer's source side: sorted finite knots, a tail strategy and its moments, a table size."""
+    k = draw(st.sampled_from([3, 4, 11, 21]))
+    moderate = st.floats(-1e4, 1e4, width=32)
+    knots = draw(arrays(np.float32, (channels, k), elements=st.one_of(moderate, finite_floats())))
+    knots.sort(axis=1)
+    loc = draw(arrays(np.float32, (channels,), elements=moderate))
+    scale = np.abs(draw(arrays(np.float32, (channels,), elements=st.one_of(moderate, finite_floats()))))
+    tail = draw(st.sampled_from(TAILS))
+    gaussian_p = draw(st.sampled_from([1e-3, 0.01, 0.2]))
+    cells = draw(st.sampled_from([1, 2, 7, 64]))
+    return LayerSource.create(torch.from_numpy(knots), tail, torch.from_numpy(loc), torch.from_numpy(scale),
+                              gaussian_p, cells)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[torch.Tensor, LayerSource, tuple[torch.Tensor, torch.Tensor] | None]:
+    x = torch.from_numpy(draw(layer_outputs(nonfinite=draw(st.integers(0, 9)) == 0)))
+    c = x.shape[1]
+    source = draw(sources(c))
+    pre = None
+    if draw(st.booleans()):  # a folded BatchNorm: the map reads scale * x + shift
+        values = st.one_of(st.floats(-10, 10, width=32), finite_floats())
+        pre = tuple(torch.from_numpy(draw(arrays(np.float32, (c,), elements=values))) for _ in range(2))
+    return x, source, pre
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal up to float32 rounding, NaN where NaN, +-inf where +-inf."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def check_against_torch(lib: ctypes.CDLL, x: torch.Tensor, source: LayerSource,
+                        pre: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """The native backend equals the torch backend on ``x``: both one-pass and two-step paths."""
+    every = SubsetCache(x.shape[0] * x.shape[2])  # every position sampled, below 512: sorted whole
+    reference = TorchBackend(source, every, compile=False)
+    native = NativeBackend(source, every, lib, reference)
+    y_ref, finite_ref = reference.recalibrate(x, pre)
+    y_nat, finite_nat = native.recalibrate(x, pre)
+    assert bool(finite_nat) == bool(finite_ref), "finite flags differ"
+    t_ref, t_nat = reference.target_knots(x, pre), native.target_knots(x, pre)
+    assert bool(t_nat.finite) == bool(t_ref.finite), "finite flags of the knots differ"
+    if not bool(finite_ref):
+        assert y_nat is x or torch.equal(y_nat, x)
+        # the map itself still takes non-finite values, with knots from the finite ones
+        clean = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+        targets = reference.target_knots(clean, pre)
+        if bool(targets.finite):
+            _close(native.apply(x, targets, pre), reference.apply(x, targets, pre), "map of non-finite values")
+        return
+    _close(t_nat.knots, t_ref.knots, "target knots")
+    assert torch.equal(t_nat.knots[:, [0, -1]], t_ref.knots[:, [0, -1]]), "p0/p100 differ"
+    if t_ref.mean is not None:
+        # float64 sums in another order: each may lose n ulps (float64) of the largest value
+        values = x if pre is None else x * pre[0].view(1, -1, 1) + pre[1].view(1, -1, 1)
+        bound = 8 * values[:, 0].numel() * 2.0**-53 * values.abs().amax(dim=(0, 2)).double()[:, None]
+        for name, got, want in (("mean", t_nat.mean, t_ref.mean), ("std", t_nat.std, t_ref.std)):
+            assert bool(((got.double() - want.double()).abs() <= bound + 1e-6 * want.double().abs()).all()), name
+    targets = Targets(t_ref.knots, t_ref.mean, t_ref.std, t_ref.finite)
+    _close(native.apply(x, targets, pre), reference.apply(x, targets, pre), "map")
+    # the one-pass kernel: the map of its own knots and moments (which differ as above)
+    _close(y_nat, reference.apply(x, t_nat, pre), "recalibrated output")
+    if t_ref.mean is None:
+        _close(y_nat, y_ref, "recalibrated output against the torch backend's")
+
+
+def fuzz(lib: ctypes.CDLL, examples: int, seed: int | None = None) -> None:
+    """Run :func:`check_against_torch` on ``examples`` generated cases (raises on the first failure)."""
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is not None,
+              suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def run(case: tuple) -> None:
+        check_against_torch(lib, *case)
+
+    run()
+
+
+if __name__ == "__main__":  # the sanitizer run: python native_fuzz.py EXAMPLES FLAG...
+    from aqr.backends import build
+
+    examples, flags = int(sys.argv[1]), sys.argv[2:]
+    for simd in (False, True):  # ASan does not see AVX2 gathers: the scalar build checks every index
+        fuzz(build.load(build.compile_command(flags, simd=simd), name="aqr_kernels_sanitized"), examples, seed=0)
+    print("sanitized fuzz passed")
