@@ -2,14 +2,19 @@
 
 On every forward pass, each selected normalization layer's output is mapped, channel by channel,
 from this batch's quantiles onto the stored source quantiles (:func:`aqr.quantile_map`). Nothing is
-learned and nothing persists between batches: the model's parameters and buffers are never changed,
-and hooks exist only while a forward pass (or the context manager) runs.
+learned and nothing persists between batches.
+
+:class:`AQR` never changes the user's model: it runs a structural twin of it (:mod:`aqr.core.twin`)
+whose selected norm layers map their outputs, so several threads may call one ``AQR`` at once and
+get the outputs of sequential calls. :func:`recalibrating` recalibrates ``model(x)`` itself inside
+its block, through the hook registry of :mod:`aqr.core.hooks` (thread-aware, undone by the last block
+to end, in any order).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,9 +22,10 @@ from torch import nn
 
 from aqr.backends import Affine, LayerBackend, LayerSource, SubsetCache, choose_backend
 from aqr.core.hooks import instrumented
-from aqr.core.layers import NonFiniteActivationError, as_acb, check_output, select_layers
+from aqr.core.layers import LayerError, NonFiniteActivationError, as_acb, check_output, select_layers
 from aqr.core.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, quantile_map
 from aqr.core.stats import SOURCE_MOMENTS, SourceStats
+from aqr.core.twin import structural_twin
 
 NONFINITE_POLICIES = ("raise", "skip")
 MODES = ("fast", "exact")
@@ -87,7 +93,9 @@ class LayerMap:
     """The recalibration of one layer: its source side, and the fast-path backend chosen per device.
 
     Called as a forward hook, it returns the layer's output recalibrated; :meth:`folded_forward`
-    replaces an eval-mode BatchNorm's forward instead.
+    replaces an eval-mode BatchNorm's forward instead (in :class:`AQR`'s twin). One map serves any
+    number of threads at once: it keeps no per-batch state, and its per-device caches are filled
+    idempotently (a race builds an equal object twice and keeps the first).
     """
 
     def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str,
@@ -107,20 +115,25 @@ class LayerMap:
 
     def source_on(self, device: torch.device) -> LayerSource:
         """The layer's source side on ``device`` (moved once)."""
-        if device not in self._sources:
-            self._sources[device] = self.source.to(device)
-        return self._sources[device]
+        source = self._sources.get(device)
+        if source is None:
+            source = self._sources.setdefault(device, self.source.to(device))
+        return source
 
     def backend(self, device: torch.device) -> LayerBackend:
         """The fast-path backend for ``device``, chosen on first use."""
-        if device not in self._backends:
-            self._backends[device] = choose_backend(self.source_on(device), self.subsets, native=self.config.native,
-                                                    triton=self.config.triton, compile=self.config.compile)
-        return self._backends[device]
+        backend = self._backends.get(device)
+        if backend is None:
+            backend = self._backends.setdefault(device, choose_backend(
+                self.source_on(device), self.subsets, native=self.config.native, triton=self.config.triton,
+                compile=self.config.compile))
+        return backend
 
     def __call__(self, _module: nn.Module, _inputs: object, output: object) -> torch.Tensor:
         """Forward hook: the layer's output, recalibrated."""
         out = check_output(self.info, output)
+        if out.numel() == 0:  # an empty batch: nothing to recalibrate
+            return out
         if self.config.mode == "fast":
             return self._fast(out)
         source = self.source_on(out.device)
@@ -166,7 +179,7 @@ class LayerMap:
         """
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            if (module.training or x.ndim < 2 or x.shape[1] != self.info.channels
+            if (module.training or x.ndim < 2 or x.shape[1] != self.info.channels or x.numel() == 0
                     or not self.backend(x.device).folds(as_acb(x, 1))
                     # on a GPU "skip" would need the unmapped output too (no host read of `finite`)
                     or (self.on_nonfinite == "skip" and not host_reads_are_cheap(x.device))):
@@ -214,44 +227,81 @@ def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = Fa
 
 
 @contextlib.contextmanager
-def _mapped(model: nn.Module, maps: dict[str, LayerMap]) -> Iterator[None]:
-    """Within the block, ``model`` runs in eval mode with each layer of ``maps`` recalibrated.
-
-    An eval-mode BatchNorm that the native map can absorb has its forward replaced for the block;
-    every other layer gets a forward hook.
-    """
-    with instrumented(model) as tools:
-        for name, layer_map in maps.items():
-            if layer_map.foldable(tools.modules[name]):
-                tools.replace_forward(name, layer_map.folded_forward)
-            else:
-                tools.hook(name, layer_map)
-        yield
-
-
-@contextlib.contextmanager
 def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> Iterator[nn.Module]:
-    """Within the block, ``model(x)`` is recalibrated by AQR; afterwards the model is as before.
+    """Within the block, ``model(x)`` is recalibrated by AQR in this thread; afterwards the model is as before.
 
-    ``options`` are the fields of :class:`AQRConfig`. The model runs in eval mode inside the block.
+    ``options`` are the fields of :class:`AQRConfig`. The model runs in eval mode while any thread is
+    inside such a block; other threads' plain calls are not recalibrated, and blocks may end in any
+    order (:mod:`aqr.core.hooks`). Blocks nested in one thread compose: each maps the output the
+    one entered before it produced. :class:`AQR` is the faster way (it folds eval BatchNorms into the map).
     """
     stats.check_model(model)
-    with _mapped(model, _layer_maps(stats, AQRConfig(**options))):  # type: ignore[arg-type]
+    maps = _layer_maps(stats, AQRConfig(**options))  # type: ignore[arg-type]
+    with instrumented(model) as tools:
+        for name, layer_map in maps.items():
+            tools.hook(name, layer_map)
         yield model
+
+
+class RecalibratedForward:
+    """The ``forward`` of a selected norm layer's copy in :class:`AQR`'s twin: the layer's own
+    computation and then its map (an eval BatchNorm folded into the native map where it can be).
+
+    Run through the copy's ``__call__``, the user's hooks of the layer see the recalibrated output.
+    """
+
+    def __init__(self, module: nn.Module, layer_map: LayerMap) -> None:
+        self.module = module
+        self.plain = module.forward  # the class's forward bound to the copy (or the user's own)
+        self.layer_map = layer_map
+        self.called = False  # set by the first call: AQR checks that the twin reaches every layer
+
+    def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        self.called = True
+        if not args and not kwargs and self.layer_map.foldable(self.module):
+            return self.layer_map.folded_forward(self.module, self.plain)(x)
+        return self.layer_map(self.module, (x, *args), self.plain(x, *args, **kwargs))
+
+
+def recalibrated_twin(model: nn.Module, maps: Mapping[str, LayerMap]) -> nn.Module:
+    """:func:`aqr.core.twin.structural_twin` of ``model`` whose layers in ``maps`` are recalibrated."""
+    _check_reachable(model, maps)
+    return structural_twin(model, {name: lambda m, lm=layer_map: RecalibratedForward(m, lm)
+                                   for name, layer_map in maps.items()})
+
+
+def _check_reachable(model: nn.Module, maps: Mapping[str, LayerMap]) -> None:
+    """Raise :class:`LayerError` for a selected layer that a module also holds outside its module tree
+    (in a plain attribute, list, tuple or dict): the twin would call the user's own layer there."""
+    named = dict(model.named_modules())
+    selected = {id(named[name]): name for name in maps}
+    for owner, module in named.items():
+        for attribute, value in vars(module).items():
+            if attribute.startswith("_") and attribute in ("_modules", "_parameters", "_buffers"):
+                continue
+            found = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            for item in found:
+                if isinstance(item, nn.Module) and id(item) in selected:
+                    raise LayerError(
+                        f"layer {selected[id(item)]!r} is also held outside the model's module tree (attribute "
+                        f"{attribute!r} of {owner or type(model).__name__!r}): AQR's twin would not reach it and "
+                        "it would not be recalibrated; register it as a submodule (nn.ModuleList/ModuleDict)")
 
 
 class AQR(nn.Module):
     """``model`` with every selected normalization output recalibrated on each batch.
 
-    ``AQR(model, stats)(x)`` returns ``model(x)`` computed under :func:`recalibrating`, without
-    gradients. ``self.model`` is the original model, unchanged. Options are the fields of
+    ``AQR(model, stats)(x)`` returns what ``model(x)`` gives under :func:`recalibrating`, without
+    gradients. ``self.model`` is the original model, never modified: the forward pass runs a
+    structural twin of it (:mod:`aqr.core.twin`), built once here, in eval mode, sharing the model's
+    parameters, buffers and hooks (later weight changes and hooks are seen; a changed module tree
+    needs a new ``AQR``). Several threads may call one ``AQR`` at once. Options are the fields of
     :class:`AQRConfig` (``tail``, ``layers``, ``source_moments``, ``gaussian_p``, ``on_nonfinite``,
     ``mode``, ``target_samples``, ``grid``, ``compile``, ``native``).
 
-    While a forward pass runs, a BatchNorm with running statistics has its ``forward`` replaced
-    (on CPU with the native kernels): the map reads the BN's input and applies its affine step
-    itself, one pass instead of two. The BN's forward hooks still run and see the recalibrated
-    output; hooks of other layers are attached as forward hooks.
+    In the twin, a BatchNorm with running statistics runs its map folded (on CPU with the native
+    kernels): the map reads the BN's input and applies its affine step itself, one pass instead
+    of two. The layers' forward hooks run and see the recalibrated output.
     """
 
     def __init__(self, model: nn.Module, stats: SourceStats, **options: object) -> None:
@@ -262,6 +312,8 @@ class AQR(nn.Module):
         self.config = AQRConfig(**options)  # type: ignore[arg-type]
         # "skip" needs no check; "raise" is checked on the logits in forward
         self._maps = _layer_maps(stats, self.config, logits_checked=True)
+        object.__setattr__(self, "_twin", recalibrated_twin(model, self._maps))  # not a submodule
+        self._reach_checked = False
 
     @property
     def layer_names(self) -> list[str]:
@@ -269,16 +321,29 @@ class AQR(nn.Module):
         return list(self._maps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), _mapped(self.model, self._maps):
-            out = self.model(x)
+        with torch.no_grad():
+            out = self._twin(x)
+        if not self._reach_checked:
+            self._check_every_layer_called()
         if self.config.mode == "fast" and self.config.on_nonfinite == "raise" and isinstance(out, torch.Tensor):
             # The fast path checks only the sampled positions of each layer (none on a GPU); NaN/Inf
             # elsewhere reaches the output. Re-run exactly to name the first layer that produced it.
             if not bool(torch.isfinite(out).all()):
                 exact = {name: LayerMap(self.stats, name, replace(self.config, mode="exact"), m.tail) for name, m in self._maps.items()}
-                with torch.no_grad(), _mapped(self.model, exact):
-                    self.model(x)
+                with torch.no_grad():
+                    recalibrated_twin(self.model, exact)(x)
         return out
+
+    def _check_every_layer_called(self) -> None:
+        """After the first forward pass: every selected layer's map ran (else the model reaches that
+        layer outside its module tree, and AQR cannot recalibrate it)."""
+        for name, module in self._twin.named_modules():
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, RecalibratedForward) and not forward.called:
+                raise LayerError(f"layer {name!r} was not called through the model's module tree in the forward "
+                                 "pass, so AQR did not recalibrate it (does the model keep it outside its "
+                                 "submodules, or skip it for this input?)")
+        self._reach_checked = True
 
     def extra_repr(self) -> str:
         return f"layers={len(self._maps)}, tail={self.config.tail or self.stats.tail!r}, K={self.stats.num_quantiles}"
