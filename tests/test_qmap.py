@@ -216,3 +216,21 @@ def test_branch_free_levels_match_the_branching_ones_with_tied_knots():
     branching = interp_levels(x, tq)
     assert branching[0, 2] == 2.0 and branching[1, 2] == 3.5  # the middle of each tied run
     torch.testing.assert_close(interp_levels(x, tq, branch_free=True), branching)
+
+
+def test_levels_far_beyond_the_knots_extrapolate_the_last_interval():
+    """floor(u) beyond int64 used to convert to INT64_MIN, which the clamp turned into interval 0
+    (found by the native fuzz: +inf mapped through the first interval in torch, the last in C)."""
+    from aqr.core.qmap import eval_levels
+
+    sq = torch.tensor([[0.0, 1.0, 3.0]])
+    got = eval_levels(torch.tensor([[1e30, -1e30, float("nan")]]), sq)
+    assert got[0, 0] == 1.0 + 2.0 * (1e30 - 1.0) and got[0, 1] == -1e30 and got[0, 2].isnan()
+
+
+def test_knots_between_extreme_values_do_not_overflow():
+    """b - a overflows float32 for a = -b = 3e38: the interpolated knot used to be inf (or NaN)."""
+    x = torch.tensor([[-3.0e38, 3.0e38]])
+    q = aqr.channel_quantiles(x, 5)
+    assert torch.isfinite(q).all() and q[0, 2] == 0.0
+    assert torch.equal(aqr.channel_quantiles(torch.full((1, 7), 2.5), 11), torch.full((1, 11), 2.5))

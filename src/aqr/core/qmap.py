@@ -130,7 +130,9 @@ def interp_levels(x: torch.Tensor, target_q: torch.Tensor, branch_free: bool = F
 def eval_levels(u: torch.Tensor, source_q: torch.Tensor) -> torch.Tensor:
     """Piecewise-linear interpolation of the source knots at fractional indices ``u`` (linear beyond)."""
     k = source_q.shape[1]
-    i = u.floor().long().clamp_(0, k - 2)
+    # clamped as a float first: converting floor(+-inf) or NaN to an integer is undefined (x86 gives
+    # INT64_MIN, which the clamp would turn into interval 0 for +inf); NaN takes interval 0
+    i = torch.nan_to_num(u.floor(), nan=0.0).clamp_(0, k - 2).long()
     frac = u - i.to(u.dtype)
     a = source_q.gather(1, i)
     return a + (source_q.gather(1, i + 1) - a) * frac
