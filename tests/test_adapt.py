@@ -269,3 +269,45 @@ def test_folded_batchnorm_follows_updates_of_its_statistics():
     torch.testing.assert_close(adapted(x), fresh(x), rtol=0, atol=0)
     bn.running_var = bn.running_var * 2.0  # a new tensor, not an in-place update
     torch.testing.assert_close(adapted(x), aqr.AQR(model, stats)(x), rtol=0, atol=0)
+
+
+class ImageNormNet(nn.Module):
+    """A BatchNorm AQR can recalibrate and a LayerNorm over (C, H, W), which it cannot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.ln = nn.LayerNorm([4, 8, 8])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_unsupported_layers_that_are_not_selected_are_skipped_with_one_warning():
+    """Issue 14, item 6: a LayerNorm over several dims used to block the whole model."""
+    import warnings
+
+    model = ImageNormNet().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = aqr.calibrate(model, [images(32)])
+    skipped = [w for w in caught if "cannot recalibrate" in str(w.message)]
+    assert len(skipped) == 1 and "'ln' (LayerNorm over 3 dims)" in str(skipped[0].message)
+    assert stats.layer_names == ["bn"]
+    with pytest.warns(UserWarning, match="'ln'"):
+        out = aqr.AQR(model, stats)(images(8, seed=4))
+    assert out.shape == (8, 2) and torch.isfinite(out).all()
+    with pytest.raises(aqr.LayerError, match="'ln'.*LayerNorm over 3 dims"):
+        aqr.calibrate(model, [images(32)], layers=["ln"])
+    with pytest.raises(aqr.LayerError, match="'ln'.*LayerNorm over 3 dims"):
+        aqr.AQR(model, stats, layers=["ln"])
+    with pytest.raises(aqr.LayerError, match="'head' is a Linear"):
+        aqr.AQR(model, stats, layers=["head"])
+
+
+def test_an_empty_batch_passes_through():
+    model, stats = calibrated(bn_cnn)
+    out = aqr.AQR(model, stats)(images(8)[:0])
+    assert out.shape == (0, 5)

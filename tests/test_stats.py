@@ -129,7 +129,10 @@ def test_bad_layers_and_models_get_clear_errors():
         aqr.calibrate(nn.Linear(3, 2), [torch.zeros(2, 3)])
     two_dim = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm([2, 4]))
     with pytest.raises(aqr.LayerError, match="'1': LayerNorm over 2 dims"):
-        aqr.calibrate(two_dim, [torch.zeros(3, 2, 4)])
+        aqr.calibrate(two_dim, [torch.zeros(3, 2, 4)], layers=["1"])
+    with pytest.warns(UserWarning, match=r"skips 1 .*'1' \(LayerNorm over 2 dims\)"):
+        with pytest.raises(aqr.LayerError, match="no normalization layer AQR can recalibrate"):
+            aqr.calibrate(two_dim, [torch.zeros(3, 2, 4)])
     with pytest.raises(ValueError, match="no batch"):
         aqr.calibrate(bn_cnn(), [])
 

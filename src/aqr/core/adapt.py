@@ -22,7 +22,7 @@ from torch import nn
 
 from aqr.backends import Affine, LayerBackend, LayerSource, SubsetCache, choose_backend
 from aqr.core.hooks import instrumented
-from aqr.core.layers import LayerError, NonFiniteActivationError, as_acb, check_output, select_layers
+from aqr.core.layers import LayerError, NonFiniteActivationError, as_acb, check_named_layers, check_output, select_layers
 from aqr.core.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, quantile_map
 from aqr.core.stats import SOURCE_MOMENTS, SourceStats
 from aqr.core.twin import structural_twin
@@ -236,7 +236,9 @@ def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> It
     one entered before it produced. :class:`AQR` is the faster way (it folds eval BatchNorms into the map).
     """
     stats.check_model(model)
-    maps = _layer_maps(stats, AQRConfig(**options))  # type: ignore[arg-type]
+    config = AQRConfig(**options)  # type: ignore[arg-type]
+    check_named_layers(model, config.layers)
+    maps = _layer_maps(stats, config)
     with instrumented(model) as tools:
         for name, layer_map in maps.items():
             tools.hook(name, layer_map)
@@ -310,6 +312,7 @@ class AQR(nn.Module):
         self.model = model
         self.stats = stats
         self.config = AQRConfig(**options)  # type: ignore[arg-type]
+        check_named_layers(model, self.config.layers)
         # "skip" needs no check; "raise" is checked on the logits in forward
         self._maps = _layer_maps(stats, self.config, logits_checked=True)
         object.__setattr__(self, "_twin", recalibrated_twin(model, self._maps))  # not a submodule

@@ -27,9 +27,10 @@ from aqr.core.layers import (
     LayerInfo,
     NonFiniteActivationError,
     as_acb,
+    check_named_layers,
     check_output,
     execution_order,
-    layer_info,
+    is_norm,
     norm_layers,
     select_layers,
 )
@@ -268,17 +269,16 @@ def calibrate(
         raise ValueError("tail_batch and tail_repeats must be positive")
     if tail_unit not in TAIL_UNITS:
         raise ValueError(f"tail_unit must be one of {TAIL_UNITS}, got {tail_unit!r}")
+    check_named_layers(model, layers)  # name what an explicitly listed module is
     all_infos = norm_layers(model)
     if not all_infos:
+        if any(is_norm(m) for m in model.modules()):  # the warning named them
+            raise LayerError(f"{type(model).__name__} has no normalization layer AQR can recalibrate")
         raise LayerError(f"{type(model).__name__} has no BatchNorm, GroupNorm or LayerNorm layer to calibrate")
     if device is None:
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
     modules = dict(model.named_modules())
-    if not isinstance(layers, str):
-        for name in layers:  # name what an explicitly listed non-norm module is
-            if name in modules:
-                layer_info(name, modules[name])
     collectors: dict[str, LayerCollector] = {}
     order: list[str] | None = None
     with instrumented(model) as tools:

@@ -4,13 +4,15 @@ Supported: ``nn.BatchNorm1d/2d/3d`` (any ``_BatchNorm``, SyncBatchNorm included)
 ``nn.LayerNorm`` over one trailing dim, and their subclasses. The channel of a BN/GN output
 ``(N, C, ...)`` is dim 1. A LayerNorm's channel is the last dim (tokens ``(N, L, C)``), except for the
 "channels-first" subclasses such as timm's ``LayerNorm2d`` (class name ending in ``2d``), which
-normalize dim 1 of an ``(N, C, H, W)`` tensor.
+normalize dim 1 of an ``(N, C, H, W)`` tensor. Other normalization layers (a LayerNorm over several
+dims) are skipped with a warning, unless a caller names one explicitly: then :class:`LayerError`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -67,9 +69,8 @@ def layer_info(name: str, module: nn.Module) -> LayerInfo:
     if isinstance(module, nn.LayerNorm):
         if len(module.normalized_shape) != 1:
             raise LayerError(
-                f"layer {name!r}: LayerNorm over {len(module.normalized_shape)} dims "
-                f"{tuple(module.normalized_shape)} has no single channel dim; AQR supports LayerNorm "
-                "over the last dim only (exclude it with layers=[...])"
+                f"layer {name!r}: {unsupported(module)} {tuple(module.normalized_shape)} has no single "
+                "channel dim; AQR supports LayerNorm over the last dim only"
             )
         channel_dim = 1 if type(module).__name__.lower().endswith("2d") else -1
     else:
@@ -77,9 +78,38 @@ def layer_info(name: str, module: nn.Module) -> LayerInfo:
     return LayerInfo(name, type(module).__name__, num_channels(module), channel_dim)
 
 
+def unsupported(module: nn.Module) -> str | None:
+    """Why AQR cannot recalibrate normalization layer ``module`` (``None``: it can)."""
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
+        return f"{type(module).__name__} over {len(module.normalized_shape)} dims"
+    return None
+
+
 def norm_layers(model: nn.Module) -> list[LayerInfo]:
-    """Every normalization layer of ``model`` in registration order (unsupported ones raise)."""
-    return [layer_info(name, m) for name, m in model.named_modules() if is_norm(m)]
+    """Every normalization layer of ``model`` AQR can recalibrate, in registration order; the others
+    are skipped, named in one warning."""
+    infos, skipped = [], []
+    for name, module in model.named_modules():
+        if is_norm(module):
+            reason = unsupported(module)
+            if reason is None:
+                infos.append(layer_info(name, module))
+            else:
+                skipped.append(f"{name!r} ({reason})")
+    if skipped:
+        warnings.warn(f"AQR skips {len(skipped)} normalization layer(s) it cannot recalibrate: {', '.join(skipped)}",
+                      stacklevel=3)
+    return infos
+
+
+def check_named_layers(model: nn.Module, layers: str | Sequence[str] | None) -> None:
+    """Raise :class:`LayerError` naming a layer listed in ``layers`` that AQR cannot recalibrate."""
+    if layers is None or isinstance(layers, str):
+        return
+    modules = dict(model.named_modules())
+    for name in layers:
+        if name in modules:
+            layer_info(name, modules[name])
 
 
 def check_output(info: LayerInfo, output: object) -> torch.Tensor:
