@@ -293,3 +293,80 @@ def test_image_tails_keep_a_bounded_uniform_sample_of_inputs(monkeypatch):
         col.update(xb)
     assert col.input_min.shape == (50, 3) and len(set(col.input_min[:, 0].tolist())) == 50
     assert col.input_min[:, 0].mean() > 50  # drawn from all 200 inputs, not the first 50
+
+
+def _rewrite(path, edit):
+    """Rewrite a statistics file after ``edit(meta, tensors)`` changed its metadata or tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["aqr"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    raw = edit(meta, tensors)  # ("raw", text): metadata text instead of the edited meta
+    text = raw[1] if isinstance(raw, tuple) and raw[:1] == ("raw",) else json.dumps(meta)
+    save_file(tensors, str(path), metadata={"aqr": text})
+
+
+def _set(obj, key, value):
+    obj[key] = value
+
+
+NAN = float("nan")
+EDITS = {  # how a file is broken -> what the error must name
+    "NaN quantile": (lambda m, t: t["1/quantiles"].__setitem__((0, 5), NAN), r"layer '1': quantiles.*NaN or Inf"),
+    "Inf tail": (lambda m, t: t["4/tail_low"].__setitem__(2, float("inf")), r"layer '4': tail_low.*NaN or Inf"),
+    "decreasing knots": (lambda m, t: t.__setitem__("1/quantiles", t["1/quantiles"].flip(1).contiguous()),
+                         r"layer '1': quantiles decrease"),
+    "K < 3": (lambda m, t: [_set(m, "num_quantiles", 2)] + [t.__setitem__(k, v[:, :2].contiguous())
+                                                             for k, v in list(t.items()) if k.endswith("quantiles")],
+              r"'num_quantiles' must be an integer >= 3, got 2"),
+    "unknown tail": (lambda m, t: _set(m, "tail", "bogus"), r"'tail' must be one of .*got 'bogus'"),
+    "unknown tail_unit": (lambda m, t: _set(m, "tail_unit", "pixels"), r"'tail_unit' must be one of .*got 'pixels'"),
+    "missing key": (lambda m, t: m.pop("tail_batch"), r"'tail_batch' is missing"),
+    "string for int": (lambda m, t: _set(m, "num_quantiles", "101"), r"'num_quantiles' must be an integer"),
+    "bool for int": (lambda m, t: _set(m, "tail_repeats", True), r"'tail_repeats' must be an integer"),
+    "layers not a list": (lambda m, t: _set(m, "layers", {"1": 1}), r"'layers' must be a list"),
+    "layer not a mapping": (lambda m, t: m["layers"].__setitem__(0, 5), r"layers\[0\] must be a mapping"),
+    "layer field typed": (lambda m, t: _set(m["layers"][0], "channels", "8"), r"layer '1': 'channels' must be an integer"),
+    "layer field missing": (lambda m, t: m["layers"][1].pop("kind"), r"layer '4': 'kind' is missing"),
+    "channel dim": (lambda m, t: _set(m["layers"][0], "channel_dim", 3), r"layer '1': 'channel_dim' must be 1 or -1"),
+    "negative count": (lambda m, t: _set(m["layers"][1], "num_values", -5), r"layer '4': 'num_values' must be .*got -5"),
+    "zero sample": (lambda m, t: _set(m["layers"][0], "sample_size", 0), r"layer '1': 'sample_size' must be .*got 0"),
+    "duplicate layer": (lambda m, t: m["layers"].__setitem__(1, dict(m["layers"][0])), r"layer '1' is listed twice"),
+    "shape": (lambda m, t: t.__setitem__("4/mean", torch.zeros(7)), r"layer '4': mean has shape \(7,\), expected \(8,\)"),
+    "negative std": (lambda m, t: t["1/std"].__setitem__(0, -1.0), r"layer '1': std .*negative"),
+    "integer tensor": (lambda m, t: t.__setitem__("1/mean", torch.zeros(8, dtype=torch.int64)),
+                       r"layer '1': mean must be floating point"),
+    "weights summary": (lambda m, t: t.__setitem__("__model__/weights_summary", torch.zeros(3, 3)),
+                        r"weights_summary has shape \(3, 3\), expected \(T, 2\)"),
+    "model layer typed": (lambda m, t: _set(m["model_layers"][0], "channels", None), r"model_layers\[0\]: 'channels'"),
+    "deep JSON": (lambda m, t: ("raw", "[" * 100_000 + "]" * 100_000), r"not valid JSON"),
+    "not a mapping": (lambda m, t: ("raw", "[1, 2]"), r"metadata must be a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", list(EDITS))
+def test_every_field_is_validated_at_load_naming_the_layer_and_field(tmp_path, case):
+    """Issue 14, item 3: these used to load, then fail later as IndexError, KeyError, AttributeError,
+    RecursionError or a NaN error blamed on the wrong layer."""
+    edit, match = EDITS[case]
+    path = aqr.calibrate(bn_cnn(), loader(images(16))).save(tmp_path / "s.safetensors")
+    _rewrite(path, edit)
+    with pytest.raises(aqr.StatsError, match=match):
+        aqr.SourceStats.load(path)
+
+
+def test_statistics_built_in_memory_are_validated_too():
+    stats = aqr.calibrate(bn_cnn(), loader(images(16)))
+    layer = stats.layers["1"]
+    bad = layer.quantiles.clone()
+    bad[3, 7] = NAN
+    with pytest.raises(aqr.StatsError, match="layer '1': quantiles.*NaN or Inf"):
+        aqr.LayerStats(**{**vars(layer), "quantiles": bad})
+    with pytest.raises(aqr.StatsError, match="layer '1': std has shape"):
+        aqr.LayerStats(**{**vars(layer), "std": layer.std[:3]})
+    with pytest.raises(aqr.StatsError, match="'tail' must be one of"):
+        aqr.SourceStats(stats.layers, stats.num_quantiles, tail="bogus")
+    with pytest.raises(aqr.StatsError, match="layer '1': quantiles has shape \\(8, 101\\), expected \\(8, 11\\)"):
+        aqr.SourceStats(stats.layers, 11)

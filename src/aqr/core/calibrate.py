@@ -35,10 +35,9 @@ from aqr.core.layers import (
     select_layers,
 )
 from aqr.core.qmap import TAILS, sort_rows, sorted_quantiles
-from aqr.core.stats import LayerStats, SourceStats, weights_summary
+from aqr.core.stats import TAIL_UNITS, LayerStats, SourceStats, weights_summary
 from aqr.util.compiled import run_compiled
 
-TAIL_UNITS = ("values", "images")  # what one "batch of 100" of Average Sample Tails holds
 DEFAULT_TAIL_UNIT = "images"
 TAIL_INPUTS_KEPT = 10_000  # inputs whose per-channel extremes are kept (a uniform sample beyond)
 

@@ -4,30 +4,98 @@
 per-channel source knots with their averaged small-sample extremes, moments and the layer's affine
 parameters. Files are safetensors (no pickle). :func:`aqr.calibrate` (:mod:`aqr.core.calibrate`)
 computes them.
+
+Everything is checked where it is built: a :class:`LayerStats` or :class:`SourceStats` with NaN/Inf
+or decreasing knots, wrong shapes, negative counts or an unknown tail raises :class:`StatsError`
+naming the layer and the field, and :meth:`SourceStats.load` checks the file's metadata (every key
+present and of its type) before building them.
 """
 
 from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from aqr import __version__
 from aqr.core.layers import LayerInfo, fingerprint, norm_layers
+from aqr.core.qmap import TAILS
 from aqr.util.files import atomic_write
 
 FORMAT = "aqr-source-stats"
 FORMAT_VERSION = 1
 SOURCE_MOMENTS = ("affine", "empirical")
+TAIL_UNITS = ("values", "images")  # what one "batch of 100" of Average Sample Tails holds
 WEIGHTS_KEY = "__model__/weights_summary"
+_MISSING = object()
 
 
 class StatsError(ValueError):
     """Statistics that are unusable: a bad file, or statistics of another model."""
+
+
+def _integer(value: object, where: str, key: str, minimum: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise StatsError(f"{where}{key!r} must be an integer{bound}, got {value!r}")
+    return value
+
+
+def _choice(value: object, where: str, key: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise StatsError(f"{where}{key!r} must be one of {', '.join(allowed)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _text(value: object, where: str, key: str) -> str:
+    if not isinstance(value, str):
+        raise StatsError(f"{where}{key!r} must be a string, got {value!r}")
+    return value
+
+
+def _get(meta: Mapping[str, Any], key: str, where: str = "", default: object = _MISSING) -> Any:
+    if key in meta:
+        return meta[key]
+    if default is _MISSING:
+        raise StatsError(f"{where}{key!r} is missing")
+    return default
+
+
+def _check_info(info: LayerInfo, where: str) -> None:
+    _text(info.name, where, "name")
+    _text(info.kind, where, "kind")
+    _integer(info.channels, where, "channels", 1)
+    if info.channel_dim not in (1, -1) or isinstance(info.channel_dim, bool):
+        raise StatsError(f"{where}'channel_dim' must be 1 or -1, got {info.channel_dim!r}")
+
+
+def _info(entry: object, where: str) -> LayerInfo:
+    """A :class:`LayerInfo` from a file's metadata entry, every field present and typed."""
+    if not isinstance(entry, Mapping):
+        raise StatsError(f"{where.rstrip(': ')} must be a mapping, got {entry!r}")
+    name = _text(_get(entry, "name", where), where, "name")
+    if where.startswith("layers["):
+        where = f"layer {name!r}: "
+    info = LayerInfo(name, _get(entry, "kind", where), _get(entry, "channels", where), _get(entry, "channel_dim", where))
+    _check_info(info, where)
+    return info
+
+
+def _check_tensor(t: object, where: str, key: str, shape: tuple[int, ...], finite: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise StatsError(f"{where}{key} must be a tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise StatsError(f"{where}{key} must be floating point, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise StatsError(f"{where}{key} has shape {tuple(t.shape)}, expected {shape}")
+    if finite and not bool(torch.isfinite(t).all()):
+        raise StatsError(f"{where}{key} holds NaN or Inf")
 
 
 @dataclass
@@ -44,6 +112,31 @@ class LayerStats:
     affine_bias: torch.Tensor | None  # beta
     num_values: int  # values per channel seen
     sample_size: int  # values per channel kept for the quantiles
+
+    def __post_init__(self) -> None:
+        """Raise :class:`StatsError` naming the layer and the field that is unusable."""
+        where = f"layer {self.info.name!r}: "
+        _check_info(self.info, where)
+        c = self.info.channels
+        if not isinstance(self.quantiles, torch.Tensor) or self.quantiles.ndim != 2:
+            raise StatsError(f"{where}quantiles must be a (channels, K) tensor")
+        _check_tensor(self.quantiles, where, "quantiles", (c, self.quantiles.shape[1]))
+        if self.quantiles.shape[1] < 3:
+            raise StatsError(f"{where}quantiles has {self.quantiles.shape[1]} knots per channel, at least 3 needed")
+        if not bool((self.quantiles[:, 1:] >= self.quantiles[:, :-1]).all()):
+            bad = int((self.quantiles[:, 1:] < self.quantiles[:, :-1]).any(dim=1).nonzero()[0])
+            raise StatsError(f"{where}quantiles decrease along the knots (channel {bad})")
+        for key in ("tail_low", "tail_high", "mean", "std"):
+            _check_tensor(getattr(self, key), where, key, (c,))
+        if bool((self.std < 0).any()):
+            raise StatsError(f"{where}std has negative values")
+        for key in ("affine_weight", "affine_bias"):
+            if getattr(self, key) is not None:
+                _check_tensor(getattr(self, key), where, key, (c,))
+        _integer(self.num_values, where, "num_values", 1)
+        _integer(self.sample_size, where, "sample_size", 1)
+        if self.sample_size > self.num_values:
+            raise StatsError(f"{where}'sample_size' ({self.sample_size}) exceeds 'num_values' ({self.num_values})")
 
 
 @dataclass
@@ -66,6 +159,32 @@ class SourceStats:
     model_layers: list[LayerInfo] = field(default_factory=list)
     weights_summary: torch.Tensor | None = None  # see weights_summary()
     aqr_version: str = __version__
+
+    def __post_init__(self) -> None:
+        """Raise :class:`StatsError` naming what is unusable (each layer checked itself)."""
+        k = _integer(self.num_quantiles, "", "num_quantiles", 3)
+        _choice(self.tail, "", "tail", TAILS)
+        _choice(self.tail_unit, "", "tail_unit", TAIL_UNITS)
+        _integer(self.tail_batch, "", "tail_batch", 1)
+        _integer(self.tail_repeats, "", "tail_repeats", 1)
+        _integer(self.max_samples, "", "max_samples", 2)
+        _integer(self.seed, "", "seed")
+        _text(self.aqr_version, "", "aqr_version")
+        for name, layer in self.layers.items():
+            if not isinstance(layer, LayerStats) or layer.info.name != name:
+                raise StatsError(f"layer {name!r}: its entry must be the LayerStats of layer {name!r}")
+            if layer.quantiles.shape[1] != k:
+                raise StatsError(f"layer {name!r}: quantiles has shape {tuple(layer.quantiles.shape)}, expected "
+                                 f"{(layer.info.channels, k)}")
+        for i, info in enumerate(self.model_layers):
+            if not isinstance(info, LayerInfo):
+                raise StatsError(f"model_layers[{i}] must be a LayerInfo")
+            _check_info(info, f"model_layers[{i}]: ")
+        t = self.weights_summary
+        if t is not None:
+            if not isinstance(t, torch.Tensor) or t.ndim != 2 or t.shape[1] != 2:
+                raise StatsError(f"weights_summary has shape {tuple(getattr(t, 'shape', ()))}, expected (T, 2)")
+            _check_tensor(t, "", "weights_summary", tuple(t.shape))
 
     # ---- access -------------------------------------------------------------------------------
     @property
@@ -177,7 +296,8 @@ class SourceStats:
 
     @classmethod
     def load(cls, path: str | Path) -> SourceStats:
-        """Read statistics written by :meth:`save`; a truncated, corrupted or foreign file raises."""
+        """Read statistics written by :meth:`save`; a truncated, corrupted, foreign or edited file
+        raises :class:`StatsError` naming the file, and the layer and field at fault."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -193,59 +313,71 @@ class SourceStats:
             raise StatsError(f"{path} is a safetensors file but not AQR statistics (no 'aqr' metadata)")
         try:
             meta = json.loads(raw_meta["aqr"])
-        except json.JSONDecodeError as err:
-            raise StatsError(f"{path}: the AQR metadata is not valid JSON: {err}") from err
-        if meta.get("format") != FORMAT:
-            raise StatsError(f"{path}: format is {meta.get('format')!r}, expected {FORMAT!r}")
-        if int(meta.get("format_version", -1)) > FORMAT_VERSION:
-            raise StatsError(
-                f"{path}: format version {meta['format_version']} is newer than this aqr "
-                f"({__version__}) reads ({FORMAT_VERSION}); upgrade aqr"
-            )
-        k = int(meta["num_quantiles"])
-        layers: dict[str, LayerStats] = {}
-        for entry in meta["layers"]:
-            info = LayerInfo(entry["name"], entry["kind"], int(entry["channels"]), int(entry["channel_dim"]))
-            c = info.channels
+        except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError; deep nesting recurses
+            raise StatsError(f"{path}: the AQR metadata is not valid JSON: {str(err)[:200]}") from None
+        try:
+            return cls._from_file(meta, tensors)
+        except StatsError as err:
+            raise StatsError(f"{path}: {err}") from None
 
-            def get(key: str, shape: tuple[int, ...], optional: bool = False) -> torch.Tensor | None:
+    @classmethod
+    def _from_file(cls, meta: object, tensors: dict[str, torch.Tensor]) -> SourceStats:
+        """Statistics from a file's parsed metadata and tensors, every field checked."""
+        if not isinstance(meta, dict):
+            raise StatsError(f"the AQR metadata must be a JSON object, got {type(meta).__name__}")
+        if meta.get("format") != FORMAT:
+            raise StatsError(f"format is {meta.get('format')!r}, expected {FORMAT!r}")
+        version = _integer(_get(meta, "format_version"), "", "format_version", 1)
+        if version > FORMAT_VERSION:
+            raise StatsError(f"format version {version} is newer than this aqr ({__version__}) reads "
+                             f"({FORMAT_VERSION}); upgrade aqr")
+        k = _integer(_get(meta, "num_quantiles"), "", "num_quantiles", 3)
+        entries = _get(meta, "layers")
+        if not isinstance(entries, list):
+            raise StatsError(f"'layers' must be a list, got {type(entries).__name__}")
+        layers: dict[str, LayerStats] = {}
+        for i, entry in enumerate(entries):
+            info = _info(entry, f"layers[{i}]: ")
+            where = f"layer {info.name!r}: "
+            if info.name in layers:
+                raise StatsError(f"layer {info.name!r} is listed twice")
+
+            def get(key: str, optional: bool = False) -> torch.Tensor | None:
                 full = f"{info.name}/{key}"
                 if full not in tensors:
                     if optional:
                         return None
-                    raise StatsError(f"{path}: tensor {full!r} is missing")
+                    raise StatsError(f"{where}tensor {full!r} is missing")
                 t = tensors[full]
-                if tuple(t.shape) != shape:
-                    raise StatsError(f"{path}: tensor {full!r} has shape {tuple(t.shape)}, expected {shape}")
+                if t.dtype.is_floating_point:
+                    t = t.float()
                 return t
 
             layers[info.name] = LayerStats(
-                info=info,
-                quantiles=get("quantiles", (c, k)),
-                tail_low=get("tail_low", (c,)),
-                tail_high=get("tail_high", (c,)),
-                mean=get("mean", (c,)),
-                std=get("std", (c,)),
-                affine_weight=get("affine_weight", (c,), optional=True),
-                affine_bias=get("affine_bias", (c,), optional=True),
-                num_values=int(entry["num_values"]),
-                sample_size=int(entry["sample_size"]),
+                info=info, quantiles=get("quantiles"), tail_low=get("tail_low"), tail_high=get("tail_high"),
+                mean=get("mean"), std=get("std"), affine_weight=get("affine_weight", True),
+                affine_bias=get("affine_bias", True),
+                num_values=_integer(_get(entry, "num_values", where), where, "num_values", 1),
+                sample_size=_integer(_get(entry, "sample_size", where), where, "sample_size", 1),
             )
-        model_layers = [LayerInfo(**d) for d in meta.get("model_layers", [])]
+        model_entries = _get(meta, "model_layers", default=[])
+        if not isinstance(model_entries, list):
+            raise StatsError(f"'model_layers' must be a list, got {type(model_entries).__name__}")
+        model_layers = [_info(d, f"model_layers[{i}]: ") for i, d in enumerate(model_entries)]
         if model_layers and fingerprint(model_layers) != meta.get("model_fingerprint"):
-            raise StatsError(f"{path}: the model fingerprint does not match its layer list (edited file?)")
+            raise StatsError("the model fingerprint does not match its layer list (edited file?)")
         return cls(
             layers=layers,
             num_quantiles=k,
-            tail=meta["tail"],
-            tail_batch=int(meta["tail_batch"]),
-            tail_repeats=int(meta["tail_repeats"]),
-            tail_unit=str(meta.get("tail_unit", "values")),  # files written before the option: values
-            max_samples=int(meta["max_samples"]),
-            seed=int(meta["seed"]),
+            tail=_choice(_get(meta, "tail"), "", "tail", TAILS),
+            tail_batch=_get(meta, "tail_batch"),
+            tail_repeats=_get(meta, "tail_repeats"),
+            tail_unit=_get(meta, "tail_unit", default="values"),  # files written before the option: values
+            max_samples=_get(meta, "max_samples"),
+            seed=_get(meta, "seed"),
             model_layers=model_layers,
             weights_summary=tensors.get(WEIGHTS_KEY),
-            aqr_version=meta.get("aqr_version", "?"),
+            aqr_version=_get(meta, "aqr_version", default="?"),
         )
 
 
