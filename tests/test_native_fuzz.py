@@ -14,7 +14,7 @@ from torch import nn
 
 import aqr
 from aqr.backends import build
-from native_fuzz import fuzz
+from tests.native_fuzz import fuzz
 
 LIB, WHY = build.load_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")

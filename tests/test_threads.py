@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import aqr
-from models_tiny import bn_cnn, images, tiny_vit
+from tests.models_tiny import bn_cnn, images, tiny_vit
 
 THREADS = 8
 

@@ -10,7 +10,8 @@
  * to its array's bounds *before* the float is converted to an integer, NaN going to the lowest
  * index: any finite or non-finite input stays in bounds (tests/test_native_fuzz.py runs this file
  * under AddressSanitizer and UBSan). Ranges and interpolations that can exceed FLT_MAX between
- * two finite floats (max - min of a channel spanning +-3.4e38) are computed in double.
+ * two finite floats (max - min of a channel spanning +-3.4e38) are computed in double, the grid and
+ * the knots only where float overflows (elsewhere the float results are those of torch and Triton).
  */
 #include <float.h>
 #include <math.h>
@@ -255,9 +256,11 @@ static void moments_of(const float *v, int64_t n, float *out) {
     out[1] = (float)sqrt((sq[0] + sq[1] + sq[2] + sq[3]) / (double)n);
 }
 
-/* a + (b - a) * f for floats a <= b, in double: b - a overflows float for a = -b = 3e38, and the
-   result is exact when a == b (tied knots stay tied). aqr.core.qmap.sorted_quantiles does the same. */
+/* a + (b - a) * f for floats a <= b (exact when a == b: tied knots stay tied); in double where that
+   overflows float (a = -b = 3e38). aqr.core.qmap.lerp_knots does the same. */
 static float lerp_knots(float a, float b, float f) {
+    float r = a + (b - a) * f;
+    if (isfinite(r) || !isfinite(a) || !isfinite(b)) return r;
     return (float)((double)a + ((double)b - (double)a) * (double)f);
 }
 
@@ -638,15 +641,16 @@ static void build_table(const map_args *a, int64_t c, float *values, float *tab,
     const float *tq = a->tq + c * K, *sq = a->sq + c * K;
     for (int64_t k = 0; k < K; k++) run_start[k] = (k > 0 && tq[k] == tq[k - 1]) ? run_start[k - 1] : k;
     float lo = tq[1], hi = tq[K - 2];
-    /* The grid in double: hi - lo overflows float when the knots span more than FLT_MAX. */
-    double step = ((double)hi - (double)lo) / (double)cells;
-    float width = (float)step;
+    /* The grid in double where hi - lo overflows float (knots spanning more than FLT_MAX). */
+    const int wide = !isfinite(hi - lo);
+    const double step = wide ? ((double)hi - (double)lo) / (double)cells : 0.0;
+    float width = wide ? (float)step : (hi - lo) / (float)cells;
     float inv = width > 0 ? 1.0f / width : 0.0f;
     int overflow = !(inv <= FLT_MAX); /* a subnormal width: every value goes to cell 1, marked */
     if (overflow) inv = 0.0f;
     int64_t p = 0;
     for (int64_t j = 0; j <= cells; j++) {
-        float g = (float)((double)lo + step * (double)j);
+        float g = wide ? (float)((double)lo + step * (double)j) : lo + width * (float)j;
         while (p < K && tq[p] <= g) p++;
         values[j] = exact_at(g, p, tq, sq, run_start[p > 0 ? p - 1 : 0], K);
     }
@@ -657,7 +661,7 @@ static void build_table(const map_args *a, int64_t c, float *values, float *tab,
     for (int64_t j = 0; j < cells; j++) {
         float s = (values[j + 1] - values[j]) * inv;
         tab[2 * j + 2] = s;
-        tab[2 * j + 3] = values[j] - s * (float)((double)lo + step * (double)j);
+        tab[2 * j + 3] = values[j] - s * (wide ? (float)((double)lo + step * (double)j) : lo + width * (float)j);
     }
     tab[2 * cells + 2] = lines[2];
     tab[2 * cells + 3] = lines[3];

@@ -23,10 +23,11 @@ Marked cells (the tie rule). Where a run of target knots is tied (``p_a = ... = 
 map jumps at ``v``: values just below go to the source near level ``a``, ``v`` itself to the middle
 level ``(a + b) / 2``, values just above near level ``b``. A line per cell cannot hold a jump, so
 such cells are *marked* and their values take the exact map instead. Precisely, per channel, with
-``lo = p_1``, ``hi = p_{K-2}``, ``step = (hi - lo) / cells`` in float64 and ``width = float32(step)``:
+``lo = p_1``, ``hi = p_{K-2}``, ``width = (hi - lo) / cells`` and ``step`` the same in float64:
 
-* ``inv = 1 / width`` (0 when ``width`` is 0; 0 and cell 1 marked when it overflows float32);
-  grid point ``j`` is ``float32(lo + step * j)`` (float64 inside: no overflow for any finite knots);
+* ``inv = 1 / width`` (0 when ``width`` is 0; 0 and cell 1 marked when it overflows float32); grid
+  point ``j`` is ``lo + width * j`` in float32 (``float32(lo + step * j)``, and ``width``
+  ``float32(step)``, where ``hi - lo`` overflows float32: no overflow for any finite knots);
 * a value ``v``'s cell is ``trunc(clamp((v - lo) * inv + 1, 0, cells + 1))`` in float32, NaN -> 0;
 * marked: for every knot that is tied with a neighbour, its own cell and the two next to it (unless
   all K knots are equal: every value then equals them and falls in cell 1, whose line is then the
@@ -39,6 +40,7 @@ such cells are *marked* and their values take the exact map instead. Precisely, 
 
 aqr's C kernels implement the same rule (``_kernels.c``: ``build_table``, ``exact_value``); another
 backend mirrors it by marking the same cells and mapping a NaN table result exactly, per value.
+(aqr's Triton kernels do not yet: there the table draws a line across each jump, ``mark_jumps=False``.)
 """
 
 from __future__ import annotations
@@ -111,37 +113,44 @@ def table_map(
     scale: torch.Tensor | None,
     z: tuple[float, float] | None,
     cells: int,
+    mark_jumps: bool = True,
 ) -> torch.Tensor:
     """Map ``x`` (A, C, B) from the target knots ``tq`` onto ``sq`` (C, K) by each channel's lookup table.
 
     The table holds the tail lines of :func:`aqr.core.qmap.tail_lines` and the exact map on a grid
     of ``cells`` cells between the first and last inner target knots; :func:`_lookup_kernel` applies
-    it. Values in marked cells come out NaN (see the module docstring); :func:`resolve_marked` maps them.
+    it. Values in marked cells come out NaN (see the module docstring); :func:`resolve_marked` maps
+    them. ``mark_jumps=False`` builds the table without marks (lines across the jumps at tied knots),
+    as aqr's Triton kernels still do.
     """
     k, c = sq.shape[1], sq.shape[0]
     a_lo, b_lo, a_hi, b_hi = tail_lines(sq, tq, tail, mean, std, loc, scale, z=z)
     lo, hi = tq[:, 1:2], tq[:, k - 2 : k - 1]
-    step = (hi.double() - lo.double()) / cells  # float64: hi - lo overflows float32 beyond FLT_MAX
-    width = step.float()
+    width = (hi - lo) / cells
+    grid = lo + width * torch.arange(cells + 1, device=x.device, dtype=lo.dtype)  # (C, cells + 1)
+    wide = ~torch.isfinite(hi - lo)  # knots spanning more than FLT_MAX: the grid in float64 there
+    step = (hi.double() - lo.double()) / cells
+    width = torch.where(wide, step.float(), width)
     steps = torch.arange(cells + 1, device=x.device, dtype=torch.float64)
-    grid = (lo.double() + step * steps).float()  # (C, cells + 1)
+    grid = torch.where(wide, (lo.double() + step * steps).float(), grid)
     values = _map_points(grid, tq, sq)
     inv = torch.where(width > 0, 1.0 / torch.where(width > 0, width, torch.ones_like(width)), torch.zeros_like(width))
     overflow = ~torch.isfinite(inv)  # a subnormal width: everything goes to cell 1, which is marked
     inv = torch.where(overflow, torch.zeros_like(inv), inv)
     cell_slope = (values[:, 1:] - values[:, :-1]) * inv
     cell_icpt = values[:, :-1] - cell_slope * grid[:, :-1]
-    if tail not in ("standard", "average"):
+    if mark_jumps and tail not in ("standard", "average"):
         # all knots equal: every value is that value and goes to cell 1 (inv = 0), where the exact
         # map takes the upper tail line (Eq. 1 tails: the middle level, values[:, 0], as it is)
         constant = torch.where(tq[:, :1] == tq[:, -1:], a_hi * tq[:, :1] + b_hi, cell_icpt[:, :1])
         cell_icpt = torch.cat([constant, cell_icpt[:, 1:]], dim=1)
     slope = torch.cat([a_lo, cell_slope, a_hi], dim=1)  # (C, cells + 2)
     icpt = torch.cat([b_lo, cell_icpt, b_hi], dim=1)
-    marked = _marked_cells(tq, lo, inv, cells) | ~torch.isfinite(slope) | ~torch.isfinite(icpt)
-    marked = marked | (overflow & (torch.arange(cells + 2, device=x.device) == 1))
-    nan = torch.full_like(slope, float("nan"))
-    slope, icpt = torch.where(marked, nan, slope), torch.where(marked, nan, icpt)
+    if mark_jumps:
+        marked = _marked_cells(tq, lo, inv, cells) | ~torch.isfinite(slope) | ~torch.isfinite(icpt)
+        marked = marked | (overflow & (torch.arange(cells + 2, device=x.device) == 1))
+        nan = torch.full_like(slope, float("nan"))
+        slope, icpt = torch.where(marked, nan, slope), torch.where(marked, nan, icpt)
     base = (torch.arange(c, device=x.device, dtype=torch.int32) * (cells + 2)).view(1, c, 1)
     return _lookup_kernel(x, lo.reshape(1, c, 1), inv.reshape(1, c, 1), slope.reshape(-1), icpt.reshape(-1), base, cells)
 
@@ -204,7 +213,8 @@ def map_sample(
     scale: torch.Tensor | None,
     z: tuple[float, float] | None,
     cells: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    mark_jumps: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`sample_targets` then :func:`table_map`, as one function: one ``torch.compile`` fuses the
     few dozen small table ops with the map (and the sort of ``sample``, unless ``presorted``).
 
@@ -213,7 +223,7 @@ def map_sample(
     """
     ordered = sample if presorted else sort_rows(sample)
     tq, mean, std, finite = sample_targets(x, ordered, sq.shape[1], tail in PARAMETRIC_TAILS)
-    return table_map(x, tq, sq, tail, mean, std, loc, scale, z, cells), finite, tq, mean, std
+    return table_map(x, tq, sq, tail, mean, std, loc, scale, z, cells, mark_jumps), finite, tq, mean, std
 
 
 def affine(x: torch.Tensor, pre: Affine | None) -> torch.Tensor:

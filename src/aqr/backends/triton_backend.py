@@ -9,6 +9,10 @@ logits, which :class:`aqr.AQR` checks once per batch.
 
 Needs ``triton`` >= 3.3 (it ships with CUDA builds of torch); on CPU the kernels run under Triton's
 interpreter (``TRITON_INTERPRET=1``), which is how the tests check them without a GPU.
+
+Not yet here: the marked cells of the tie rule (:mod:`aqr.backends.torch_backend`, "Marked cells"),
+which the torch and C backends implement; these kernels draw each cell's line across the map's
+jump at a run of tied knots (the table of ``table_map(..., mark_jumps=False)``).
 """
 
 from __future__ import annotations

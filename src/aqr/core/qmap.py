@@ -58,17 +58,18 @@ def sorted_quantiles(sorted_values: torch.Tensor, num_quantiles: int) -> torch.T
 
 
 def lerp_knots(a: torch.Tensor, b: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
-    """``a + (b - a) * frac`` for ``a <= b``, without overflow between finite values, in ``a``'s dtype.
+    """``a + (b - a) * frac`` for ``a <= b`` (exact when ``a == b``: tied knots stay tied), without
+    overflow between finite values.
 
-    ``b - a`` overflows float32 for ``a = -b = 3e38``: up to float32 it is computed in float64
-    (exact when ``a == b``, so tied knots stay tied; aqr's C kernels do the same). In float64 an
-    overflow falls back to ``a * (1 - frac) + b * frac``.
+    ``b - a`` overflows float32 for ``a = -b = 3e38``: there (only) it is computed in float64, as
+    aqr's C kernels do; float64 values fall back to ``a * (1 - frac) + b * frac``.
     """
-    if a.dtype != torch.float64:
-        wide = a.double() + (b.double() - a.double()) * frac.double()
-        return wide.to(a.dtype)
     out = a + (b - a) * frac
-    return torch.where(torch.isfinite(out) | ~torch.isfinite(a) | ~torch.isfinite(b), out, a * (1 - frac) + b * frac)
+    if a.dtype != torch.float64:
+        wide = (a.double() + (b.double() - a.double()) * frac.double()).to(a.dtype)
+    else:
+        wide = a * (1 - frac) + b * frac
+    return torch.where(torch.isfinite(out) | ~torch.isfinite(a) | ~torch.isfinite(b), out, wide)
 
 
 def sort_rows(x: torch.Tensor) -> torch.Tensor:
