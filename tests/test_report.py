@@ -307,7 +307,7 @@ def test_cli_errors_name_the_problem(db, tmp_path) -> None:
     bad = tmp_path / "bad.db"
     bad.write_text("not a database" * 100)
     code, _, err = _main(["report", "--db", str(bad)])
-    assert code == 2 and str(bad) in err
+    assert code == 1 and str(bad) in err  # a file that cannot be used: a runtime error, as a corrupt checkpoint
     code, _, err = _main(["report", "--db", str(db[0]), "--experiment", "nope"])
     assert code == 2 and "'nope'" in err and "main" in err
     code, _, err = _main(["report", "--db", str(db[0]), "--format", "md,docx"])

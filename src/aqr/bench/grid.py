@@ -81,9 +81,12 @@ def parse_range(text: str | Sequence[int] | None) -> list[int] | None:
     if tilde:
         raise ValueError(f"'~n' needs a 'start:stop' range before it, got {text!r}")
     try:
-        return [int(p) for p in text.split(",") if p.strip()]
+        picked = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
         raise ValueError(f"indices must be 'start:stop' or comma-separated integers, got {text!r}") from None
+    if any(i < 0 for i in picked):  # Python would count them from the end
+        raise ValueError(f"indices must not be negative, got {text!r}")
+    return picked
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ CREATE TABLE IF NOT EXISTS experiment_cells (
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
+TABLES = {"results", "experiment_cells", "meta"}
+
 COLUMNS = ("key", "model", "method", "variant", "dataset", "corruption", "severity", "batch_size", "seed",
            "protocol", "status", "accuracy", "n_images", "wall_s", "message", "config", "provenance", "created")
 
@@ -82,13 +84,18 @@ class Row:
 
 
 class ResultsDB:
-    """Open (creating if needed) a results database at ``path``; use as a context manager."""
+    """Open (creating if needed) a results database at ``path``; use as a context manager.
+
+    A file that is neither empty nor an aqr results database is refused and left as it was, as is
+    one whose pages are damaged (SQLite's ``quick_check``).
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+            self._check_before_writing()
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.executescript(_SCHEMA)
@@ -99,6 +106,22 @@ class ResultsDB:
             self._conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         elif int(found[0]) != SCHEMA_VERSION:
             raise ResultsDBError(f"{self.path} has schema version {found[0]}; this aqr reads {SCHEMA_VERSION}")
+
+    def _check_before_writing(self) -> None:
+        """Raise :class:`ResultsDBError` (changing nothing) for another program's database or a damaged one."""
+        try:
+            tables = {name for (name,) in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            damage = [m for (m,) in self._conn.execute("PRAGMA quick_check")] if tables else ["ok"]
+        except sqlite3.DatabaseError as err:
+            self._conn.close()
+            raise ResultsDBError(f"{self.path} is not an aqr results database, or it is corrupted ({err})") from err
+        if tables and not TABLES <= tables:
+            self._conn.close()
+            raise ResultsDBError(f"{self.path} is not an aqr results database (it holds the tables "
+                                 f"{', '.join(sorted(tables))}); give a new or empty file")
+        if damage != ["ok"]:
+            self._conn.close()
+            raise ResultsDBError(f"{self.path} is corrupted (sqlite quick_check: {'; '.join(damage[:3])})")
 
     def close(self) -> None:
         self._conn.close()
@@ -112,15 +135,18 @@ class ResultsDB:
     # ---- writing ----------------------------------------------------------------------------
     def add(self, key: str, cell: dict, status: str, accuracy: float | None, n_images: int | None,
             wall_s: float | None, provenance: dict, message: str | None = None) -> None:
-        """Store (or replace) one cell's result in its own transaction."""
+        """Store one cell's result in its own transaction: it replaces the cell's stored row, except
+        that an ``error`` never replaces an ``ok`` result (a failed rerun keeps the result)."""
         if status not in ("ok", "n/a", "error"):
             raise ValueError(f"status must be 'ok', 'n/a' or 'error', got {status!r}")
         values = (key, cell["model"]["name"], cell["method"], Cell.from_dict(cell).variant, cell["data"]["name"],
                   cell["corruption"], cell["severity"], cell["batch_size"], cell["seed"], cell["protocol"],
                   status, accuracy, n_images, wall_s, message,
                   json.dumps(cell, sort_keys=True), json.dumps(provenance, sort_keys=True), time.time())
-        self._conn.execute(f"INSERT OR REPLACE INTO results ({','.join(COLUMNS)}) VALUES ({','.join('?' * len(COLUMNS))})",
-                           values)
+        update = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[1:])
+        self._conn.execute(f"INSERT INTO results ({','.join(COLUMNS)}) VALUES ({','.join('?' * len(COLUMNS))}) "
+                           f"ON CONFLICT(key) DO UPDATE SET {update} "
+                           "WHERE NOT (excluded.status = 'error' AND results.status = 'ok')", values)
 
     def add_membership(self, experiment: str, keys: Iterable[str]) -> None:
         """Record that these cells belong to ``experiment`` (a cell may belong to several)."""

@@ -80,6 +80,8 @@ def evaluate(method: nn.Module, images: np.ndarray | torch.Tensor, labels: np.nd
     labels = torch.as_tensor(np.asarray(labels)).long()
     if len(labels) == 0:
         raise ValueError("no images to evaluate")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
 
     def batches() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(0, len(labels), batch_size):
@@ -560,6 +562,10 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
     from aqr.bench.claims import Claims
     from aqr.bench.executors import CellSettings
 
+    for name, value, least in (("workers", workers, 1), ("threads", threads, 1), ("limit", limit, 1),
+                               ("loader_workers", loader_workers, 0)):
+        if value is not None and (not isinstance(value, int) or value < least):
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     t0 = time.perf_counter()
     summary = GridSummary()
     ensure_data(grid.data, grid.corruptions, progress=progress, severities=grid.severities)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from aqr.cli.common import add_image_arguments, add_threads, ints, method_specs
+from aqr.cli.common import UsageError, add_image_arguments, add_threads, count, counts, method_specs
 
 DEFAULT_DB = "runs/results.db"
 DEFAULT_CACHE = "cache"
@@ -29,10 +29,10 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default=None, help="comma list of model names to keep from the grid")
     p.add_argument("--methods", default=None, help="comma list replacing the grid's methods (e.g. 'source,aqr:tail=clip')")
     p.add_argument("--corruptions", default=None, help="'all' or a comma list")
-    p.add_argument("--severities", type=ints, default=None)
-    p.add_argument("--batch-sizes", type=ints, default=None)
-    p.add_argument("--seeds", type=ints, default=None)
-    p.add_argument("--n-images", type=int, default=None, help="evaluated images per cell")
+    p.add_argument("--severities", type=counts(1, 5), default=None)
+    p.add_argument("--batch-sizes", type=counts(1), default=None)
+    p.add_argument("--seeds", type=counts(0), default=None)
+    p.add_argument("--n-images", type=count(1), default=None, help="evaluated images per cell")
     p.add_argument("--order", default=None,
                    help="stream order of each cell's images: 'iid' or 'delta=D' (class-correlated, Dirichlet "
                         "concentration D as in RoTTA; small D: long runs of one class); the grid's name, under "
@@ -54,7 +54,7 @@ def grid_from_args(args: argparse.Namespace):
         wanted = args.models.split(",")
         unknown = set(wanted) - {m.name for m in grid.models}
         if unknown:
-            raise SystemExit(f"aqr: models {sorted(unknown)} are not in grid {grid.name!r} "
+            raise UsageError(f"models {sorted(unknown)} are not in grid {grid.name!r} "
                              f"({', '.join(m.name for m in grid.models)})")
         changes["models"] = tuple(m for m in grid.models if m.name in wanted)
     if args.methods:
@@ -84,10 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", default=DEFAULT_CACHE, help="folder for cached source statistics")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="where cells run: 'local' processes (default) or tasks on a Ray cluster (needs aqr[ray])")
-    p.add_argument("--workers", type=int, default=1, help="local worker processes (the parent writes the database)")
+    p.add_argument("--workers", type=count(1), default=1, help="local worker processes (the parent writes the database)")
     p.add_argument("--device", default=None,
                    help="cpu or cuda[:N]: where the models run (default cpu; under Ray, cuda when --gpus-per-cell > 0)")
-    p.add_argument("--loader-workers", type=int, default=0,
+    p.add_argument("--loader-workers", type=count(0), default=0,
                    help="DataLoader processes decoding image files, per cell (image-folder grids)")
     add_threads(p, help="torch threads inside each cell, under either executor (default: torch's, or "
                         "--cpus-per-cell under Ray)")
@@ -98,8 +98,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ray.add_argument("--cpus-per-cell", type=float, default=None, help="CPUs Ray reserves per cell (default: --threads or 1)")
     ray.add_argument("--gpus-per-cell", type=float, default=0.0,
                      help="GPUs Ray reserves per cell (fractions share a GPU); > 0 runs the cells on CUDA")
-    ray.add_argument("--max-retries", type=int, default=2, help="reruns of a cell whose Ray worker died (default 2)")
-    p.add_argument("--limit", type=int, default=None, help="run at most this many new cells")
+    ray.add_argument("--max-retries", type=count(0), default=2, help="reruns of a cell whose Ray worker died (default 2)")
+    p.add_argument("--limit", type=count(1), default=None, help="run at most this many new cells")
     p.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
@@ -107,16 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aqr.bench.results import ResultsDBError
-
-    try:
-        return _run(args)
-    except (FileNotFoundError, ResultsDBError, KeyError, ValueError, ImportError, ConnectionError) as err:
-        print(f"aqr bench: error: {err}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
+    """Run the grid (or list its cells); 1 when a cell failed."""
     from aqr.bench.results import ResultsDB
     from aqr.bench.runner import describe_cells, result_json, run_grid
 

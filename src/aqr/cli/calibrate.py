@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import add_image_arguments, add_model_arguments, load_model, torch_threads
+from aqr.cli.common import add_image_arguments, add_model_arguments, count, load_model, torch_threads
 from aqr.core.calibrate import DEFAULT_TAIL_UNIT, TAIL_UNITS
 
 
@@ -19,34 +19,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "paths, a CIFAR .npz or python-pickle folder")
     p.add_argument("--indices", default=None,
                    help="which images may be drawn: 'start:stop', 'start:stop~n' or a list (default: all)")
-    p.add_argument("--n-images", type=int, default=10_000,
+    p.add_argument("--n-images", type=count(1), default=10_000,
                    help="draw this many, class-balanced at random (--seed), from them (default 10,000, the paper's "
                         "n; all of them when fewer)")
     add_image_arguments(p)
     p.add_argument("--out", required=True, help="statistics file to write (e.g. model.aqr.safetensors)")
-    p.add_argument("--num-quantiles", "-K", type=int, default=101, help="K knots (101 = percentiles p0..p100)")
+    p.add_argument("--num-quantiles", "-K", type=count(3), default=101, help="K knots (101 = percentiles p0..p100)")
     p.add_argument("--tail", default="average", help="default tail strategy stored with the statistics")
     p.add_argument("--tail-unit", choices=TAIL_UNITS, default=DEFAULT_TAIL_UNIT,
                    help="Average Sample Tails: a 'batch of 100' is 100 activation values or 100 images")
     p.add_argument("--layers", default="all", help="all, top-half, bottom-half or comma-separated layer names")
-    p.add_argument("--max-samples", type=int, default=100_000, help="values kept per channel for the quantiles")
-    p.add_argument("--batch-size", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0, help="seeds the image draw and the statistics' sampling")
+    p.add_argument("--max-samples", type=count(2), default=100_000, help="values kept per channel for the quantiles")
+    p.add_argument("--batch-size", type=count(1), default=500)
+    p.add_argument("--seed", type=count(0), default=0, help="seeds the image draw and the statistics' sampling")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Calibrate the model on the selected source images and write the statistics file."""
-    try:
-        return _run(args)
-    except (FileNotFoundError, ValueError, KeyError, ImportError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"aqr calibrate: error: {message}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
     from aqr.bench.grid import ModelSpec
     from aqr.bench.runner import data_loader, model_preprocess, source_dataset
     from aqr.core.calibrate import calibrate

@@ -1,9 +1,10 @@
 """Arguments several commands share: torch threads, the model and its weights, image preprocessing, comma lists,
-method lists."""
+method lists; the argument types that check counts and sizes, and :class:`UsageError`."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aqr.util.threads import torch_threads  # noqa: F401  (the commands import it from here)
@@ -14,20 +15,51 @@ if TYPE_CHECKING:
     from aqr.bench.grid import MethodSpec
 
 
+class UsageError(Exception):
+    """A command's arguments do not fit together; the CLI prints the message and exits with status 2."""
+
+
+def count(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``minimum`` (and at most ``maximum``), else a usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else (
+                "a positive integer" if minimum == 1 else f"an integer >= {minimum}")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = "count"  # argparse names the type in some messages
+    return parse
+
+
+def counts(minimum: int = 1, maximum: int | None = None) -> Callable[[str], tuple[int, ...]]:
+    """An argparse ``type``: a comma list of integers, each as :func:`count` checks it."""
+    one = count(minimum, maximum)
+
+    def parse(text: str) -> tuple[int, ...]:
+        values = tuple(one(v) for v in names(text))
+        if not values:
+            raise argparse.ArgumentTypeError(f"must be a comma list of integers, got {text!r}")
+        return values
+
+    parse.__name__ = "counts"
+    return parse
+
+
 def names(text: str) -> tuple[str, ...]:
     """``"a, b,c"`` -> ``("a", "b", "c")``."""
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
-def ints(text: str) -> tuple[int, ...]:
-    """``"1,3,5"`` -> ``(1, 3, 5)``."""
-    return tuple(int(v) for v in names(text))
-
-
 def add_threads(p: argparse.ArgumentParser, default: int | None = None,
-                help: str = "torch CPU threads (torch.set_num_threads; default: torch's)") -> None:
-    """``--threads N``."""
-    p.add_argument("--threads", type=int, default=default, help=help)
+                help: str = "torch CPU threads (torch.set_num_threads; default: torch's)", minimum: int = 1) -> None:
+    """``--threads N`` (at least ``minimum``)."""
+    p.add_argument("--threads", type=count(minimum), default=default, help=help)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,12 +75,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_image_arguments(p: argparse.ArgumentParser, workers: bool = True) -> None:
     """``--image-size`` / ``--resize`` (override the model's preprocessing of image files) and ``--workers``."""
-    p.add_argument("--image-size", type=int, default=None,
+    p.add_argument("--image-size", type=count(1), default=None,
                    help="image files: centre crop to N x N (default: the model's, e.g. 224 for timm's ResNet-50)")
-    p.add_argument("--resize", type=int, default=None,
+    p.add_argument("--resize", type=count(1), default=None,
                    help="image files: shorter side to N before the crop (default: the model's ratio to the crop)")
     if workers:
-        p.add_argument("--workers", type=int, default=0, help="DataLoader processes decoding image files (default 0)")
+        p.add_argument("--workers", type=count(0), default=0, help="DataLoader processes decoding image files (default 0)")
 
 
 def load_model(args: argparse.Namespace) -> nn.Module:
@@ -61,11 +93,11 @@ def load_model(args: argparse.Namespace) -> nn.Module:
 
     external = args.model.startswith(models.EXTERNAL_PREFIXES)
     if args.pretrained and not external:
-        raise ValueError(f"--pretrained applies to timm:/torchvision: names, not {args.model!r}")
+        raise UsageError(f"--pretrained applies to timm:/torchvision: names, not {args.model!r}")
     if args.pretrained and args.checkpoint:
-        raise ValueError("give --pretrained or --checkpoint, not both")
+        raise UsageError("give --pretrained or --checkpoint, not both")
     if external and not (args.pretrained or args.checkpoint):
-        raise ValueError(f"{args.model} needs weights: --pretrained (from timm's / torch hub's local cache) "
+        raise UsageError(f"{args.model} needs weights: --pretrained (from timm's / torch hub's local cache) "
                          "or --checkpoint FILE (safetensors or a weights-only state dict)")
     model = models.load(args.model, checkpoint=args.checkpoint)
     return model.to(args.device) if args.device else model

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import add_image_arguments
+from aqr.cli.common import UsageError, add_image_arguments, count
 from aqr.data.corruption_params import CORRUPTIONS, PARAM_SETS
 
 
@@ -35,11 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--corruptions", default="all", help="'all' or a comma-separated list of: " + ", ".join(CORRUPTIONS))
     p.add_argument("--severities", default="1,2,3,4,5", help="comma-separated severities in 1..5 (block order)")
     p.add_argument("--frost-dir", default=None, help="folder with frost1.png .. frost5.jpg (needed for frost)")
-    p.add_argument("--seed", type=int, default=0, help="base seed; each image uses (seed, corruption, severity, index)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N images")
-    p.add_argument("--n-images", type=int, default=None,
+    p.add_argument("--seed", type=count(0), default=0, help="base seed; each image uses (seed, corruption, severity, index)")
+    p.add_argument("--limit", type=count(1), default=None, help="use only the first N images")
+    p.add_argument("--n-images", type=count(1), default=None,
                    help="image folders: N images drawn class-balanced at random (--seed) instead of all")
-    p.add_argument("--workers", type=int, default=1, help="worker processes")
+    p.add_argument("--workers", type=count(1), default=1, help="worker processes")
     p.add_argument("--params", choices=sorted(PARAM_SETS), default=None,
                    help="severity table: cifar (32 px; default for .npz) or imagenet (224 px; default for image folders)")
     add_image_arguments(p, workers=False)
@@ -52,26 +52,16 @@ def run(args: argparse.Namespace) -> int:
     from aqr.data.images import is_image_source
 
     if is_image_source(args.data):
-        try:
-            return _run_folder(args)
-        except (ValueError, FileNotFoundError) as err:
-            print(f"aqr corrupt: {err}", file=sys.stderr)
-            return 2
+        return _run_folder(args)
     if args.image_size or args.resize or args.n_images:
-        print("aqr corrupt: --image-size, --resize and --n-images apply to image folders, not to .npz arrays",
-              file=sys.stderr)
-        return 2
+        raise UsageError("--image-size, --resize and --n-images apply to image folders, not to .npz arrays")
     from aqr.data.cifar_c import GenerationConfig, generate_cifar_c, parse_list
     from aqr.data import load_npz_arrays
     from aqr.util.files import sha256_file
 
-    try:
-        corruptions = parse_list(args.corruptions, CORRUPTIONS)
-        severities = [int(s) for s in parse_list(args.severities)]
-        images, labels = load_npz_arrays(args.data)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"aqr corrupt: {err}", file=sys.stderr)
-        return 2
+    corruptions = parse_list(args.corruptions, CORRUPTIONS)
+    severities = [int(s) for s in parse_list(args.severities)]
+    images, labels = load_npz_arrays(args.data)
     if args.limit is not None:
         images, labels = images[: args.limit], labels[: args.limit]
     source = {"file": str(args.data), "sha256": sha256_file(args.data), "limit": args.limit}
@@ -80,15 +70,11 @@ def run(args: argparse.Namespace) -> int:
         severities=tuple(severities),
         params=args.params or "cifar",
         seed=args.seed,
-        workers=max(1, args.workers),
+        workers=args.workers,
         frost_dir=args.frost_dir,
         source=source,
     )
-    try:
-        timings = generate_cifar_c(images, labels, args.out, config, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"aqr corrupt: {err}", file=sys.stderr)
-        return 2
+    timings = generate_cifar_c(images, labels, args.out, config, progress=not args.no_progress)
     for name, seconds in timings.items():
         print(f"{name}: {seconds:.1f} s")
     skipped = [c for c in corruptions if c not in timings]
@@ -116,7 +102,7 @@ def _run_folder(args: argparse.Namespace) -> int:
         severities=tuple(int(s) for s in parse_list(args.severities)),
         params=args.params or "imagenet",
         seed=args.seed,
-        workers=max(1, args.workers),
+        workers=args.workers,
         frost_dir=args.frost_dir,
         preprocess=IMAGENET_C_PREPROCESS.with_overrides(args.image_size, args.resize),
         source={"listing": listing_fingerprint(args.data), "n_images": args.n_images, "limit": args.limit},

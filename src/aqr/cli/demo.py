@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import add_threads, ints, names
+from aqr.cli.common import add_threads, count, counts, names
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,10 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "--data/--cifar-c/--checkpoint: the same comparison for an existing CIFAR model. "
                     "Resumable: rerunning reuses the models, data and finished cells in --out.")
     p.add_argument("--out", default="runs/demo", help="work folder (default runs/demo)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=count(0), default=0)
     p.add_argument("--quick", action="store_true",
                    help="fewer epochs, corruptions and images (about half a minute; for tests)")
-    add_threads(p, default=1, help="torch threads (default 1: tiny models; 0: torch's default)")
+    add_threads(p, default=1, help="torch threads (default 1: tiny models; 0: torch's default)", minimum=0)
     p.add_argument("--no-figure", action="store_true", help="do not write <out>/demo.png")
     p.add_argument("--no-progress", action="store_true")
     cifar = p.add_argument_group("CIFAR instead of digits (all of --data, --cifar-c, --checkpoint)")
@@ -35,9 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cifar.add_argument("--eval-indices", default=None, help="CIFAR-C pool the cells draw from (default: second half)")
     grid = p.add_argument_group("grid (defaults depend on --quick)")
     grid.add_argument("--corruptions", type=names, default=None, help="comma list")
-    grid.add_argument("--severities", type=ints, default=None, help="comma list, e.g. 3,5")
-    grid.add_argument("--batch-size", type=int, default=None)
-    grid.add_argument("--n-images", type=int, default=None, help="evaluated images per cell")
+    grid.add_argument("--severities", type=counts(1, 5), default=None, help="comma list, e.g. 3,5")
+    grid.add_argument("--batch-size", type=count(1), default=None)
+    grid.add_argument("--n-images", type=count(1), default=None, help="evaluated images per cell")
     p.set_defaults(func=run)
 
 
@@ -52,11 +52,7 @@ def run(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size, n_images=args.n_images, source_indices=args.source_indices,
                         eval_indices=args.eval_indices)
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731 - progress to stderr, table to stdout
-    try:
-        result = run_demo(config, log=log)
-    except (ImportError, FileNotFoundError, ValueError) as err:
-        print(f"aqr demo: {err}", file=sys.stderr)
-        return 2
+    result = run_demo(config, log=log)
     print(result.format_table())
     if result.figure:
         print(f"figure: {result.figure}")

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from aqr.cli.common import add_image_arguments, add_model_arguments, load_model, method_specs, torch_threads
+from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, count, load_model, method_specs,
+                            torch_threads)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,27 +22,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument("--data", default=None,
                        help="clean images instead: a CIFAR .npz / pickle folder, an image folder or a list of paths")
     p.add_argument("--corruption", default=None, help="with --cifar-c / --imagenet-c")
-    p.add_argument("--severity", type=int, default=5, help="with --cifar-c / --imagenet-c")
+    p.add_argument("--severity", type=count(1, 5), default=5, help="with --cifar-c / --imagenet-c")
     p.add_argument("--indices", default=None, help="test images, 'start:stop', 'start:stop~n' or a list (default: all)")
     add_image_arguments(p)
     p.add_argument("--methods", default="source,ttn,tent,sar,aqr",
                    help="comma list; options after a colon, e.g. 'aqr:tail=gaussian,K=11'")
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batch-size", type=count(1), default=128)
     p.add_argument("--protocol", default="episodic", choices=("episodic", "online"))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=count(0), default=0)
     p.add_argument("--json", action="store_true", help="print {method: accuracy} as JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate each listed method; prints one line per method (and the JSON with ``--json``)."""
-    try:
-        with torch_threads(args.threads):
-            return _run(args)
-    except (FileNotFoundError, ValueError, KeyError, ImportError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"aqr evaluate: error: {message}", file=sys.stderr)
-        return 2
+    with torch_threads(args.threads):
+        return _run(args)
 
 
 def _test_data(args: argparse.Namespace, model):
@@ -55,12 +51,14 @@ def _test_data(args: argparse.Namespace, model):
 
     indices = parse_range(args.indices)
     if (args.cifar_c or args.imagenet_c) and not args.corruption:
-        raise ValueError(f"{'--cifar-c' if args.cifar_c else '--imagenet-c'} needs --corruption")
+        raise UsageError(f"{'--cifar-c' if args.cifar_c else '--imagenet-c'} needs --corruption")
     if args.cifar_c:
         data = load_cifar_c(args.cifar_c, args.corruption, args.severity, indices)
     elif args.data and not is_image_source(args.data):
         data = load_cifar(args.data)
         if indices is not None:
+            if max(indices) >= len(data):  # an index past the end would raise, a negative one wrap around
+                raise ValueError(f"--indices {args.indices!r} exceed the {len(data)} images of {args.data}")
             data.images, data.labels = data.images[indices], data.labels[indices]
     else:
         from aqr.data.imagenet_c import ImageNetCFolder
@@ -91,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
         options = dict(spec.options)
         if cls.needs_stats:
             if stats is None:
-                raise ValueError(f"the {spec.name} method needs --stats (make one with `aqr calibrate`)")
+                raise UsageError(f"the {spec.name} method needs --stats (make one with `aqr calibrate`)")
             options["stats"] = stats
         if cls.needs_batch_size:
             options.setdefault("batch_size", args.batch_size)

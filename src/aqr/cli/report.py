@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from aqr.cli.common import count
+
 DEFAULT_DB = "runs/results.db"
 
 
@@ -35,24 +37,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tail.add_argument("--checkpoint", default=None, help="weights for an architecture name")
     tail.add_argument("--source-indices", default="0:10000", help="which source images ('start:stop' or a list)")
     tail.add_argument("--layer", default=None, help="normalization layer (default: the model's first)")
-    tail.add_argument("--reference", type=int, default=None, help="reference images (default: all selected)")
-    tail.add_argument("--batches", type=int, default=20, help="small batches drawn (default 20)")
-    tail.add_argument("--batch-size", type=int, default=128, help="their size (default 128)")
-    tail.add_argument("--seed", type=int, default=0)
+    tail.add_argument("--reference", type=count(1), default=None, help="reference images (default: all selected)")
+    tail.add_argument("--batches", type=count(1), default=20, help="small batches drawn (default 20)")
+    tail.add_argument("--batch-size", type=count(1), default=128, help="their size (default 128)")
+    tail.add_argument("--seed", type=count(0), default=0)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Dispatch to the database report or the Fig. 3 computation; errors become messages."""
-    from aqr.core.layers import LayerError
-    from aqr.bench.results import ResultsDBError
-
-    try:
-        return _tail_deviation(args) if args.tail_deviation else _db_report(args)
-    except (FileNotFoundError, ResultsDBError, KeyError, ValueError, LayerError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"aqr report: error: {message}", file=sys.stderr)
-        return 2
+    """Dispatch to the database report or the Fig. 3 computation."""
+    return _tail_deviation(args) if args.tail_deviation else _db_report(args)
 
 
 def _formats(text: str) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 
-from aqr.cli.common import add_threads
+from aqr.cli.common import UsageError, add_threads, count
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,8 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help='JSON dict of architecture options, e.g. \'{"width": 32, "groups": 8}\'')
     p.add_argument("--data", help="training npz; required unless --export")
     p.add_argument("--test", default=None, help="test npz, evaluated after every epoch")
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--epochs", type=count(1), default=30)
+    p.add_argument("--batch-size", type=count(1), default=128)
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--min-lr", type=float, default=0.0)
@@ -32,11 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--label-smoothing", type=float, default=0.0)
     p.add_argument("--no-augment", action="store_true", help="disable random crop + flip")
     add_threads(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=count(0), default=0)
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the data, augmentation and model live")
-    p.add_argument("--limit-train", type=int, default=None, help="use only the first N training images")
-    p.add_argument("--stop-after", type=int, default=None,
+    p.add_argument("--limit-train", type=count(1), default=None, help="use only the first N training images")
+    p.add_argument("--stop-after", type=count(1), default=None,
                    help="stop after this many epochs (schedule still planned for --epochs; continue with --resume)")
     p.add_argument("--out", default=None, help="final small checkpoint (aqr format)")
     p.add_argument("--work-dir", default=None, help="folder for the resumable per-epoch state (last.pt)")
@@ -52,15 +52,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.export:
         if not (args.work_dir and args.out):
-            raise SystemExit("--export needs --work-dir and --out")
+            raise UsageError("--export needs --work-dir and --out")
         path = export_state(args.work_dir, args.out)
         print(f"wrote {path}")
         return 0
 
     if not (args.model and args.data):
-        raise SystemExit("aqr train: --model and --data are required")
+        raise UsageError("--model and --data are required")
     if not isinstance(args.model_kwargs, dict):
-        raise SystemExit("--model-kwargs must be a JSON object")
+        raise UsageError("--model-kwargs must be a JSON object")
     cfg = TrainConfig(model=args.model, data=args.data, test=args.test, norm=args.norm,
                       model_kwargs=args.model_kwargs, epochs=args.epochs, batch_size=args.batch_size,
                       optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, momentum=args.momentum,

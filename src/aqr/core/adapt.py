@@ -29,6 +29,8 @@ from aqr.core.twin import structural_twin
 
 NONFINITE_POLICIES = ("raise", "skip")
 MODES = ("fast", "exact")
+MAX_TARGET_SAMPLES = 1 << 24  # the kernels' histograms count in int32
+MAX_GRID = 1 << 16  # cells per table; C * (grid + 2) indexes the tables in int32
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,10 @@ class AQRConfig:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.target_samples < 16 or self.grid < 1:
-            raise ValueError("target_samples must be >= 16 and grid >= 1")
+        for name, low, high in (("target_samples", 16, MAX_TARGET_SAMPLES), ("grid", 1, MAX_GRID)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
         if not 0.0 < self.gaussian_p < 0.5:
             raise ValueError(f"gaussian_p must be in (0, 0.5), got {self.gaussian_p}")
 

@@ -268,6 +268,8 @@ def calibrate(
         raise ValueError("tail_batch and tail_repeats must be positive")
     if tail_unit not in TAIL_UNITS:
         raise ValueError(f"tail_unit must be one of {TAIL_UNITS}, got {tail_unit!r}")
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches must be positive (or None), got {max_batches}")
     check_named_layers(model, layers)  # name what an explicitly listed module is
     all_infos = norm_layers(model)
     if not all_infos:

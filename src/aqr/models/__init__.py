@@ -15,11 +15,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from aqr.data.images import Preprocess
-from aqr.models.checkpoint import (CheckpointError, is_aqr_checkpoint, load_weights, read_file,
-                                   save_checkpoint, third_party_state_dict)
+from aqr.models.checkpoint import (CheckpointError, check_fit, checked_config, is_aqr_checkpoint, load_weights,
+                                   read_file, save_checkpoint, third_party_state_dict)
 from aqr.models.normalize import Normalize, NormalizedModel, with_normalization
 from aqr.models.pretrained import WeightsNotFound
 from aqr.models.registry import EXTERNAL_PREFIXES, available, create
@@ -35,15 +36,23 @@ def from_checkpoint(path: str | os.PathLike[str]) -> NormalizedModel:
     if not is_aqr_checkpoint(obj):
         raise CheckpointError(f"{path} is not an aqr checkpoint (no 'format': 'aqr-model'); "
                               "pass it as load(<architecture name>, checkpoint=path) instead")
-    config = obj.get("config")
-    if not isinstance(config, dict) or not isinstance(config.get("name"), str):
-        raise CheckpointError(f"checkpoint {path} has no valid 'config' with a model 'name'")
-    try:
-        model = create(config["name"], num_classes=int(config.get("num_classes", 10)),
-                       norm=config.get("norm"), **dict(config.get("kwargs") or {}))
-    except (KeyError, ValueError, TypeError) as err:
-        raise CheckpointError(f"checkpoint {path}: cannot rebuild model from config {config}: {err}") from err
-    load_weights(model, obj["state_dict"], path)
+    config = checked_config(obj.get("config"), path)
+    state_dict = obj.get("state_dict")
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise CheckpointError(f"checkpoint {path} holds no state dict of tensors")
+
+    def build() -> NormalizedModel:
+        try:
+            return create(config["name"], num_classes=config["num_classes"], norm=config["norm"], **config["kwargs"])
+        except (KeyError, ValueError, TypeError) as err:
+            raise CheckpointError(f"checkpoint {path}: cannot rebuild model from config {config}: {err}") from err
+
+    # The architecture is built on the meta device first (no memory) and must fit the weights
+    # exactly: a config that would build far more than its file holds is refused before allocating.
+    with torch.device("meta"):
+        check_fit(build(), state_dict, path)
+    model = build()
+    load_weights(model, state_dict, path)
     return model.eval()
 
 

@@ -23,6 +23,9 @@ from aqr.util.files import atomic_write
 
 FORMAT = "aqr-model"
 VERSION = 1
+MAX_CLASSES = 100_000  # ImageNet-21k has 21,841
+MAX_OPTION = 4096  # widths, depths, heads, patch and image sizes of a checkpoint's architecture options
+MAX_OPTION_ITEMS = 16
 
 
 class CheckpointError(ValueError):
@@ -104,11 +107,46 @@ def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str = "module.") -
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
 
 
-def load_weights(module: nn.Module, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str]) -> None:
-    """Strictly load ``state_dict`` into ``module`` (cast to its dtypes); mismatches raise CheckpointError naming ``source``.
+def checked_config(config: object, source: str | os.PathLike[str]) -> dict[str, Any]:
+    """A checkpoint's ``config`` after checking every value is plausible, before anything is built:
+    ``name`` a string, ``num_classes`` an integer in [1, MAX_CLASSES], ``norm`` a string or None, and
+    ``kwargs`` a mapping of options that are bools, strings, None, numbers of magnitude at most
+    MAX_OPTION or short lists of those. Raises :class:`CheckpointError` naming ``source`` and the field."""
 
-    Only BatchNorm ``num_batches_tracked`` counters may be absent (old files); they keep the module's values.
-    """
+    def fail(field: str, value: object, rule: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {source}: config {field} must be {rule}, got {value!r:.80}")
+
+    if not isinstance(config, dict) or not isinstance(config.get("name"), str):
+        raise CheckpointError(f"checkpoint {source} has no valid 'config' with a model 'name'")
+    num_classes = config.get("num_classes", 10)
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or not 1 <= num_classes <= MAX_CLASSES:
+        raise fail("num_classes", num_classes, f"an integer in [1, {MAX_CLASSES}]")
+    norm = config.get("norm")
+    if norm is not None and not isinstance(norm, str):
+        raise fail("norm", norm, "a string or None")
+    kwargs = config.get("kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise fail("kwargs", kwargs, "a mapping of architecture options")
+
+    def plausible(value: object) -> bool:
+        if value is None or isinstance(value, (bool, str)):
+            return not isinstance(value, str) or len(value) <= 256
+        if isinstance(value, (int, float)):
+            return bool(abs(value) <= MAX_OPTION)  # NaN fails the comparison
+        if isinstance(value, (list, tuple)):
+            return len(value) <= MAX_OPTION_ITEMS and all(plausible(v) and not isinstance(v, (list, tuple)) for v in value)
+        return False
+
+    for key, value in kwargs.items():
+        if not plausible(value):
+            raise fail(f"kwargs[{key!r}]", value, f"a bool, string, None, number of magnitude <= {MAX_OPTION} "
+                                                  f"or a list of up to {MAX_OPTION_ITEMS} of those")
+    return {"name": config["name"], "num_classes": num_classes, "norm": norm, "kwargs": dict(kwargs)}
+
+
+def check_fit(module: nn.Module, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str]) -> None:
+    """Raise :class:`CheckpointError` naming ``source`` unless ``state_dict`` has exactly ``module``'s keys
+    and shapes (``module`` may live on the meta device: nothing is read but shapes)."""
     own = module.state_dict()
     # files from before PyTorch 0.4.1 lack BatchNorm's num_batches_tracked: keep the module's own
     state_dict = {**{k: v for k, v in own.items() if k.endswith("num_batches_tracked")}, **state_dict}
@@ -124,6 +162,16 @@ def load_weights(module: nn.Module, state_dict: dict[str, torch.Tensor], source:
                                            for k in wrong]) if wrong else ""]
         raise CheckpointError(f"checkpoint {source} does not fit {type(module).__name__} (wrong architecture?): "
                               + "; ".join(p for p in parts if p))
+
+
+def load_weights(module: nn.Module, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str]) -> None:
+    """Strictly load ``state_dict`` into ``module`` (cast to its dtypes); mismatches raise CheckpointError naming ``source``.
+
+    Only BatchNorm ``num_batches_tracked`` counters may be absent (old files); they keep the module's values.
+    """
+    check_fit(module, state_dict, source)
+    own = module.state_dict()
+    state_dict = {**{k: v for k, v in own.items() if k.endswith("num_batches_tracked")}, **state_dict}
     cast = {k: v.to(own[k].dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     module.load_state_dict(cast, strict=True)
 
