@@ -211,12 +211,23 @@ class Hidden(nn.Module):
 
 
 def test_a_layer_outside_the_module_tree_is_named_not_silently_skipped():
-    model = Hidden(closure=False).eval()
+    for closure in (False, True):
+        model = Hidden(closure).eval()
+        stats = aqr.calibrate(model, [images(32)])
+        if closure:
+            adapted = aqr.AQR(model, stats)
+        else:
+            with pytest.warns(UserWarning, match="'norm' is also held outside.*'hidden'"):
+                adapted = aqr.AQR(model, stats)  # a hint before any call
+        with pytest.raises(aqr.LayerError, match="'norm' was not called"):
+            adapted(images(8))  # found by the first call
+
+
+def test_a_spare_reference_to_a_layer_is_only_a_hint():
+    """A model that keeps a list of its norms but calls them as submodules works (after a warning)."""
+    model = bn_cnn()
+    model.norms = [model[1], model[4]]  # a plain list, not registered
     stats = aqr.calibrate(model, [images(32)])
-    with pytest.raises(aqr.LayerError, match="'norm' is also held outside.*'hidden'"):
-        aqr.AQR(model, stats)  # found before any call
-    model = Hidden(closure=True).eval()
-    stats = aqr.calibrate(model, [images(32)])
-    adapted = aqr.AQR(model, stats)
-    with pytest.raises(aqr.LayerError, match="'norm' was not called"):
-        adapted(images(8))  # found by the first call
+    with pytest.warns(UserWarning, match="also held outside"):
+        adapted = aqr.AQR(model, stats)
+    assert adapted(images(8)).shape == (8, 5)

@@ -14,6 +14,7 @@ to end, in any order).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -277,21 +278,24 @@ def recalibrated_twin(model: nn.Module, maps: Mapping[str, LayerMap]) -> nn.Modu
 
 
 def _check_reachable(model: nn.Module, maps: Mapping[str, LayerMap]) -> None:
-    """Raise :class:`LayerError` for a selected layer that a module also holds outside its module tree
-    (in a plain attribute, list, tuple or dict): the twin would call the user's own layer there."""
+    """Warn about a selected layer that a module also holds outside its module tree (in a plain
+    attribute, list, tuple or dict): if the model calls it through that reference, AQR's twin does
+    not reach it (the first forward pass then raises :class:`LayerError`)."""
     named = dict(model.named_modules())
     selected = {id(named[name]): name for name in maps}
     for owner, module in named.items():
         for attribute, value in vars(module).items():
-            if attribute.startswith("_") and attribute in ("_modules", "_parameters", "_buffers"):
+            if attribute in ("_modules", "_parameters", "_buffers"):
                 continue
             found = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
             for item in found:
                 if isinstance(item, nn.Module) and id(item) in selected:
-                    raise LayerError(
+                    warnings.warn(
                         f"layer {selected[id(item)]!r} is also held outside the model's module tree (attribute "
-                        f"{attribute!r} of {owner or type(model).__name__!r}): AQR's twin would not reach it and "
-                        "it would not be recalibrated; register it as a submodule (nn.ModuleList/ModuleDict)")
+                        f"{attribute!r} of {owner or type(model).__name__!r}); if the model calls it through "
+                        "that, AQR cannot recalibrate it: register it as a submodule (nn.ModuleList/ModuleDict)",
+                        stacklevel=4)
+                    return
 
 
 class AQR(nn.Module):
