@@ -39,7 +39,7 @@ torch.manual_seed(0)
 m = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2)).eval()
 s = aqr.calibrate(m, [torch.randn(64, 4)])
 x = torch.randn(32, 4); x[0], x[1] = 2e38, -2e38
-native, torch_path = aqr.AQR(m, s)(x), aqr.AQR(m, s, native=False)(x)
+native, torch_path = aqr.AQR(m, s)(x), aqr.AQR(m, s, native=False, compile=False)(x)
 assert torch.isfinite(native).all(), native
 torch.testing.assert_close(native, torch_path, rtol=1e-5, atol=1e-5)
 print("ok")
@@ -47,9 +47,10 @@ print("ok")
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_native_kernels_equal_the_torch_backend_on_extreme_values():
-    fuzz(LIB, examples=300)
+    fuzz(LIB, examples=250)
 
 
 @needs_kernels
