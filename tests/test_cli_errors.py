@@ -87,6 +87,11 @@ def test_unknown_architecture_and_tail_are_one_line(capsys, files):
     ["bench", "--preset", "smoke", "--n-images", "0"],
     ["bench", "--preset", "smoke", "--batch-sizes", "128,-1"],
     ["bench", "--preset", "smoke", "--seeds", "-2"],
+    ["bench", "--preset", "smoke", "--executor", "ray", "--cpus-per-cell", "0"],  # became --threads or 1
+    ["bench", "--preset", "smoke", "--executor", "ray", "--cpus-per-cell", "inf"],  # OverflowError in a cell
+    ["bench", "--preset", "smoke", "--executor", "ray", "--cpus-per-cell", "nan"],
+    ["bench", "--preset", "smoke", "--executor", "ray", "--gpus-per-cell", "-1"],
+    ["bench", "--preset", "smoke", "--executor", "ray", "--max-retries", "-1"],
     ["corrupt", "--data", "{npz}", "--out", "o", "--limit", "-1"],  # dropped the last image
     ["corrupt", "--data", "{npz}", "--out", "o", "--limit", "0"],  # wrote empty arrays
     ["corrupt", "--data", "{npz}", "--out", "o", "--workers", "0"],  # was accepted
@@ -122,6 +127,18 @@ def test_an_unknown_key_in_a_grid_file_is_one_line(capsys, tmp_path):
     _one_line(capsys, ["bench", "--config", str(config), "--dry-run", "--data-dir", str(tmp_path)], 2, "bogus_key")
 
 
+@pytest.mark.parametrize("order, status, words", [
+    ("mixed", 2, ["mixed", "one corruption"]),  # every cell used to become an error row
+    ("mixed,delta=0.1", 2, ["mixes corruptions"]),
+    ("delta=-1", 2, ["delta must be positive"]),
+    ("delta=nan", 2, ["delta must be positive"]),
+    ("sorted", 2, ["stream order must look like"]),
+])
+def test_a_bad_stream_order_is_one_line(capsys, tmp_path, order, status, words):
+    _one_line(capsys, ["bench", "--preset", "smoke", "--order", order, "--dry-run", "--data-dir", str(tmp_path)],
+              status, *words)
+
+
 def test_debug_shows_the_traceback(capsys, files, monkeypatch):
     argv = ["calibrate", "resnet1000", "--data", files["npz"], "--out", "x"]
     with pytest.raises(KeyError, match="resnet1000"):
@@ -151,6 +168,11 @@ def test_library_counts_are_checked(files):
     with pytest.raises(ValueError, match="threads"):
         with torch_threads(-3):
             pass
+    from aqr.bench.ray_executor import RayOptions
+    for bad in ({"cpus_per_cell": float("inf")}, {"cpus_per_cell": float("nan")}, {"gpus_per_cell": float("inf")},
+                {"max_retries": -1}, {"max_retries": 1.5}):
+        with pytest.raises(ValueError):
+            RayOptions(**bad)
     from aqr.core.adapt import AQRConfig
     for bad in ({"target_samples": 10**9}, {"grid": 0}, {"grid": 10**7}, {"target_samples": 64.5}):
         with pytest.raises(ValueError):

@@ -61,12 +61,12 @@ class RayOptions:
     init: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.cpus_per_cell > 0:
-            raise ValueError(f"cpus_per_cell must be positive, got {self.cpus_per_cell}")
-        if not self.gpus_per_cell >= 0:
-            raise ValueError(f"gpus_per_cell must be >= 0, got {self.gpus_per_cell}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if not 0 < self.cpus_per_cell < math.inf:
+            raise ValueError(f"cpus_per_cell must be a finite positive number, got {self.cpus_per_cell}")
+        if not 0 <= self.gpus_per_cell < math.inf:
+            raise ValueError(f"gpus_per_cell must be a finite number >= 0, got {self.gpus_per_cell}")
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
 
 
 def import_ray() -> Any:

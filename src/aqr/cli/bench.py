@@ -6,7 +6,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from aqr.cli.common import UsageError, add_image_arguments, add_threads, count, counts, method_specs
+from aqr.cli.common import UsageError, add_image_arguments, add_threads, amount, count, counts, method_specs
 
 DEFAULT_DB = "runs/results.db"
 DEFAULT_CACHE = "cache"
@@ -68,6 +68,9 @@ def grid_from_args(args: argparse.Namespace):
         from aqr.bench.grid import canonical_order
 
         changes["order"] = canonical_order(args.order)
+        if changes["order"].startswith("mixed"):  # every cell would fail: a cell holds one corruption
+            raise UsageError(f"--order {args.order!r} mixes corruptions; a bench cell evaluates one corruption "
+                             "(use 'iid' or 'delta=D')")
         changes["name"] = f"{grid.name}-{changes['order']}"
     changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
                    n_images=args.n_images)
@@ -95,8 +98,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ray.add_argument("--ray-address", default=None,
                      help="'auto' (a running cluster) or HOST:PORT of the head node (default: Ray's choice: "
                           "RAY_ADDRESS, a cluster started on this machine, else a new local one)")
-    ray.add_argument("--cpus-per-cell", type=float, default=None, help="CPUs Ray reserves per cell (default: --threads or 1)")
-    ray.add_argument("--gpus-per-cell", type=float, default=0.0,
+    ray.add_argument("--cpus-per-cell", type=amount(0, above=True), default=None, help="CPUs Ray reserves per cell (default: --threads or 1)")
+    ray.add_argument("--gpus-per-cell", type=amount(0), default=0.0,
                      help="GPUs Ray reserves per cell (fractions share a GPU); > 0 runs the cells on CUDA")
     ray.add_argument("--max-retries", type=count(0), default=2, help="reruns of a cell whose Ray worker died (default 2)")
     p.add_argument("--limit", type=count(1), default=None, help="run at most this many new cells")

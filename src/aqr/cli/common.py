@@ -4,6 +4,7 @@ method lists; the argument types that check counts and sizes, and :class:`UsageE
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,22 @@ def counts(minimum: int = 1, maximum: int | None = None) -> Callable[[str], tupl
         return values
 
     parse.__name__ = "counts"
+    return parse
+
+
+def amount(minimum: float = 0.0, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number of at least ``minimum`` (greater, with ``above``), else a usage error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if above else '>='} {minimum:g}, got {text!r}")
+        return value
+
+    parse.__name__ = "amount"
     return parse
 
 
