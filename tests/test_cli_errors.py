@@ -128,7 +128,7 @@ def test_an_unknown_key_in_a_grid_file_is_one_line(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("order, status, words", [
-    ("mixed", 2, ["mixed", "one corruption"]),  # every cell used to become an error row
+    ("mixed", 2, ["error: --order 'mixed'", "one corruption"]),  # every cell used to become an error row
     ("mixed,delta=0.1", 2, ["mixes corruptions"]),
     ("delta=-1", 2, ["delta must be positive"]),
     ("delta=nan", 2, ["delta must be positive"]),
@@ -137,6 +137,14 @@ def test_an_unknown_key_in_a_grid_file_is_one_line(capsys, tmp_path):
 def test_a_bad_stream_order_is_one_line(capsys, tmp_path, order, status, words):
     _one_line(capsys, ["bench", "--preset", "smoke", "--order", order, "--dry-run", "--data-dir", str(tmp_path)],
               status, *words)
+
+
+def test_usage_errors_read_as_plain_messages(capsys, files, tmp_path):
+    """A UsageError is the expected kind of failure: its line is the message, not 'UsageError: ...'."""
+    _one_line(capsys, ["bench", "--preset", "smoke", "--models", "nosuch", "--dry-run", "--data-dir", str(tmp_path)],
+              2, "aqr bench: error: models ['nosuch'] are not in grid")
+    _one_line(capsys, ["evaluate", "timm:resnet50", "--data", files["npz"], "--methods", "source"], 2,
+              "aqr evaluate: error: timm:resnet50 needs weights")
 
 
 def test_debug_shows_the_traceback(capsys, files, monkeypatch):

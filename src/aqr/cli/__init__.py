@@ -71,9 +71,11 @@ def exit_status(err: BaseException) -> int:
 
 def error_line(err: BaseException) -> str:
     """The error as one line: its message (a KeyError's without quotes), with the type for unexpected kinds."""
+    from aqr.cli.common import UsageError
+
     message = err.args[0] if isinstance(err, KeyError) and err.args else err
     text = " ".join(str(message).split()) or type(err).__name__
-    expected = (ValueError, KeyError, TypeError, OSError, ImportError, RuntimeError)
+    expected = (UsageError, ValueError, KeyError, TypeError, OSError, ImportError, RuntimeError)
     return text if isinstance(err, expected) else f"{type(err).__name__}: {text}"
 
 
