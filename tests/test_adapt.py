@@ -299,6 +299,9 @@ def test_unsupported_layers_that_are_not_selected_are_skipped_with_one_warning()
     with pytest.warns(UserWarning, match="'ln'"):
         out = aqr.AQR(model, stats)(images(8, seed=4))
     assert out.shape == (8, 2) and torch.isfinite(out).all()
+    chosen = aqr.calibrate(model, [images(32)], layers=["bn"])  # the case: excluded, yet it was fatal
+    assert chosen.layer_names == ["bn"]
+    assert torch.isfinite(aqr.AQR(model, chosen, layers=["bn"])(images(8, seed=4))).all()
     with pytest.raises(aqr.LayerError, match="'ln'.*LayerNorm over 3 dims"):
         aqr.calibrate(model, [images(32)], layers=["ln"])
     with pytest.raises(aqr.LayerError, match="'ln'.*LayerNorm over 3 dims"):
