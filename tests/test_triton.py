@@ -20,6 +20,7 @@ if not ON_GPU:
 pytest.importorskip("triton")
 
 from aqr.backends import LayerSource, SubsetCache, TorchBackend  # noqa: E402
+from aqr.backends.base import Targets  # noqa: E402
 from aqr.backends import triton_backend  # noqa: E402
 from aqr.backends.torch_backend import affine, map_sample  # noqa: E402
 from aqr.core.qmap import quantile_map, sorted_quantiles  # noqa: E402
@@ -28,6 +29,7 @@ if triton_backend.kernels is None:  # pragma: no cover
     pytest.skip(f"aqr's Triton kernels do not load here: {triton_backend.UNAVAILABLE}", allow_module_level=True)
 
 TritonBackend = triton_backend.TritonBackend
+TritonConfig = triton_backend.kernels.TritonConfig
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 TAILS = ("standard", "average", "none", "clip", "interval", "gaussian")
 PARAMETRIC = ("interval", "gaussian")
@@ -64,11 +66,14 @@ def _layer(kind: str, c: int = 5, seed: int = 3) -> torch.Tensor:
     return x.to(DEVICE)
 
 
-def _backend(tail: str, c: int, cells: int = 64, samples: int = 128, k: int = K) -> TritonBackend:
+def _backend(tail: str, c: int, cells: int = 64, samples: int = 128, k: int = K,
+             config: TritonConfig | None = None) -> TritonBackend:
+    """The backend; by default every channel takes the sorted-sample knots of the torch path."""
     sq, loc, scale = _source(c, k)
     source = LayerSource.create(sq, tail, loc, scale, GP, cells).to(DEVICE)
     subsets = SubsetCache(samples)
-    return TritonBackend(source, subsets, TorchBackend(source, subsets, compile=False))
+    return TritonBackend(source, subsets, TorchBackend(source, subsets, compile=False),
+                         config or TritonConfig(sort_max=2**40))
 
 
 def _want(be: TritonBackend, x: torch.Tensor, pre=None) -> torch.Tensor:
@@ -340,3 +345,98 @@ def test_kernels_read_no_plain_python_globals():
                     continue
                 value = getattr(triton_kernels, node.id, None)
                 assert isinstance(value, triton_kernels.tl.constexpr), f"{f.name} reads global {node.id}"
+
+
+# --- the histogram of every value (channels of more than TritonConfig.sort_max values) ----------------
+
+HIST = TritonConfig(sort_max=0, bins=64)
+
+
+def _heavy_layer(kind: str, c: int = 4, seed: int = 5) -> torch.Tensor:
+    """Channel 0 Gaussian, 1 exponential (skewed), 2 Student-t with 2 dof plus a far outlier, 3
+    integer-valued (ties): the histogram's range must stay narrow for all of them."""
+    g = torch.Generator().manual_seed(seed)
+    x4 = torch.randn(6, c, 7, 11, generator=g) * 3 - 2
+    x4[:, 1] = torch.empty(6, 7, 11).exponential_(generator=g) * 0.5
+    t = torch.randn(6, 7, 11, generator=g) / (torch.randn(6, 7, 11, generator=g).abs() + 0.05)
+    t[2, 3, 4] = 1e30
+    x4[:, 2] = t
+    x4[:, 3] = (torch.randn(6, 7, 11, generator=g) * 2).round()
+    if kind == "channels_last":
+        x4 = x4.contiguous(memory_format=torch.channels_last)
+    return x4.reshape(6, c, -1).to(DEVICE)
+
+
+@pytest.mark.parametrize("kind", ["nchw", "channels_last"])
+@pytest.mark.parametrize("folded", [False, True])
+def test_histogram_knots_within_one_bucket_of_the_exact_quantiles(kind, folded):
+    """Every value counted: each inner knot within one bucket of the exact type-7 quantile of all
+    values, p0/p100 exact, the moments those of all values."""
+    x = _heavy_layer(kind)
+    c = x.shape[1]
+    be = _backend("gaussian", c, k=K, config=HIST)
+    assert be.histogram(x)
+    pre = None
+    v = x.cpu()
+    if folded:
+        pre = (torch.tensor([1.5, -0.5, 2.0, 1.0]).to(DEVICE), torch.tensor([0.1, 0.0, -3.0, 0.5]).to(DEVICE))
+        v = affine(v.float(), tuple(t.cpu() for t in pre))
+    targets = be.target_knots(x, pre)
+    rows = v.transpose(0, 1).reshape(c, -1).double()
+    exact = sorted_quantiles(rows.sort(1).values, K)
+    got = targets.knots.cpu().double()
+    assert torch.equal(got[:, 0], exact[:, 0].float().double()) and torch.equal(got[:, -1], exact[:, -1].float().double())
+    err = (got - exact).abs()[:, 1:-1]
+    # every channel, outliers or not: within a small share of the inner knots' spread (a fine
+    # bucket is at most a few percent of the window that holds them)
+    inner = (exact[:, -2] - exact[:, 1])[:, None]
+    assert (err <= 0.05 * inner).all(), (err / inner).amax(1)
+    assert (err.mean(1) <= 0.01 * inner[:, 0]).all(), (err.mean(1) / inner[:, 0])
+    torch.testing.assert_close(targets.mean.cpu().squeeze(1).double(), rows.mean(1), rtol=1e-4, atol=1e-4 * rows.std(1).max().item())
+    torch.testing.assert_close(targets.std.cpu().squeeze(1).double(), rows.std(1, correction=0), rtol=1e-3, atol=0)
+
+
+def test_histogram_tokens_layout_and_map():
+    """Tokens (channel fastest, more channels than one histogram call holds): the knots as close to
+    the exact ones, and the map with them equals the torch table map with the same knots."""
+    g = torch.Generator().manual_seed(11)
+    c = 40
+    x = (torch.randn(30, 12, c, generator=g) * torch.linspace(0.1, 4, c)).reshape(-1, c, 1).to(DEVICE)
+    be = _backend("average", c, k=K, config=TritonConfig(sort_max=0, bins=128))
+    targets = be.target_knots(x)
+    rows = x.cpu().squeeze(2).t().double()
+    exact = sorted_quantiles(rows.sort(1).values, K)
+    inner = (exact[:, -2] - exact[:, 1])[:, None]
+    assert ((targets.knots.cpu().double() - exact).abs() <= 0.02 * inner).all()
+    y = be.apply(x, targets)
+    s = be.source.to("cpu")
+    ref = TorchBackend(s, SubsetCache(128), compile=False).apply(
+        x.cpu().contiguous(), Targets(targets.knots.cpu(), None, None, targets.finite.cpu()))
+    assert_map_equal(y.contiguous(), ref)
+
+
+def test_histogram_constant_nonfinite_and_huge_channels():
+    x = torch.randn(5, 4, 300, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    x[:, 0] = 2.5  # constant
+    x[:, 1, :7] = 3e38  # a range beyond the float32 maximum
+    x[:, 1, 7:14] = -3e38
+    x[1, 2, 17] = float("nan")
+    be = _backend("standard", 4, k=K, config=HIST)
+    targets = be.target_knots(x)
+    tq = targets.knots.cpu()
+    assert not bool(targets.finite)
+    assert bool(tq[2].isnan().all())
+    assert torch.equal(tq[0], torch.full((K,), 2.5))
+    assert bool(tq[1].isfinite().all()) and bool((tq[1].diff() >= 0).all())
+    assert tq[1, 0] == -3e38 and tq[1, -1] == 3e38
+    y, finite = be.recalibrate(x)
+    assert not bool(finite) and bool(y[:, 2].isnan().all()) and bool(y[:, [0, 1, 3]].isfinite().all())
+    torch.testing.assert_close(y[:, 0].cpu(), be.source.knots[0, K // 2].cpu().expand(5, 300))
+
+
+def test_histogram_is_deterministic_and_takes_half_precision():
+    x = _heavy_layer("nchw").to(torch.bfloat16)
+    be = _backend("interval", x.shape[1], config=HIST)
+    y1, _ = be.recalibrate(x)
+    y2, _ = be.recalibrate(x.clone())
+    assert y1.dtype == torch.bfloat16 and torch.equal(y1, y2)

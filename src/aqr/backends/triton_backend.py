@@ -64,6 +64,7 @@ class TritonBackend(LayerBackend):
         self._scale = s.scale if s.scale is not None else s.knots[:, 0].contiguous()
         self._z = s.z if s.z is not None else (0.0, 0.0)
         self._on_device = available(source.device)
+        self._centre_subsets = SubsetCache(kernels.CENTRE_SAMPLES)  # centre the coarse histogram
         # type-7 interpolation ranks and fractions per sample size (a plain dict: torch.compile reads it)
         self._ranks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -87,16 +88,28 @@ class TritonBackend(LayerBackend):
     def folds(self, x: torch.Tensor) -> bool:
         return self.takes(x)
 
+    def histogram(self, x: torch.Tensor) -> bool:
+        """Whether the knots of ``x`` (A, C, B) come from the histogram of every value (else from the
+        sorted sample, as on the torch path)."""
+        a, _, b = x.shape
+        return a * b > self.config.sort_max
+
     def target_knots(self, x: torch.Tensor, pre: Affine | None = None) -> Targets:
         if not self.takes(x):
             return self.fallback.target_knots(x, pre)
-        positions = self.subsets.strided_positions(x)
-        ranks, fracs = self._rank_fractions(positions.shape[0])
+        a, _, b = x.shape
         cfg = self.config
+        histogram = self.histogram(x)
+        if histogram:
+            ranks, fracs = self._rank_fractions(a * b)
+            positions = self._centre_subsets.strided_positions(x)
+        else:
+            positions = self.subsets.strided_positions(x)
+            ranks, fracs = self._rank_fractions(positions.shape[0])
         scale, shift = pre if pre is not None else (None, None)
         tq, moments, finite = kernels.call(kernels.targets_op, kernels.targets_impl, x, scale, shift, positions,
-                                           ranks, fracs, cfg.stats_tile, cfg.stats_warps, cfg.stats_programs,
-                                           cfg.sort_warps)
+                                           ranks, fracs, histogram, cfg.bins, cfg.stats_tile,
+                                           cfg.stats_warps, cfg.stats_programs, cfg.sort_warps)
         if self.source.needs_moments:
             return Targets(tq, moments[:, 0:1], moments[:, 1:2], finite)
         return Targets(tq, None, None, finite)

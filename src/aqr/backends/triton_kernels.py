@@ -49,18 +49,29 @@ if not hasattr(tl, "gather"):  # pragma: no cover - depends on the environment
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INF = tl.constexpr(float("inf"))
+HIST_BUCKETS_MAX = 4096  # buckets of one tl.histogram call (channels x bins) in channel-fastest layouts
+COARSE_BUCKETS = 64  # the coarse histogram's buckets: sign(z) log2(1 + |z|) in [-COARSE_RANGE, COARSE_RANGE]
+COARSE_RANGE = 24.0  # |z| up to 2**24 robust scales from the centre before the edge buckets
+CENTRE_SAMPLES = 256  # sampled values whose median and quartiles centre the coarse histogram
 
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """Tile sizes and warps of the kernels; none changes a result.
+    """Tile sizes, warps and the histogram's resolution of the kernels.
 
     Attributes:
         map_tile / map_warps: values per program of the map kernel, and its warps.
-        stats_tile / stats_warps: values per loop step of the extremes kernel, and its warps.
+        stats_tile / stats_warps: values per loop step of the extremes and histogram kernels, and their warps.
         stats_programs: about how many programs the extremes kernel runs (parts per channel follow).
-        sort_warps: warps of the targets kernel (sort of S values in registers).
+        sort_warps: warps of the knots kernels (the histogram's, or the sort of S values in registers).
         table_warps: warps of the table kernel.
+        sort_max: channels of at most this many values (per batch) take their knots from the sorted
+            sample, as the torch path does; larger ones from a histogram of every value.
+        bins: buckets of the fine histogram (a power of two). A coarse histogram of every value
+            (64 buckets, logarithmic beyond a robust scale of the channel, so outliers cannot
+            widen it) finds the window that holds the inner knots; the fine one cuts that window
+            into ``bins`` buckets, and each inner knot lies within one of them of the exact
+            quantile of every value.
     """
 
     map_tile: int = 2048
@@ -70,14 +81,20 @@ class TritonConfig:
     stats_programs: int = 1024
     sort_warps: int = 8
     table_warps: int = 4
+    sort_max: int = 1024
+    bins: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("map_tile", "stats_tile", "map_warps", "stats_warps", "sort_warps", "table_warps"):
+        for name in ("map_tile", "stats_tile", "map_warps", "stats_warps", "sort_warps", "table_warps", "bins"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
         if self.stats_programs < 1:
             raise ValueError(f"stats_programs must be >= 1, got {self.stats_programs}")
+        if not 2 <= self.bins <= HIST_BUCKETS_MAX:
+            raise ValueError(f"bins must be between 2 and {HIST_BUCKETS_MAX}, got {self.bins}")
+        if self.sort_max < 0:
+            raise ValueError(f"sort_max must be >= 0, got {self.sort_max}")
 
 
 def _pow2(n: int) -> int:
@@ -89,24 +106,103 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# (1) extremes: partial min / max / NaN flag per (channel, part)
+# (1) extremes: partial min / max / NaN flag / shifted sums per (channel, part), and with HIST the
+# coarse histogram of every value around a robust centre
 # ---------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["A", "split", "n_tb", "per"])
-def _extremes_rows_kernel(x_ptr, part_ptr, finite_ptr, A, C, B, sxa, sxc, sxb, split, n_tb, per,
-                          TA: tl.constexpr, TB: tl.constexpr):
+@triton.jit
+def _ref_value(x_ptr, off):
+    """The value at ``off`` (a channel's first value) as float32, 0 if not finite: the shift of the
+    sums, so that their variance does not cancel when the mean is far from 0."""
+    r = tl.load(x_ptr + off).to(tl.float32)
+    return tl.where((r == r) & (tl.abs(r) < INF), r, 0.0)
+
+
+@triton.jit
+def _pick(srt, i, S_PAD: tl.constexpr):
+    """Row-wise element ``i`` (one index per row) of the 2-D register array ``srt``."""
+    j = tl.arange(0, S_PAD)
+    return tl.sum(tl.where(j[None, :] == i[:, None], srt, 0.0), axis=1)
+
+
+@triton.jit
+def _centre(x_ptr, spos_ptr, coff, cm, pa, pb, S, HAS_PRE: tl.constexpr, S_PAD: tl.constexpr):
+    """Median and scale ((p75 - p25) / 1.349, never 0) of channels ``coff`` (element offsets,
+    ``cm`` their mask) from the sorted values at the ``S`` sampled offsets: where the coarse
+    histogram is centred. Non-finite values read as 0 (such a channel's knots are NaN anyway)."""
+    j = tl.arange(0, S_PAD)
+    jm = j < S
+    off = tl.load(spos_ptr + j, mask=jm, other=0)
+    m = cm[:, None] & jm[None, :]
+    v = tl.load(x_ptr + coff[:, None] + off[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_PRE:
+        v = v * pa[:, None] + pb[:, None]
+    v = tl.where((v == v) & (tl.abs(v) < INF), v, 0.0)
+    srt = tl.sort(tl.where(jm[None, :], v, INF), dim=1)
+    half = (S - 1) // 2
+    med = (_pick(srt, tl.zeros_like(coff).to(tl.int32) + half, S_PAD)
+           + _pick(srt, tl.zeros_like(coff).to(tl.int32) + (S - 1 - half), S_PAD)) * 0.5
+    q1 = _pick(srt, tl.zeros_like(coff).to(tl.int32) + (S - 1) // 4, S_PAD)
+    q3 = _pick(srt, tl.zeros_like(coff).to(tl.int32) + (3 * (S - 1)) // 4, S_PAD)
+    lo = _pick(srt, tl.zeros_like(coff).to(tl.int32), S_PAD)
+    hi = _pick(srt, tl.zeros_like(coff).to(tl.int32) + (S - 1), S_PAD)
+    scale = tl.maximum((q3 - q1) / 1.349, (hi - lo) / 256.0)
+    scale = tl.maximum(scale, tl.abs(med) * 1e-6 + 1e-30)
+    scale = tl.where(scale < INF, scale, 3e38)
+    return med, scale
+
+
+@triton.jit
+def _coarse_bucket(v, med, inv_scale, ok, NC: tl.constexpr, T: tl.constexpr):
+    """Coarse bucket in [0, NC) of float32 ``v``: ``t = sign(z) log2(1 + |z|)``, ``z = (v - med) / scale``,
+    cut into NC equal parts of [-T, T] (linear near the centre, logarithmic far from it, so one
+    histogram of a few buckets spans any range). NaN and masked values go to 0."""
+    z = (v - med) * inv_scale
+    t = tl.log2(1.0 + tl.abs(z))
+    t = tl.where(z < 0, -t, t)
+    t = (t + T) * (NC / (2.0 * T))
+    t = tl.where(ok & (t == t), t, 0.0)
+    t = tl.minimum(tl.maximum(t, 0.0), NC - 1.0)
+    return t.to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["A", "split", "n_tb", "per", "S"])
+def _extremes_rows_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, pre_shift_ptr, spos_ptr, centre_ptr,
+                          coarse_ptr, A, C, B, sxa, sxc, sxb, split, n_tb, per, S,
+                          HAS_PRE: tl.constexpr, HIST: tl.constexpr, NC: tl.constexpr, T: tl.constexpr,
+                          S_PAD: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr):
     """Channel-major layouts: program (c, s) reduces tiles s*per .. s*per + per - 1 of channel c's
     (A, B) plane, each TA rows x TB positions (tiles past the last one are masked out)."""
     c = tl.program_id(0)
     s = tl.program_id(1)
-    tl.store(finite_ptr, True, mask=(c == 0) & (s == 0))  # cleared by _targets_kernel if need be
+    tl.store(finite_ptr, True, mask=(c == 0) & (s == 0))  # cleared by the knots kernels if need be
     ia = tl.arange(0, TA)
     ib = tl.arange(0, TB)
     mn = tl.full([TA, TB], INF, tl.float32)
     mx = tl.full([TA, TB], -INF, tl.float32)
     bad = tl.zeros([TA, TB], tl.int32)
+    s1 = tl.full([], 0.0, tl.float64)
+    s2 = tl.full([], 0.0, tl.float64)
     cbase = c.to(tl.int64) * sxc
+    ref = _ref_value(x_ptr, cbase)
+    if HIST:
+        cv = c + tl.arange(0, 1)
+        pa = tl.full([1], 1.0, tl.float32)
+        pb = tl.full([1], 0.0, tl.float32)
+        if HAS_PRE:
+            pa = tl.load(pre_scale_ptr + cv)
+            pb = tl.load(pre_shift_ptr + cv)
+        med, scale = _centre(x_ptr, spos_ptr, cv.to(tl.int64) * sxc, cv < C, pa, pb, S, HAS_PRE, S_PAD)
+        if s == 0:
+            tl.store(centre_ptr + 2 * cv, med)
+            tl.store(centre_ptr + 2 * cv + 1, scale)
+        med = tl.sum(med, axis=0)
+        inv_scale = 1.0 / tl.sum(scale, axis=0)
+        pa = tl.sum(pa, axis=0)
+        pb = tl.sum(pb, axis=0)
+        acc = tl.zeros([NC], tl.int32)
+        pad = tl.full([], 0, tl.int32)
     for i in range(0, per):  # an argument as the bound: older interpreters take no computed bounds
         t = s * per + i
         ta = t // n_tb
@@ -120,18 +216,36 @@ def _extremes_rows_kernel(x_ptr, part_ptr, finite_ptr, A, C, B, sxa, sxc, sxb, s
         mn = tl.minimum(mn, tl.where(ok, v, INF))
         mx = tl.maximum(mx, tl.where(ok, v, -INF))
         bad = tl.maximum(bad, (m & (v != v)).to(tl.int32))
+        d = tl.where(ok, v - ref, 0.0).to(tl.float64)  # float64: squares of large values overflow float32
+        s1 += tl.sum(tl.sum(d, axis=1), axis=0)
+        s2 += tl.sum(tl.sum(d * d, axis=1), axis=0)
+        if HIST:
+            if HAS_PRE:
+                v = v * pa + pb
+            idx = _coarse_bucket(v, med, inv_scale, m, NC, T)
+            acc += tl.histogram(tl.reshape(idx, [TA * TB]), NC)
+            pad += TA * TB - tl.sum(m.to(tl.int32))
     at = c * split + s
     plane = C * split
     tl.store(part_ptr + at, tl.min(tl.min(mn, axis=1), axis=0))
     tl.store(part_ptr + plane + at, tl.max(tl.max(mx, axis=1), axis=0))
     tl.store(part_ptr + 2 * plane + at, tl.max(tl.max(bad, axis=1), axis=0).to(tl.float32))
+    tl.store(sums_ptr + at, s1)
+    tl.store(sums_ptr + plane + at, s2)
+    if HIST:
+        j = tl.arange(0, NC)
+        acc = tl.where(j == 0, acc - pad, acc)  # the masked positions went to bucket 0
+        tl.store(coarse_ptr + at.to(tl.int64) * NC + j, acc)
 
 
-@triton.jit(do_not_specialize=["P", "split", "per"])
-def _extremes_cols_kernel(x_ptr, part_ptr, finite_ptr, C, B, P, sxa, sxc, sxb, split, per,
-                          BP: tl.constexpr, BC: tl.constexpr):
+@triton.jit(do_not_specialize=["P", "split", "per", "S"])
+def _extremes_cols_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, pre_shift_ptr, spos_ptr, centre_ptr,
+                          coarse_ptr, C, B, P, sxa, sxc, sxb, split, per, S,
+                          HAS_PRE: tl.constexpr, HIST: tl.constexpr, NC: tl.constexpr, T: tl.constexpr,
+                          S_PAD: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
     """Channel-fastest layouts (channels_last, tokens): program (cb, s) reduces position tiles
-    s*per .. s*per + per - 1 of BP positions for the BC channels of block cb."""
+    s*per .. s*per + per - 1 of BP positions for the BC channels of block cb (with HIST, one
+    histogram of BC * NC buckets)."""
     cb = tl.program_id(0)
     s = tl.program_id(1)
     tl.store(finite_ptr, True, mask=(cb == 0) & (s == 0))
@@ -142,6 +256,23 @@ def _extremes_cols_kernel(x_ptr, part_ptr, finite_ptr, C, B, P, sxa, sxc, sxb, s
     mn = tl.full([BP, BC], INF, tl.float32)
     mx = tl.full([BP, BC], -INF, tl.float32)
     bad = tl.zeros([BP, BC], tl.int32)
+    s1 = tl.zeros([BC], tl.float64)
+    s2 = tl.zeros([BC], tl.float64)
+    ref = _ref_value(x_ptr, tl.where(cm, coff, 0))
+    if HIST:
+        pa = tl.full([BC], 1.0, tl.float32)
+        pb = tl.full([BC], 0.0, tl.float32)
+        if HAS_PRE:
+            pa = tl.load(pre_scale_ptr + c, mask=cm, other=1.0)
+            pb = tl.load(pre_shift_ptr + c, mask=cm, other=0.0)
+        med, scale = _centre(x_ptr, spos_ptr, tl.where(cm, coff, 0), cm, pa, pb, S, HAS_PRE, S_PAD)
+        if s == 0:
+            tl.store(centre_ptr + 2 * c, med, mask=cm)
+            tl.store(centre_ptr + 2 * c + 1, scale, mask=cm)
+        inv_scale = 1.0 / scale
+        slot = (tl.arange(0, BC) * NC)[None, :]
+        acc = tl.zeros([BC * NC], tl.int32)
+        pad = tl.zeros([BC], tl.int32)
     for i in range(0, per):
         p = (s * per + i) * BP + ip
         a = p // B
@@ -153,15 +284,285 @@ def _extremes_cols_kernel(x_ptr, part_ptr, finite_ptr, C, B, P, sxa, sxc, sxb, s
         mn = tl.minimum(mn, tl.where(ok, v, INF))
         mx = tl.maximum(mx, tl.where(ok, v, -INF))
         bad = tl.maximum(bad, (m & (v != v)).to(tl.int32))
+        d = tl.where(ok, v - ref[None, :], 0.0).to(tl.float64)
+        s1 += tl.sum(d, axis=0)
+        s2 += tl.sum(d * d, axis=0)
+        if HIST:
+            if HAS_PRE:
+                v = v * pa[None, :] + pb[None, :]
+            idx = _coarse_bucket(v, med[None, :], inv_scale[None, :], m, NC, T) + slot
+            acc += tl.histogram(tl.reshape(idx, [BP * BC]), BC * NC)
+            pad += BP - tl.sum(m.to(tl.int32), axis=0)
     at = c * split + s
     plane = C * split
     tl.store(part_ptr + at, tl.min(mn, axis=0), mask=cm)
     tl.store(part_ptr + plane + at, tl.max(mx, axis=0), mask=cm)
     tl.store(part_ptr + 2 * plane + at, tl.max(bad, axis=0).to(tl.float32), mask=cm)
+    tl.store(sums_ptr + at, s1, mask=cm)
+    tl.store(sums_ptr + plane + at, s2, mask=cm)
+    if HIST:
+        acc2 = tl.reshape(acc, [BC, NC])
+        j = tl.arange(0, NC)
+        acc2 = tl.where(j[None, :] == 0, acc2 - pad[:, None], acc2)
+        tl.store(coarse_ptr + at.to(tl.int64)[:, None] * NC + j[None, :], acc2, mask=cm[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------
-# (2) targets: sampled values sorted in registers, type-7 knots, p0/p100 of every value, moments
+# (2a) knots of large channels (more than TritonConfig.sort_max values): the window of the inner
+# knots from the coarse histogram, a fine histogram of the window, the knots read off it
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _summary(x_ptr, part_ptr, sums_ptr, pre_scale_ptr, pre_shift_ptr, c, cm, C, sxc, split, n,
+             HAS_PRE: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Channels ``c`` (a vector, ``cm`` its mask): min, max, whether finite, mean and (population)
+    std of every value ``v`` (``v = x``, or ``pre_scale * x + pre_shift``), from the partials of
+    the extremes kernel."""
+    plane = C * split
+    mn = tl.full(c.shape, INF, tl.float32)
+    mx = tl.full(c.shape, -INF, tl.float32)
+    bad = tl.zeros(c.shape, tl.float32)
+    s1 = tl.zeros(c.shape, tl.float64)
+    s2 = tl.zeros(c.shape, tl.float64)
+    for s0 in range(0, split, SPLIT_BLOCK):
+        si = s0 + tl.arange(0, SPLIT_BLOCK)
+        m = cm[:, None] & (si < split)[None, :]
+        at = (c * split)[:, None] + si[None, :]
+        mn = tl.minimum(mn, tl.min(tl.load(part_ptr + at, mask=m, other=INF), axis=1))
+        mx = tl.maximum(mx, tl.max(tl.load(part_ptr + plane + at, mask=m, other=-INF), axis=1))
+        bad = tl.maximum(bad, tl.max(tl.load(part_ptr + 2 * plane + at, mask=m, other=0.0), axis=1))
+        s1 += tl.sum(tl.load(sums_ptr + at, mask=m, other=0.0), axis=1)
+        s2 += tl.sum(tl.load(sums_ptr + plane + at, mask=m, other=0.0), axis=1)
+    ref = _ref_value(x_ptr, tl.where(cm, c, 0).to(tl.int64) * sxc)
+    mean_d = s1 / n
+    sd = tl.sqrt(tl.maximum(s2 / n - mean_d * mean_d, 0.0)).to(tl.float32)
+    mean = (ref.to(tl.float64) + mean_d).to(tl.float32)
+    lo_all = mn
+    hi_all = mx
+    if HAS_PRE:
+        a = tl.load(pre_scale_ptr + c, mask=cm, other=1.0)
+        b = tl.load(pre_shift_ptr + c, mask=cm, other=0.0)
+        # monotone in x, so the extremes of a * x + b are those of x mapped (swapped when a < 0)
+        e0 = mn * a + b
+        e1 = mx * a + b
+        swap = e0 > e1
+        lo_all = tl.where(swap, e1, e0)
+        hi_all = tl.where(swap, e0, e1)
+        mean = mean * a + b
+        sd = sd * tl.abs(a)
+    finite = (bad == 0.0) & (tl.abs(lo_all) < INF) & (tl.abs(hi_all) < INF)
+    return lo_all, hi_all, finite, mean, sd
+
+
+@triton.jit
+def _coarse_edge(j, med, scale, NC: tl.constexpr, T: tl.constexpr):
+    """The lower edge of coarse bucket ``j`` (float64): the inverse of :func:`_coarse_bucket`."""
+    t = -T + j.to(tl.float64) * (2.0 * T / NC)
+    z = tl.exp2(tl.abs(t)) - 1.0
+    z = tl.where(t < 0, -z, z)
+    return med.to(tl.float64) + scale.to(tl.float64) * z
+
+
+@triton.jit
+def _window(part_ptr, centre_ptr, coarse_ptr, rank_ptr, c, cm, lo_all, hi_all, C, split, K, N,
+            NC: tl.constexpr, T: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Per channel ``c`` (vector): the value window [lo, hi] (float32) that holds every inner knot
+    (the coarse buckets of the lowest and highest inner rank, found exactly by the cumulative
+    counts), its span (float64) and the fine buckets per unit for NF buckets (returned per unit
+    bucket; the caller multiplies)."""
+    j = tl.arange(0, NC)
+    h = tl.zeros([c.shape[0], NC], tl.int32)
+    row = tl.where(cm, c, 0).to(tl.int64) * split
+    for s in range(0, split):
+        h += tl.load(coarse_ptr + (row + s)[:, None] * NC + j[None, :], mask=cm[:, None], other=0)
+    cum = tl.cumsum(h, 1)
+    r_lo = tl.load(rank_ptr + 1)
+    r_hi = tl.minimum(tl.load(rank_ptr + K - 2) + 1, N - 1)
+    b_lo = tl.sum((cum <= r_lo).to(tl.int32), axis=1)
+    b_hi = tl.sum((cum <= r_hi).to(tl.int32), axis=1)
+    med = tl.load(centre_ptr + 2 * c, mask=cm, other=0.0)
+    scale = tl.load(centre_ptr + 2 * c + 1, mask=cm, other=1.0)
+    e_lo = _coarse_edge(b_lo, med, scale, NC, T)
+    e_hi = _coarse_edge(b_hi + 1, med, scale, NC, T)
+    lo = tl.where(b_lo == 0, lo_all.to(tl.float64), tl.maximum(e_lo, lo_all.to(tl.float64)))
+    hi = tl.where(b_hi >= NC - 1, hi_all.to(tl.float64), tl.minimum(e_hi, hi_all.to(tl.float64)))
+    lo32 = lo.to(tl.float32)
+    hi32 = tl.maximum(hi.to(tl.float32), lo32)
+    lo32 = tl.where(lo32 == lo32, lo32, 0.0)
+    hi32 = tl.where(hi32 == hi32, hi32, lo32)
+    span = hi32.to(tl.float64) - lo32.to(tl.float64)
+    ok = (span > 0) & (span < INF)
+    return lo32, hi32, tl.where(ok, span, 0.0), ok
+
+
+@triton.jit(do_not_specialize=["A", "split", "hsplit", "n_tb", "per", "K", "N"])
+def _fine_rows_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_ptr, below_ptr, pre_scale_ptr, pre_shift_ptr,
+                      rank_ptr, A, C, B, sxa, sxc, sxb, split, hsplit, n_tb, per, K, N, n,
+                      HAS_PRE: tl.constexpr, NC: tl.constexpr, NF: tl.constexpr, T: tl.constexpr,
+                      TA: tl.constexpr, TB: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Channel-major layouts: program (c, s) counts the values of tiles s*per .. s*per + per - 1 of
+    channel c's plane that fall in the window into NF buckets, and those below it."""
+    c = tl.program_id(0)
+    s = tl.program_id(1)
+    cv = c + tl.arange(0, 1)
+    cm = cv < C
+    lo_all, hi_all, _, _, _ = _summary(x_ptr, part_ptr, sums_ptr, pre_scale_ptr, pre_shift_ptr, cv, cm, C, sxc, split, n,
+                                       HAS_PRE, SPLIT_BLOCK)
+    lo, hi, span, ok = _window(part_ptr, centre_ptr, coarse_ptr, rank_ptr, cv, cm, lo_all, hi_all, C, split, K,
+                               N, NC, T, SPLIT_BLOCK)
+    inv = tl.sum(tl.where(ok, NF / tl.where(ok, span, 1.0), 0.0), axis=0).to(tl.float32)
+    lo = tl.sum(lo, axis=0)
+    hi = tl.sum(hi, axis=0)
+    if HAS_PRE:
+        pa = tl.load(pre_scale_ptr + c)
+        pb = tl.load(pre_shift_ptr + c)
+    ia = tl.arange(0, TA)
+    ib = tl.arange(0, TB)
+    acc = tl.zeros([NF], tl.int32)
+    pad = tl.full([], 0, tl.int32)
+    below = tl.full([], 0, tl.int32)
+    cbase = c.to(tl.int64) * sxc
+    for i in range(0, per):
+        t = s * per + i
+        ta = t // n_tb
+        tb = t - ta * n_tb
+        a = ta * TA + ia
+        b = tb * TB + ib
+        m = (a < A)[:, None] & (b < B)[None, :]
+        off = cbase + (a.to(tl.int64) * sxa)[:, None] + (b.to(tl.int64) * sxb)[None, :]
+        v = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        if HAS_PRE:
+            v = v * pa + pb
+        inside = m & (v >= lo) & (v <= hi)
+        u = (v - lo) * inv
+        u = tl.where(inside, u, 0.0)
+        u = tl.minimum(tl.maximum(u, 0.0), NF - 1.0)
+        acc += tl.histogram(tl.reshape(u.to(tl.int32), [TA * TB]), NF)
+        pad += TA * TB - tl.sum(inside.to(tl.int32))
+        below += tl.sum((m & (v < lo)).to(tl.int32))
+    j = tl.arange(0, NF)
+    acc = tl.where(j == 0, acc - pad, acc)  # values outside the window went to bucket 0
+    at = (c * hsplit + s).to(tl.int64)
+    tl.store(fine_ptr + at * NF + j, acc)
+    tl.store(below_ptr + at, below)
+
+
+@triton.jit(do_not_specialize=["P", "split", "hsplit", "per", "K", "N"])
+def _fine_cols_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_ptr, below_ptr, pre_scale_ptr, pre_shift_ptr,
+                      rank_ptr, C, B, P, sxa, sxc, sxb, split, hsplit, per, K, N, n,
+                      HAS_PRE: tl.constexpr, NC: tl.constexpr, NF: tl.constexpr, T: tl.constexpr,
+                      BP: tl.constexpr, BC: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Channel-fastest layouts: as :func:`_fine_rows_kernel` for the BC channels of block cb, in one
+    histogram of BC * NF buckets."""
+    cb = tl.program_id(0)
+    s = tl.program_id(1)
+    c = cb * BC + tl.arange(0, BC)
+    cm = c < C
+    lo_all, hi_all, _, _, _ = _summary(x_ptr, part_ptr, sums_ptr, pre_scale_ptr, pre_shift_ptr, c, cm, C, sxc, split, n,
+                                       HAS_PRE, SPLIT_BLOCK)
+    lo, hi, span, ok = _window(part_ptr, centre_ptr, coarse_ptr, rank_ptr, c, cm, lo_all, hi_all, C, split, K,
+                               N, NC, T, SPLIT_BLOCK)
+    inv = tl.where(ok, NF / tl.where(ok, span, 1.0), 0.0).to(tl.float32)
+    if HAS_PRE:
+        pa = tl.load(pre_scale_ptr + c, mask=cm, other=1.0)
+        pb = tl.load(pre_shift_ptr + c, mask=cm, other=0.0)
+    coff = c.to(tl.int64) * sxc
+    ip = tl.arange(0, BP)
+    slot = (tl.arange(0, BC) * NF)[None, :]
+    acc = tl.zeros([BC * NF], tl.int32)
+    pad = tl.zeros([BC], tl.int32)
+    below = tl.zeros([BC], tl.int32)
+    for i in range(0, per):
+        p = (s * per + i) * BP + ip
+        a = p // B
+        b = p - a * B
+        m = (p < P)[:, None] & cm[None, :]
+        off = (a.to(tl.int64) * sxa + b.to(tl.int64) * sxb)[:, None] + coff[None, :]
+        v = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        if HAS_PRE:
+            v = v * pa[None, :] + pb[None, :]
+        inside = m & (v >= lo[None, :]) & (v <= hi[None, :])
+        u = (v - lo[None, :]) * inv[None, :]
+        u = tl.where(inside, u, 0.0)
+        u = tl.minimum(tl.maximum(u, 0.0), NF - 1.0)
+        acc += tl.histogram(tl.reshape(u.to(tl.int32) + slot, [BP * BC]), BC * NF)
+        pad += BP - tl.sum(inside.to(tl.int32), axis=0)
+        below += tl.sum((m & (v < lo[None, :])).to(tl.int32), axis=0)
+    acc2 = tl.reshape(acc, [BC, NF])
+    j = tl.arange(0, NF)
+    acc2 = tl.where(j[None, :] == 0, acc2 - pad[:, None], acc2)
+    at = (c * hsplit + s).to(tl.int64)
+    tl.store(fine_ptr + at[:, None] * NF + j[None, :], acc2, mask=cm[:, None])
+    tl.store(below_ptr + at, below, mask=cm)
+
+
+@triton.jit
+def _fine_value(cum, h, r, lo, span, NF: tl.constexpr):
+    """The value of window rank ``r`` (int32 vector) read off the fine histogram: its bucket found
+    exactly by the cumulative counts, then placed linearly among the bucket's values (ranks
+    outside the window, possible only through rounding at its edges, take the edge)."""
+    j = tl.arange(0, NF)
+    b = tl.sum((cum[None, :] <= r[:, None]).to(tl.int32), axis=1)
+    b = tl.minimum(b, NF - 1)
+    cnt = tl.gather(h, b, 0)
+    start = tl.gather(cum, b, 0) - cnt
+    u = ((r - start).to(tl.float64) + 0.5) / tl.maximum(cnt, 1).to(tl.float64)
+    u = tl.minimum(tl.maximum(u, 0.0), 1.0)
+    return (lo.to(tl.float64) + span * ((b.to(tl.float64) + u) / NF)).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["C", "K", "split", "hsplit", "N"])
+def _knots_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_ptr, below_ptr, pre_scale_ptr, pre_shift_ptr,
+                  rank_ptr, frac_ptr, tq_ptr, mom_ptr, finite_ptr, C, sxc, K, split, hsplit, N, n,
+                  HAS_PRE: tl.constexpr, NC: tl.constexpr, NF: tl.constexpr, T: tl.constexpr,
+                  K_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """One program per channel: the type-7 knots of every value (each inner knot within one fine
+    bucket of the exact one), p0/p100 exact, mean and std of every value."""
+    c = tl.program_id(0)
+    cv = c + tl.arange(0, 1)
+    cm = cv < C
+    lo_all, hi_all, finite, mean, sd = _summary(x_ptr, part_ptr, sums_ptr, pre_scale_ptr, pre_shift_ptr, cv, cm, C, sxc,
+                                                split, n, HAS_PRE, SPLIT_BLOCK)
+    lo, hi, span, _ = _window(part_ptr, centre_ptr, coarse_ptr, rank_ptr, cv, cm, lo_all, hi_all, C, split, K, N,
+                              NC, T, SPLIT_BLOCK)
+    lo = tl.sum(lo, axis=0)
+    hi = tl.sum(hi, axis=0)
+    span = tl.sum(span, axis=0)
+    lo_all = tl.sum(lo_all, axis=0)
+    hi_all = tl.sum(hi_all, axis=0)
+    mean = tl.sum(mean, axis=0)
+    sd = tl.sum(sd, axis=0)
+    finite = tl.sum(finite.to(tl.int32), axis=0) > 0
+    j = tl.arange(0, NF)
+    h = tl.zeros([NF], tl.int32)
+    nb = tl.full([], 0, tl.int32)
+    row = c.to(tl.int64) * hsplit
+    for s in range(0, hsplit):
+        h += tl.load(fine_ptr + (row + s) * NF + j)
+        nb += tl.load(below_ptr + row + s)
+    cum = tl.cumsum(h, 0)
+    k = tl.arange(0, K_PAD)
+    km = k < K
+    r0 = tl.load(rank_ptr + k, mask=km, other=0)
+    f = tl.load(frac_ptr + k, mask=km, other=0.0)
+    r1 = tl.minimum(r0 + 1, N - 1)
+    qa = _fine_value(cum, h, r0 - nb, lo, span, NF)
+    qb = _fine_value(cum, h, r1 - nb, lo, span, NF)
+    q = qa + (qb - qa) * f
+    q = tl.minimum(tl.maximum(q, lo), hi)
+    q = tl.where(k == 0, lo_all, tl.where(k == K - 1, hi_all, q))
+    nan = float("nan")
+    q = tl.where(finite, q, nan)
+    tl.store(tq_ptr + c * K + k, q, mask=km)
+    tl.store(mom_ptr + 2 * c, tl.where(finite, mean, nan))
+    tl.store(mom_ptr + 2 * c + 1, tl.where(finite, sd, nan))
+    tl.store(finite_ptr, False, mask=finite == 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (2b) targets of small layers: sampled values sorted in registers, type-7 knots, p0/p100 of every
+# value, moments
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -360,42 +761,45 @@ def _store_as(ptr, y, mask):
 
 @triton.jit
 def _lookup(v, lo, inv, tab_row, mask, CELLS: tl.constexpr):
-    """The table map of float32 ``v``; ``tab_row`` points at each value's channel table (read
-    only where ``mask``: a tile's padding may lie beyond the last channel)."""
+    """The table map of float32 ``v``; ``tab_row`` points at each value's channel table, read as
+    int64 (slope, intercept) pairs: one load per value (read only where ``mask``: a tile's padding
+    may lie beyond the last channel)."""
     t = (v - lo) * inv + 1.0
     t = tl.where(t == t, t, 0.0)  # NaN -> cell 0, where it stays NaN
     t = tl.minimum(tl.maximum(t, 0.0), CELLS + 1.0)
     cell = t.to(tl.int32)
-    slope = tl.load(tab_row + 2 * cell, mask=mask, other=0.0)
-    icpt = tl.load(tab_row + 2 * cell + 1, mask=mask, other=0.0)
+    pair = tl.load(tab_row + cell, mask=mask, other=0)
+    slope = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    icpt = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
     return slope * v + icpt
 
 
-@triton.jit(do_not_specialize=["R", "C"])
+@triton.jit(do_not_specialize=["A", "tiles", "n_tb"])
 def _map_rows_kernel(x_ptr, y_ptr, tab_ptr, lo_ptr, inv_ptr, pre_scale_ptr, pre_shift_ptr,
-                     R, C, B, sxa, sxc, sxb, sya, syc, syb,
-                     CELLS: tl.constexpr, HAS_PRE: tl.constexpr, BR: tl.constexpr, BB: tl.constexpr):
-    """Channel-major layouts: a tile of BR rows (a, c) x BB positions b."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    b = tl.program_id(1) * BB + tl.arange(0, BB)
-    rm = r < R
-    a = r // C
-    c = r - a * C
-    m = rm[:, None] & (b < B)[None, :]
-    a64 = a.to(tl.int64)
+                     A, C, B, sxa, sxc, sxb, sya, syc, syb, tiles, n_tb,
+                     CELLS: tl.constexpr, HAS_PRE: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr):
+    """Channel-major layouts: program c * tiles + t maps tile t (TA rows x TB positions) of channel
+    c's (A, B) plane, so a program reads one channel's table (it stays in the L1 cache)."""
+    pid = tl.program_id(0)
+    c = pid // tiles
+    t = pid - c * tiles
+    ta = t // n_tb
+    tb = t - ta * n_tb
+    a = ta * TA + tl.arange(0, TA)
+    b = tb * TB + tl.arange(0, TB)
+    m = (a < A)[:, None] & (b < B)[None, :]
     c64 = c.to(tl.int64)
+    a64 = a.to(tl.int64)
     b64 = b.to(tl.int64)
-    xoff = (a64 * sxa + c64 * sxc)[:, None] + (b64 * sxb)[None, :]
-    yoff = (a64 * sya + c64 * syc)[:, None] + (b64 * syb)[None, :]
+    xoff = c64 * sxc + (a64 * sxa)[:, None] + (b64 * sxb)[None, :]
+    yoff = c64 * syc + (a64 * sya)[:, None] + (b64 * syb)[None, :]
     x = tl.load(x_ptr + xoff, mask=m, other=0.0)
     v = x.to(tl.float32)
     if HAS_PRE:
-        pa = tl.load(pre_scale_ptr + c, mask=rm, other=1.0)
-        pb = tl.load(pre_shift_ptr + c, mask=rm, other=0.0)
-        v = v * pa[:, None] + pb[:, None]
-    lo = tl.load(lo_ptr + c, mask=rm, other=0.0)[:, None]
-    inv = tl.load(inv_ptr + c, mask=rm, other=0.0)[:, None]
-    tab_row = tab_ptr + (c64 * (2 * (CELLS + 2)))[:, None]
+        v = v * tl.load(pre_scale_ptr + c) + tl.load(pre_shift_ptr + c)
+    lo = tl.load(lo_ptr + c)
+    inv = tl.load(inv_ptr + c)
+    tab_row = tab_ptr.to(tl.pointer_type(tl.int64)) + c64 * (CELLS + 2)
     y = _lookup(v, lo, inv, tab_row, m, CELLS)
     _store_as(y_ptr + yoff, y, m)
 
@@ -424,7 +828,7 @@ def _map_cols_kernel(x_ptr, y_ptr, tab_ptr, lo_ptr, inv_ptr, pre_scale_ptr, pre_
         v = v * pa[None, :] + pb[None, :]
     lo = tl.load(lo_ptr + c, mask=cm, other=0.0)[None, :]
     inv = tl.load(inv_ptr + c, mask=cm, other=0.0)[None, :]
-    tab_row = tab_ptr + (c64 * (2 * (CELLS + 2)))[None, :]
+    tab_row = tab_ptr.to(tl.pointer_type(tl.int64)) + (c64 * (CELLS + 2))[None, :]
     y = _lookup(v, lo, inv, tab_row, m, CELLS)
     _store_as(y_ptr + yoff, y, m)
 
@@ -449,6 +853,12 @@ def _channels_fastest(x: torch.Tensor) -> bool:
     return sc == 1 and (b == 1 or sb != 1)
 
 
+def _parts(tiles: int, programs: int) -> tuple[int, int]:
+    """``(per, split)``: tiles per program and programs per channel (block) for about ``programs``."""
+    per = _cdiv(tiles, max(1, min(tiles, programs)))
+    return per, _cdiv(tiles, per)
+
+
 def targets_impl(
     x: torch.Tensor,
     pre_scale: Optional[torch.Tensor],
@@ -456,44 +866,85 @@ def targets_impl(
     positions: torch.Tensor,
     ranks: torch.Tensor,
     fracs: torch.Tensor,
+    histogram: bool,
+    bins: int,
     stats_tile: int,
     stats_warps: int,
     stats_programs: int,
     sort_warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Knots (C, K), moments (C, 2) and the finite flag of ``x`` (A, C, B); see the module doc."""
+    """Knots (C, K), moments (C, 2) and the finite flag of ``x`` (A, C, B); see the module doc.
+
+    With ``histogram`` the knots come from every value (``ranks``/``fracs`` for ``A * B`` values,
+    ``positions`` the few sampled offsets that centre the coarse histogram), else from the sorted
+    sample at ``positions`` (``ranks``/``fracs`` for that sample).
+    """
     a, c, b = x.shape
     k = ranks.shape[0]
     s = positions.shape[0]
     sxa, sxc, sxb = x.stride()
     dev = x.device
+    n = a * b
     finite = torch.empty((), dtype=torch.bool, device=dev)
-    if _channels_fastest(x):
-        bc = min(_pow2(c), 128)
-        bp = max(1, min(_pow2(a * b), stats_tile // bc))
-        tiles = _cdiv(a * b, bp)
-        per = _cdiv(tiles, max(1, min(tiles, _cdiv(stats_programs, _cdiv(c, bc)))))
-        split = _cdiv(tiles, per)
+    has_pre = pre_scale is not None
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    ps = pre_scale if has_pre else dummy
+    pb = pre_shift if has_pre else dummy
+    centre = torch.empty(c, 2, dtype=torch.float32, device=dev) if histogram else dummy
+    cols = _channels_fastest(x)
+    hc = COARSE_BUCKETS
+    if cols:
+        bc = min(_pow2(c), 128, HIST_BUCKETS_MAX // hc if histogram else 128)
+        bp = max(1, min(_pow2(n), stats_tile // bc))
+        per, split = _parts(_cdiv(n, bp), _cdiv(stats_programs, _cdiv(c, bc)))
         part = torch.empty(3, c, split, dtype=torch.float32, device=dev)
+        sums = torch.empty(2, c, split, dtype=torch.float64, device=dev)
+        coarse = torch.empty(c, split, hc, dtype=torch.int32, device=dev) if histogram else dummy
         _kernel(_extremes_cols_kernel, x)[(_cdiv(c, bc), split)](
-            x, part, finite, c, b, a * b, sxa, sxc, sxb, split, per, BP=bp, BC=bc, num_warps=stats_warps)
+            x, part, sums, finite, ps, pb, positions, centre, coarse, c, b, n, sxa, sxc, sxb, split, per, s,
+            HAS_PRE=has_pre, HIST=histogram, NC=hc, T=COARSE_RANGE, S_PAD=max(2, _pow2(s)), BP=bp, BC=bc,
+            num_warps=stats_warps)
     else:
         tb = min(_pow2(b), 1024, stats_tile)
         ta = max(1, min(_pow2(a), stats_tile // tb))
         n_tb = _cdiv(b, tb)
-        tiles = _cdiv(a, ta) * n_tb
-        per = _cdiv(tiles, max(1, min(tiles, _cdiv(stats_programs, c))))
-        split = _cdiv(tiles, per)
+        per, split = _parts(_cdiv(a, ta) * n_tb, _cdiv(stats_programs, c))
         part = torch.empty(3, c, split, dtype=torch.float32, device=dev)
+        sums = torch.empty(2, c, split, dtype=torch.float64, device=dev)
+        coarse = torch.empty(c, split, hc, dtype=torch.int32, device=dev) if histogram else dummy
         _kernel(_extremes_rows_kernel, x)[(c, split)](
-            x, part, finite, a, c, b, sxa, sxc, sxb, split, n_tb, per, TA=ta, TB=tb, num_warps=stats_warps)
+            x, part, sums, finite, ps, pb, positions, centre, coarse, a, c, b, sxa, sxc, sxb, split, n_tb, per, s,
+            HAS_PRE=has_pre, HIST=histogram, NC=hc, T=COARSE_RANGE, S_PAD=max(2, _pow2(s)), TA=ta, TB=tb,
+            num_warps=stats_warps)
     tq = torch.empty(c, k, dtype=torch.float32, device=dev)
     moments = torch.empty(c, 2, dtype=torch.float32, device=dev)
-    has_pre = pre_scale is not None
-    _kernel(_targets_kernel, x)[(c,)](
-        x, positions, part, pre_scale if has_pre else part, pre_shift if has_pre else part, ranks, fracs,
-        tq, moments, finite, c, sxc, s, k, split,
-        HAS_PRE=has_pre, S_PAD=max(2, _pow2(s)), K_PAD=_pow2(k), SPLIT_BLOCK=64, num_warps=sort_warps)
+    if not histogram:
+        _kernel(_targets_kernel, x)[(c,)](
+            x, positions, part, ps, pb, ranks, fracs, tq, moments, finite, c, sxc, s, k, split,
+            HAS_PRE=has_pre, S_PAD=max(2, _pow2(s)), K_PAD=_pow2(k), SPLIT_BLOCK=64, num_warps=sort_warps)
+        return tq, moments, finite
+    if cols:
+        fbc = max(1, min(_pow2(c), HIST_BUCKETS_MAX // bins))
+        fbp = max(1, min(_pow2(n), stats_tile // fbc))
+        fper, hsplit = _parts(_cdiv(n, fbp), _cdiv(stats_programs, _cdiv(c, fbc)))
+        fine = torch.empty(c, hsplit, bins, dtype=torch.int32, device=dev)
+        below = torch.empty(c, hsplit, dtype=torch.int32, device=dev)
+        _kernel(_fine_cols_kernel, x)[(_cdiv(c, fbc), hsplit)](
+            x, part, sums, centre, coarse, fine, below, ps, pb, ranks, c, b, n, sxa, sxc, sxb, split, hsplit, fper, k, n,
+            float(n), HAS_PRE=has_pre, NC=hc, NF=bins, T=COARSE_RANGE, BP=fbp, BC=fbc, SPLIT_BLOCK=64,
+            num_warps=stats_warps)
+    else:
+        hsplit = split
+        fine = torch.empty(c, hsplit, bins, dtype=torch.int32, device=dev)
+        below = torch.empty(c, hsplit, dtype=torch.int32, device=dev)
+        _kernel(_fine_rows_kernel, x)[(c, hsplit)](
+            x, part, sums, centre, coarse, fine, below, ps, pb, ranks, a, c, b, sxa, sxc, sxb, split, hsplit, n_tb, per,
+            k, n, float(n), HAS_PRE=has_pre, NC=hc, NF=bins, T=COARSE_RANGE, TA=ta, TB=tb, SPLIT_BLOCK=64,
+            num_warps=stats_warps)
+    _kernel(_knots_kernel, x)[(c,)](
+        x, part, sums, centre, coarse, fine, below, ps, pb, ranks, fracs, tq, moments, finite, c, sxc, k, split, hsplit,
+        n, float(n), HAS_PRE=has_pre, NC=hc, NF=bins, T=COARSE_RANGE, K_PAD=_pow2(k), SPLIT_BLOCK=64,
+        num_warps=sort_warps)
     return tq, moments, finite
 
 
@@ -545,12 +996,13 @@ def apply_impl(
             x, y, tab, lo, inv, ps, pb, a * b, c, b, sxa, sxc, sxb, sya, syc, syb,
             CELLS=cells, HAS_PRE=has_pre, BP=bp, BC=bc, num_warps=map_warps)
     else:
-        bb = min(_pow2(b), 1024, map_tile)
-        br = max(1, map_tile // bb)
-        grid = (_cdiv(a * c, br), _cdiv(b, bb))
-        _kernel(_map_rows_kernel, x)[grid](
-            x, y, tab, lo, inv, ps, pb, a * c, c, b, sxa, sxc, sxb, sya, syc, syb,
-            CELLS=cells, HAS_PRE=has_pre, BR=br, BB=bb, num_warps=map_warps)
+        tb = min(_pow2(b), 1024, map_tile)
+        ta = max(1, min(_pow2(a), map_tile // tb))
+        n_tb = _cdiv(b, tb)
+        tiles = _cdiv(a, ta) * n_tb
+        _kernel(_map_rows_kernel, x)[(c * tiles,)](
+            x, y, tab, lo, inv, ps, pb, a, c, b, sxa, sxc, sxb, sya, syc, syb, tiles, n_tb,
+            CELLS=cells, HAS_PRE=has_pre, TA=ta, TB=tb, num_warps=map_warps)
     return y
 
 
