@@ -391,9 +391,18 @@ def test_histogram_knots_within_one_bucket_of_the_exact_quantiles(kind, folded):
     # bucket is at most a few percent of the window that holds them)
     inner = (exact[:, -2] - exact[:, 1])[:, None]
     assert (err <= 0.05 * inner).all(), (err / inner).amax(1)
-    assert (err.mean(1) <= 0.01 * inner[:, 0]).all(), (err.mean(1) / inner[:, 0])
-    torch.testing.assert_close(targets.mean.cpu().squeeze(1).double(), rows.mean(1), rtol=1e-4, atol=1e-4 * rows.std(1).max().item())
-    torch.testing.assert_close(targets.std.cpu().squeeze(1).double(), rows.std(1, correction=0), rtol=1e-3, atol=0)
+    # on average far less, except where values tie (channel 3, integers): a bucket's values are
+    # spread evenly across it, so tied knots move by up to a bucket
+    assert (err.mean(1)[:3] <= 0.005 * inner[:3, 0]).all() and err.mean(1)[3] <= 0.02 * inner[3, 0], \
+        err.mean(1) / inner[:, 0]
+    # moments of every value; channel 2's outlier (1e30) overflows the float32 squares, where half
+    # the range stands in for the std: finite, within a factor 20
+    keep = [0, 1, 3]
+    mean, std = targets.mean.cpu().squeeze(1).double(), targets.std.cpu().squeeze(1).double()
+    torch.testing.assert_close(mean[keep], rows.mean(1)[keep], rtol=1e-4, atol=1e-4 * rows.std(1)[keep].max().item())
+    torch.testing.assert_close(std[keep], rows.std(1, correction=0)[keep], rtol=1e-3, atol=0)
+    assert mean.isfinite().all() and std.isfinite().all()
+    assert 1 / 20 < std[2] / rows[2].std(correction=0) < 20
 
 
 def test_histogram_tokens_layout_and_map():

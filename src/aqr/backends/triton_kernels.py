@@ -48,11 +48,10 @@ if not hasattr(tl, "gather"):  # pragma: no cover - depends on the environment
     raise ImportError(f"aqr's Triton backend needs tl.gather (triton >= 3.3); found triton {triton.__version__}")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INF = tl.constexpr(float("inf"))
 HIST_BUCKETS_MAX = 4096  # buckets of one tl.histogram call (channels x bins) in channel-fastest layouts
 COARSE_BUCKETS = 64  # the coarse histogram's buckets: sign(z) log2(1 + |z|) in [-COARSE_RANGE, COARSE_RANGE]
 COARSE_RANGE = 24.0  # |z| up to 2**24 robust scales from the centre before the edge buckets
-CENTRE_SAMPLES = 256  # sampled values whose median and quartiles centre the coarse histogram
+CENTRE_SAMPLES = 64  # sampled values whose median and quartiles centre the coarse histogram
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,7 @@ def _ref_value(x_ptr, off):
     """The value at ``off`` (a channel's first value) as float32, 0 if not finite: the shift of the
     sums, so that their variance does not cancel when the mean is far from 0."""
     r = tl.load(x_ptr + off).to(tl.float32)
-    return tl.where((r == r) & (tl.abs(r) < INF), r, 0.0)
+    return tl.where((r == r) & (tl.abs(r) < float("inf")), r, 0.0)
 
 
 @triton.jit
@@ -138,8 +137,8 @@ def _centre(x_ptr, spos_ptr, coff, cm, pa, pb, S, HAS_PRE: tl.constexpr, S_PAD: 
     v = tl.load(x_ptr + coff[:, None] + off[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_PRE:
         v = v * pa[:, None] + pb[:, None]
-    v = tl.where((v == v) & (tl.abs(v) < INF), v, 0.0)
-    srt = tl.sort(tl.where(jm[None, :], v, INF), dim=1)
+    v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0)
+    srt = tl.sort(tl.where(jm[None, :], v, float("inf")), dim=1)
     half = (S - 1) // 2
     med = (_pick(srt, tl.zeros_like(coff).to(tl.int32) + half, S_PAD)
            + _pick(srt, tl.zeros_like(coff).to(tl.int32) + (S - 1 - half), S_PAD)) * 0.5
@@ -149,7 +148,7 @@ def _centre(x_ptr, spos_ptr, coff, cm, pa, pb, S, HAS_PRE: tl.constexpr, S_PAD: 
     hi = _pick(srt, tl.zeros_like(coff).to(tl.int32) + (S - 1), S_PAD)
     scale = tl.maximum((q3 - q1) / 1.349, (hi - lo) / 256.0)
     scale = tl.maximum(scale, tl.abs(med) * 1e-6 + 1e-30)
-    scale = tl.where(scale < INF, scale, 3e38)
+    scale = tl.where(scale < float("inf"), scale, 3e38)
     return med, scale
 
 
@@ -168,10 +167,10 @@ def _coarse_bucket(v, med, inv_scale, ok, NC: tl.constexpr, T: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["A", "split", "n_tb", "per", "S"])
-def _extremes_rows_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, pre_shift_ptr, spos_ptr, centre_ptr,
-                          coarse_ptr, A, C, B, sxa, sxc, sxb, split, n_tb, per, S,
-                          HAS_PRE: tl.constexpr, HIST: tl.constexpr, NC: tl.constexpr, T: tl.constexpr,
-                          S_PAD: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr):
+def _extremes_rows_kernel(x_ptr, part_ptr, finite_ptr, pre_scale_ptr, pre_shift_ptr, spos_ptr, centre_ptr,
+                          hist_ptr, A, C, B, sxa, sxc, sxb, split, n_tb, per, S,
+                          HAS_PRE: tl.constexpr, HIST: tl.constexpr, NC: tl.constexpr, NF: tl.constexpr,
+                          T: tl.constexpr, S_PAD: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr):
     """Channel-major layouts: program (c, s) reduces tiles s*per .. s*per + per - 1 of channel c's
     (A, B) plane, each TA rows x TB positions (tiles past the last one are masked out)."""
     c = tl.program_id(0)
@@ -179,11 +178,11 @@ def _extremes_rows_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, 
     tl.store(finite_ptr, True, mask=(c == 0) & (s == 0))  # cleared by the knots kernels if need be
     ia = tl.arange(0, TA)
     ib = tl.arange(0, TB)
-    mn = tl.full([TA, TB], INF, tl.float32)
-    mx = tl.full([TA, TB], -INF, tl.float32)
+    mn = tl.full([TA, TB], float("inf"), tl.float32)
+    mx = tl.full([TA, TB], -float("inf"), tl.float32)
     bad = tl.zeros([TA, TB], tl.int32)
-    s1 = tl.full([], 0.0, tl.float64)
-    s2 = tl.full([], 0.0, tl.float64)
+    s1 = tl.zeros([TA, TB], tl.float32)
+    s2 = tl.zeros([TA, TB], tl.float32)
     cbase = c.to(tl.int64) * sxc
     ref = _ref_value(x_ptr, cbase)
     if HIST:
@@ -213,12 +212,12 @@ def _extremes_rows_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, 
         off = cbase + (a.to(tl.int64) * sxa)[:, None] + (b.to(tl.int64) * sxb)[None, :]
         v = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
         ok = m & (v == v)
-        mn = tl.minimum(mn, tl.where(ok, v, INF))
-        mx = tl.maximum(mx, tl.where(ok, v, -INF))
+        mn = tl.minimum(mn, tl.where(ok, v, float("inf")))
+        mx = tl.maximum(mx, tl.where(ok, v, -float("inf")))
         bad = tl.maximum(bad, (m & (v != v)).to(tl.int32))
-        d = tl.where(ok, v - ref, 0.0).to(tl.float64)  # float64: squares of large values overflow float32
-        s1 += tl.sum(tl.sum(d, axis=1), axis=0)
-        s2 += tl.sum(tl.sum(d * d, axis=1), axis=0)
+        d = tl.where(ok, v - ref, 0.0)
+        s1 += d
+        s2 += d * d
         if HIST:
             if HAS_PRE:
                 v = v * pa + pb
@@ -230,19 +229,19 @@ def _extremes_rows_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, 
     tl.store(part_ptr + at, tl.min(tl.min(mn, axis=1), axis=0))
     tl.store(part_ptr + plane + at, tl.max(tl.max(mx, axis=1), axis=0))
     tl.store(part_ptr + 2 * plane + at, tl.max(tl.max(bad, axis=1), axis=0).to(tl.float32))
-    tl.store(sums_ptr + at, s1)
-    tl.store(sums_ptr + plane + at, s2)
+    tl.store(part_ptr + 3 * plane + at, tl.sum(tl.sum(s1, axis=1), axis=0))
+    tl.store(part_ptr + 4 * plane + at, tl.sum(tl.sum(s2, axis=1), axis=0))
     if HIST:
         j = tl.arange(0, NC)
         acc = tl.where(j == 0, acc - pad, acc)  # the masked positions went to bucket 0
-        tl.store(coarse_ptr + at.to(tl.int64) * NC + j, acc)
+        tl.atomic_add(hist_ptr + c.to(tl.int64) * (NC + NF + 1) + j, acc)  # integers: any order, one sum
 
 
 @triton.jit(do_not_specialize=["P", "split", "per", "S"])
-def _extremes_cols_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, pre_shift_ptr, spos_ptr, centre_ptr,
-                          coarse_ptr, C, B, P, sxa, sxc, sxb, split, per, S,
-                          HAS_PRE: tl.constexpr, HIST: tl.constexpr, NC: tl.constexpr, T: tl.constexpr,
-                          S_PAD: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
+def _extremes_cols_kernel(x_ptr, part_ptr, finite_ptr, pre_scale_ptr, pre_shift_ptr, spos_ptr, centre_ptr,
+                          hist_ptr, C, B, P, sxa, sxc, sxb, split, per, S,
+                          HAS_PRE: tl.constexpr, HIST: tl.constexpr, NC: tl.constexpr, NF: tl.constexpr,
+                          T: tl.constexpr, S_PAD: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
     """Channel-fastest layouts (channels_last, tokens): program (cb, s) reduces position tiles
     s*per .. s*per + per - 1 of BP positions for the BC channels of block cb (with HIST, one
     histogram of BC * NC buckets)."""
@@ -253,11 +252,11 @@ def _extremes_cols_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, 
     cm = c < C
     coff = c.to(tl.int64) * sxc
     ip = tl.arange(0, BP)
-    mn = tl.full([BP, BC], INF, tl.float32)
-    mx = tl.full([BP, BC], -INF, tl.float32)
+    mn = tl.full([BP, BC], float("inf"), tl.float32)
+    mx = tl.full([BP, BC], -float("inf"), tl.float32)
     bad = tl.zeros([BP, BC], tl.int32)
-    s1 = tl.zeros([BC], tl.float64)
-    s2 = tl.zeros([BC], tl.float64)
+    s1 = tl.zeros([BP, BC], tl.float32)
+    s2 = tl.zeros([BP, BC], tl.float32)
     ref = _ref_value(x_ptr, tl.where(cm, coff, 0))
     if HIST:
         pa = tl.full([BC], 1.0, tl.float32)
@@ -281,12 +280,12 @@ def _extremes_cols_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, 
         off = (a.to(tl.int64) * sxa + b.to(tl.int64) * sxb)[:, None] + coff[None, :]
         v = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
         ok = m & (v == v)
-        mn = tl.minimum(mn, tl.where(ok, v, INF))
-        mx = tl.maximum(mx, tl.where(ok, v, -INF))
+        mn = tl.minimum(mn, tl.where(ok, v, float("inf")))
+        mx = tl.maximum(mx, tl.where(ok, v, -float("inf")))
         bad = tl.maximum(bad, (m & (v != v)).to(tl.int32))
-        d = tl.where(ok, v - ref[None, :], 0.0).to(tl.float64)
-        s1 += tl.sum(d, axis=0)
-        s2 += tl.sum(d * d, axis=0)
+        d = tl.where(ok, v - ref[None, :], 0.0)
+        s1 += d
+        s2 += d * d
         if HIST:
             if HAS_PRE:
                 v = v * pa[None, :] + pb[None, :]
@@ -298,13 +297,13 @@ def _extremes_cols_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, 
     tl.store(part_ptr + at, tl.min(mn, axis=0), mask=cm)
     tl.store(part_ptr + plane + at, tl.max(mx, axis=0), mask=cm)
     tl.store(part_ptr + 2 * plane + at, tl.max(bad, axis=0).to(tl.float32), mask=cm)
-    tl.store(sums_ptr + at, s1, mask=cm)
-    tl.store(sums_ptr + plane + at, s2, mask=cm)
+    tl.store(part_ptr + 3 * plane + at, tl.sum(s1, axis=0), mask=cm)
+    tl.store(part_ptr + 4 * plane + at, tl.sum(s2, axis=0), mask=cm)
     if HIST:
         acc2 = tl.reshape(acc, [BC, NC])
         j = tl.arange(0, NC)
         acc2 = tl.where(j[None, :] == 0, acc2 - pad[:, None], acc2)
-        tl.store(coarse_ptr + at.to(tl.int64)[:, None] * NC + j[None, :], acc2, mask=cm[:, None])
+        tl.atomic_add(hist_ptr + c.to(tl.int64)[:, None] * (NC + NF + 1) + j[None, :], acc2, mask=cm[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -314,14 +313,14 @@ def _extremes_cols_kernel(x_ptr, part_ptr, sums_ptr, finite_ptr, pre_scale_ptr, 
 
 
 @triton.jit
-def _summary(x_ptr, part_ptr, sums_ptr, pre_scale_ptr, pre_shift_ptr, c, cm, C, sxc, split, n,
+def _summary(x_ptr, part_ptr, pre_scale_ptr, pre_shift_ptr, c, cm, C, sxc, split, n,
              HAS_PRE: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
     """Channels ``c`` (a vector, ``cm`` its mask): min, max, whether finite, mean and (population)
     std of every value ``v`` (``v = x``, or ``pre_scale * x + pre_shift``), from the partials of
     the extremes kernel."""
     plane = C * split
-    mn = tl.full(c.shape, INF, tl.float32)
-    mx = tl.full(c.shape, -INF, tl.float32)
+    mn = tl.full(c.shape, float("inf"), tl.float32)
+    mx = tl.full(c.shape, -float("inf"), tl.float32)
     bad = tl.zeros(c.shape, tl.float32)
     s1 = tl.zeros(c.shape, tl.float64)
     s2 = tl.zeros(c.shape, tl.float64)
@@ -329,15 +328,20 @@ def _summary(x_ptr, part_ptr, sums_ptr, pre_scale_ptr, pre_shift_ptr, c, cm, C, 
         si = s0 + tl.arange(0, SPLIT_BLOCK)
         m = cm[:, None] & (si < split)[None, :]
         at = (c * split)[:, None] + si[None, :]
-        mn = tl.minimum(mn, tl.min(tl.load(part_ptr + at, mask=m, other=INF), axis=1))
-        mx = tl.maximum(mx, tl.max(tl.load(part_ptr + plane + at, mask=m, other=-INF), axis=1))
+        mn = tl.minimum(mn, tl.min(tl.load(part_ptr + at, mask=m, other=float("inf")), axis=1))
+        mx = tl.maximum(mx, tl.max(tl.load(part_ptr + plane + at, mask=m, other=-float("inf")), axis=1))
         bad = tl.maximum(bad, tl.max(tl.load(part_ptr + 2 * plane + at, mask=m, other=0.0), axis=1))
-        s1 += tl.sum(tl.load(sums_ptr + at, mask=m, other=0.0), axis=1)
-        s2 += tl.sum(tl.load(sums_ptr + plane + at, mask=m, other=0.0), axis=1)
+        s1 += tl.sum(tl.load(part_ptr + 3 * plane + at, mask=m, other=0.0).to(tl.float64), axis=1)
+        s2 += tl.sum(tl.load(part_ptr + 4 * plane + at, mask=m, other=0.0).to(tl.float64), axis=1)
     ref = _ref_value(x_ptr, tl.where(cm, c, 0).to(tl.int64) * sxc)
     mean_d = s1 / n
-    sd = tl.sqrt(tl.maximum(s2 / n - mean_d * mean_d, 0.0)).to(tl.float32)
-    mean = (ref.to(tl.float64) + mean_d).to(tl.float32)
+    sd = tl.sqrt(tl.maximum(s2 / n - mean_d * mean_d, 0.0))
+    # values beyond ~1e19 from the first one overflow the float32 squares: then half the range
+    # stands in for the std (finite and of the right order; only the parametric tails read it)
+    half = (mx.to(tl.float64) - mn.to(tl.float64)) * 0.5
+    sd = tl.where(sd < float("inf"), sd, tl.minimum(half, 3.4e38)).to(tl.float32)
+    mean = tl.where(mean_d == mean_d, ref.to(tl.float64) + mean_d, 0.0)
+    mean = tl.where(tl.abs(mean) < float("inf"), mean, (mx.to(tl.float64) + mn.to(tl.float64)) * 0.5).to(tl.float32)
     lo_all = mn
     hi_all = mx
     if HAS_PRE:
@@ -351,7 +355,7 @@ def _summary(x_ptr, part_ptr, sums_ptr, pre_scale_ptr, pre_shift_ptr, c, cm, C, 
         hi_all = tl.where(swap, e0, e1)
         mean = mean * a + b
         sd = sd * tl.abs(a)
-    finite = (bad == 0.0) & (tl.abs(lo_all) < INF) & (tl.abs(hi_all) < INF)
+    finite = (bad == 0.0) & (tl.abs(lo_all) < float("inf")) & (tl.abs(hi_all) < float("inf"))
     return lo_all, hi_all, finite, mean, sd
 
 
@@ -365,18 +369,15 @@ def _coarse_edge(j, med, scale, NC: tl.constexpr, T: tl.constexpr):
 
 
 @triton.jit
-def _window(part_ptr, centre_ptr, coarse_ptr, rank_ptr, c, cm, lo_all, hi_all, C, split, K, N,
-            NC: tl.constexpr, T: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+def _window(centre_ptr, hist_ptr, rank_ptr, c, cm, lo_all, hi_all, K, N,
+            NC: tl.constexpr, NF: tl.constexpr, T: tl.constexpr):
     """Per channel ``c`` (vector): the value window [lo, hi] (float32) that holds every inner knot
     (the coarse buckets of the lowest and highest inner rank, found exactly by the cumulative
     counts), its span (float64) and the fine buckets per unit for NF buckets (returned per unit
     bucket; the caller multiplies)."""
     j = tl.arange(0, NC)
-    h = tl.zeros([c.shape[0], NC], tl.int32)
-    row = tl.where(cm, c, 0).to(tl.int64) * split
-    for s in range(0, split):
-        h += tl.load(coarse_ptr + (row + s)[:, None] * NC + j[None, :], mask=cm[:, None], other=0)
-    cum = tl.cumsum(h, 1)
+    row = tl.where(cm, c, 0).to(tl.int64) * (NC + NF + 1)
+    cum = tl.cumsum(tl.load(hist_ptr + row[:, None] + j[None, :], mask=cm[:, None], other=0), 1)
     r_lo = tl.load(rank_ptr + 1)
     r_hi = tl.minimum(tl.load(rank_ptr + K - 2) + 1, N - 1)
     b_lo = tl.sum((cum <= r_lo).to(tl.int32), axis=1)
@@ -392,13 +393,13 @@ def _window(part_ptr, centre_ptr, coarse_ptr, rank_ptr, c, cm, lo_all, hi_all, C
     lo32 = tl.where(lo32 == lo32, lo32, 0.0)
     hi32 = tl.where(hi32 == hi32, hi32, lo32)
     span = hi32.to(tl.float64) - lo32.to(tl.float64)
-    ok = (span > 0) & (span < INF)
+    ok = (span > 0) & (span < float("inf"))
     return lo32, hi32, tl.where(ok, span, 0.0), ok
 
 
-@triton.jit(do_not_specialize=["A", "split", "hsplit", "n_tb", "per", "K", "N"])
-def _fine_rows_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_ptr, below_ptr, pre_scale_ptr, pre_shift_ptr,
-                      rank_ptr, A, C, B, sxa, sxc, sxb, split, hsplit, n_tb, per, K, N, n,
+@triton.jit(do_not_specialize=["A", "split", "n_tb", "per", "K", "N"])
+def _fine_rows_kernel(x_ptr, part_ptr, centre_ptr, hist_ptr, pre_scale_ptr, pre_shift_ptr,
+                      rank_ptr, A, C, B, sxa, sxc, sxb, split, n_tb, per, K, N, n,
                       HAS_PRE: tl.constexpr, NC: tl.constexpr, NF: tl.constexpr, T: tl.constexpr,
                       TA: tl.constexpr, TB: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
     """Channel-major layouts: program (c, s) counts the values of tiles s*per .. s*per + per - 1 of
@@ -407,10 +408,9 @@ def _fine_rows_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_pt
     s = tl.program_id(1)
     cv = c + tl.arange(0, 1)
     cm = cv < C
-    lo_all, hi_all, _, _, _ = _summary(x_ptr, part_ptr, sums_ptr, pre_scale_ptr, pre_shift_ptr, cv, cm, C, sxc, split, n,
+    lo_all, hi_all, _, _, _ = _summary(x_ptr, part_ptr, pre_scale_ptr, pre_shift_ptr, cv, cm, C, sxc, split, n,
                                        HAS_PRE, SPLIT_BLOCK)
-    lo, hi, span, ok = _window(part_ptr, centre_ptr, coarse_ptr, rank_ptr, cv, cm, lo_all, hi_all, C, split, K,
-                               N, NC, T, SPLIT_BLOCK)
+    lo, hi, span, ok = _window(centre_ptr, hist_ptr, rank_ptr, cv, cm, lo_all, hi_all, K, N, NC, NF, T)
     inv = tl.sum(tl.where(ok, NF / tl.where(ok, span, 1.0), 0.0), axis=0).to(tl.float32)
     lo = tl.sum(lo, axis=0)
     hi = tl.sum(hi, axis=0)
@@ -443,14 +443,14 @@ def _fine_rows_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_pt
         below += tl.sum((m & (v < lo)).to(tl.int32))
     j = tl.arange(0, NF)
     acc = tl.where(j == 0, acc - pad, acc)  # values outside the window went to bucket 0
-    at = (c * hsplit + s).to(tl.int64)
-    tl.store(fine_ptr + at * NF + j, acc)
-    tl.store(below_ptr + at, below)
+    row = hist_ptr + c.to(tl.int64) * (NC + NF + 1) + NC
+    tl.atomic_add(row + j, acc)
+    tl.atomic_add(row + NF, below)
 
 
-@triton.jit(do_not_specialize=["P", "split", "hsplit", "per", "K", "N"])
-def _fine_cols_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_ptr, below_ptr, pre_scale_ptr, pre_shift_ptr,
-                      rank_ptr, C, B, P, sxa, sxc, sxb, split, hsplit, per, K, N, n,
+@triton.jit(do_not_specialize=["P", "split", "per", "K", "N"])
+def _fine_cols_kernel(x_ptr, part_ptr, centre_ptr, hist_ptr, pre_scale_ptr, pre_shift_ptr,
+                      rank_ptr, C, B, P, sxa, sxc, sxb, split, per, K, N, n,
                       HAS_PRE: tl.constexpr, NC: tl.constexpr, NF: tl.constexpr, T: tl.constexpr,
                       BP: tl.constexpr, BC: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
     """Channel-fastest layouts: as :func:`_fine_rows_kernel` for the BC channels of block cb, in one
@@ -459,10 +459,9 @@ def _fine_cols_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_pt
     s = tl.program_id(1)
     c = cb * BC + tl.arange(0, BC)
     cm = c < C
-    lo_all, hi_all, _, _, _ = _summary(x_ptr, part_ptr, sums_ptr, pre_scale_ptr, pre_shift_ptr, c, cm, C, sxc, split, n,
+    lo_all, hi_all, _, _, _ = _summary(x_ptr, part_ptr, pre_scale_ptr, pre_shift_ptr, c, cm, C, sxc, split, n,
                                        HAS_PRE, SPLIT_BLOCK)
-    lo, hi, span, ok = _window(part_ptr, centre_ptr, coarse_ptr, rank_ptr, c, cm, lo_all, hi_all, C, split, K,
-                               N, NC, T, SPLIT_BLOCK)
+    lo, hi, span, ok = _window(centre_ptr, hist_ptr, rank_ptr, c, cm, lo_all, hi_all, K, N, NC, NF, T)
     inv = tl.where(ok, NF / tl.where(ok, span, 1.0), 0.0).to(tl.float32)
     if HAS_PRE:
         pa = tl.load(pre_scale_ptr + c, mask=cm, other=1.0)
@@ -492,9 +491,9 @@ def _fine_cols_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_pt
     acc2 = tl.reshape(acc, [BC, NF])
     j = tl.arange(0, NF)
     acc2 = tl.where(j[None, :] == 0, acc2 - pad[:, None], acc2)
-    at = (c * hsplit + s).to(tl.int64)
-    tl.store(fine_ptr + at[:, None] * NF + j[None, :], acc2, mask=cm[:, None])
-    tl.store(below_ptr + at, below, mask=cm)
+    row = hist_ptr + c.to(tl.int64) * (NC + NF + 1) + NC
+    tl.atomic_add(row[:, None] + j[None, :], acc2, mask=cm[:, None])
+    tl.atomic_add(row + NF, below, mask=cm)
 
 
 @triton.jit
@@ -512,9 +511,9 @@ def _fine_value(cum, h, r, lo, span, NF: tl.constexpr):
     return (lo.to(tl.float64) + span * ((b.to(tl.float64) + u) / NF)).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["C", "K", "split", "hsplit", "N"])
-def _knots_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_ptr, below_ptr, pre_scale_ptr, pre_shift_ptr,
-                  rank_ptr, frac_ptr, tq_ptr, mom_ptr, finite_ptr, C, sxc, K, split, hsplit, N, n,
+@triton.jit(do_not_specialize=["C", "K", "split", "N"])
+def _knots_kernel(x_ptr, part_ptr, centre_ptr, hist_ptr, pre_scale_ptr, pre_shift_ptr,
+                  rank_ptr, frac_ptr, tq_ptr, mom_ptr, finite_ptr, C, sxc, K, split, N, n,
                   HAS_PRE: tl.constexpr, NC: tl.constexpr, NF: tl.constexpr, T: tl.constexpr,
                   K_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
     """One program per channel: the type-7 knots of every value (each inner knot within one fine
@@ -522,10 +521,9 @@ def _knots_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_ptr, b
     c = tl.program_id(0)
     cv = c + tl.arange(0, 1)
     cm = cv < C
-    lo_all, hi_all, finite, mean, sd = _summary(x_ptr, part_ptr, sums_ptr, pre_scale_ptr, pre_shift_ptr, cv, cm, C, sxc,
+    lo_all, hi_all, finite, mean, sd = _summary(x_ptr, part_ptr, pre_scale_ptr, pre_shift_ptr, cv, cm, C, sxc,
                                                 split, n, HAS_PRE, SPLIT_BLOCK)
-    lo, hi, span, _ = _window(part_ptr, centre_ptr, coarse_ptr, rank_ptr, cv, cm, lo_all, hi_all, C, split, K, N,
-                              NC, T, SPLIT_BLOCK)
+    lo, hi, span, _ = _window(centre_ptr, hist_ptr, rank_ptr, cv, cm, lo_all, hi_all, K, N, NC, NF, T)
     lo = tl.sum(lo, axis=0)
     hi = tl.sum(hi, axis=0)
     span = tl.sum(span, axis=0)
@@ -535,12 +533,9 @@ def _knots_kernel(x_ptr, part_ptr, sums_ptr, centre_ptr, coarse_ptr, fine_ptr, b
     sd = tl.sum(sd, axis=0)
     finite = tl.sum(finite.to(tl.int32), axis=0) > 0
     j = tl.arange(0, NF)
-    h = tl.zeros([NF], tl.int32)
-    nb = tl.full([], 0, tl.int32)
-    row = c.to(tl.int64) * hsplit
-    for s in range(0, hsplit):
-        h += tl.load(fine_ptr + (row + s) * NF + j)
-        nb += tl.load(below_ptr + row + s)
+    row = hist_ptr + c.to(tl.int64) * (NC + NF + 1) + NC
+    h = tl.load(row + j)
+    nb = tl.load(row + NF)
     cum = tl.cumsum(h, 0)
     k = tl.arange(0, K_PAD)
     km = k < K
@@ -573,16 +568,16 @@ def _targets_kernel(x_ptr, pos_ptr, part_ptr, pre_scale_ptr, pre_shift_ptr, rank
                     SPLIT_BLOCK: tl.constexpr):
     c = tl.program_id(0)
     # p0 and p100: the extremes of every value (the partials of _extremes_*_kernel)
-    mn = tl.full([], INF, tl.float32)
-    mx = tl.full([], -INF, tl.float32)
+    mn = tl.full([], float("inf"), tl.float32)
+    mx = tl.full([], -float("inf"), tl.float32)
     bad = tl.full([], 0.0, tl.float32)
     plane = C * split
     for s0 in range(0, split, SPLIT_BLOCK):
         si = s0 + tl.arange(0, SPLIT_BLOCK)
         sm = si < split
         at = c * split + si
-        mn = tl.minimum(mn, tl.min(tl.load(part_ptr + at, mask=sm, other=INF), axis=0))
-        mx = tl.maximum(mx, tl.max(tl.load(part_ptr + plane + at, mask=sm, other=-INF), axis=0))
+        mn = tl.minimum(mn, tl.min(tl.load(part_ptr + at, mask=sm, other=float("inf")), axis=0))
+        mx = tl.maximum(mx, tl.max(tl.load(part_ptr + plane + at, mask=sm, other=-float("inf")), axis=0))
         bad = tl.maximum(bad, tl.max(tl.load(part_ptr + 2 * plane + at, mask=sm, other=0.0), axis=0))
     # the sample, gathered at the cached offsets of channel 0 plus c * sxc
     i = tl.arange(0, S_PAD)
@@ -601,7 +596,7 @@ def _targets_kernel(x_ptr, pos_ptr, part_ptr, pre_scale_ptr, pre_shift_ptr, rank
         swap = e0 > e1
         lo_all = tl.where(swap, e1, e0)
         hi_all = tl.where(swap, e0, e1)
-    finite = (bad == 0.0) & (tl.abs(lo_all) < INF) & (tl.abs(hi_all) < INF)
+    finite = (bad == 0.0) & (tl.abs(lo_all) < float("inf")) & (tl.abs(hi_all) < float("inf"))
     # Sorted as int32 keys in float order (the sign bit kept, the other bits flipped for negative
     # values): triton <= 3.3 sorts floats through sums of x * 0, which turn +inf into NaN and lose
     # -0.0's sign, and no version orders NaN. Padding (and NaN, whose channel is not finite
@@ -684,9 +679,9 @@ def _table_kernel(tq_ptr, sq_ptr, mean_ptr, std_ptr, mstride, loc_ptr, scale_ptr
     k = tl.arange(0, K_PAD)
     km = k < K
     row = c * K
-    tq = tl.load(tq_ptr + row + k, mask=km, other=INF)
+    tq = tl.load(tq_ptr + row + k, mask=km, other=float("inf"))
     sq = tl.load(sq_ptr + row + k, mask=km, other=0.0)
-    finite = tl.sum((km & (tl.abs(tq) >= INF)).to(tl.int32) + (km & (tq != tq)).to(tl.int32), axis=0) == 0
+    finite = tl.sum((km & (tl.abs(tq) >= float("inf"))).to(tl.int32) + (km & (tq != tq)).to(tl.int32), axis=0) == 0
     run_start = _count(tq, tq, K_PAD, LOG_K, True)  # first index of each knot's run of ties
     t0 = tl.load(tq_ptr + row)
     t1 = tl.load(tq_ptr + row + 1)
@@ -891,60 +886,51 @@ def targets_impl(
     ps = pre_scale if has_pre else dummy
     pb = pre_shift if has_pre else dummy
     centre = torch.empty(c, 2, dtype=torch.float32, device=dev) if histogram else dummy
+    # per channel: coarse buckets, fine buckets, the count below the window (atomic integer sums)
+    hist = torch.zeros(c, COARSE_BUCKETS + bins + 1, dtype=torch.int32, device=dev) if histogram else dummy
     cols = _channels_fastest(x)
     hc = COARSE_BUCKETS
+    s_pad = max(2, _pow2(s))
     if cols:
         bc = min(_pow2(c), 128, HIST_BUCKETS_MAX // hc if histogram else 128)
         bp = max(1, min(_pow2(n), stats_tile // bc))
         per, split = _parts(_cdiv(n, bp), _cdiv(stats_programs, _cdiv(c, bc)))
-        part = torch.empty(3, c, split, dtype=torch.float32, device=dev)
-        sums = torch.empty(2, c, split, dtype=torch.float64, device=dev)
-        coarse = torch.empty(c, split, hc, dtype=torch.int32, device=dev) if histogram else dummy
+        part = torch.empty(5, c, split, dtype=torch.float32, device=dev)
         _kernel(_extremes_cols_kernel, x)[(_cdiv(c, bc), split)](
-            x, part, sums, finite, ps, pb, positions, centre, coarse, c, b, n, sxa, sxc, sxb, split, per, s,
-            HAS_PRE=has_pre, HIST=histogram, NC=hc, T=COARSE_RANGE, S_PAD=max(2, _pow2(s)), BP=bp, BC=bc,
+            x, part, finite, ps, pb, positions, centre, hist, c, b, n, sxa, sxc, sxb, split, per, s,
+            HAS_PRE=has_pre, HIST=histogram, NC=hc, NF=bins, T=COARSE_RANGE, S_PAD=s_pad, BP=bp, BC=bc,
             num_warps=stats_warps)
     else:
         tb = min(_pow2(b), 1024, stats_tile)
         ta = max(1, min(_pow2(a), stats_tile // tb))
         n_tb = _cdiv(b, tb)
         per, split = _parts(_cdiv(a, ta) * n_tb, _cdiv(stats_programs, c))
-        part = torch.empty(3, c, split, dtype=torch.float32, device=dev)
-        sums = torch.empty(2, c, split, dtype=torch.float64, device=dev)
-        coarse = torch.empty(c, split, hc, dtype=torch.int32, device=dev) if histogram else dummy
+        part = torch.empty(5, c, split, dtype=torch.float32, device=dev)
         _kernel(_extremes_rows_kernel, x)[(c, split)](
-            x, part, sums, finite, ps, pb, positions, centre, coarse, a, c, b, sxa, sxc, sxb, split, n_tb, per, s,
-            HAS_PRE=has_pre, HIST=histogram, NC=hc, T=COARSE_RANGE, S_PAD=max(2, _pow2(s)), TA=ta, TB=tb,
+            x, part, finite, ps, pb, positions, centre, hist, a, c, b, sxa, sxc, sxb, split, n_tb, per, s,
+            HAS_PRE=has_pre, HIST=histogram, NC=hc, NF=bins, T=COARSE_RANGE, S_PAD=s_pad, TA=ta, TB=tb,
             num_warps=stats_warps)
     tq = torch.empty(c, k, dtype=torch.float32, device=dev)
     moments = torch.empty(c, 2, dtype=torch.float32, device=dev)
     if not histogram:
         _kernel(_targets_kernel, x)[(c,)](
             x, positions, part, ps, pb, ranks, fracs, tq, moments, finite, c, sxc, s, k, split,
-            HAS_PRE=has_pre, S_PAD=max(2, _pow2(s)), K_PAD=_pow2(k), SPLIT_BLOCK=64, num_warps=sort_warps)
+            HAS_PRE=has_pre, S_PAD=s_pad, K_PAD=_pow2(k), SPLIT_BLOCK=64, num_warps=sort_warps)
         return tq, moments, finite
     if cols:
         fbc = max(1, min(_pow2(c), HIST_BUCKETS_MAX // bins))
         fbp = max(1, min(_pow2(n), stats_tile // fbc))
-        fper, hsplit = _parts(_cdiv(n, fbp), _cdiv(stats_programs, _cdiv(c, fbc)))
-        fine = torch.empty(c, hsplit, bins, dtype=torch.int32, device=dev)
-        below = torch.empty(c, hsplit, dtype=torch.int32, device=dev)
-        _kernel(_fine_cols_kernel, x)[(_cdiv(c, fbc), hsplit)](
-            x, part, sums, centre, coarse, fine, below, ps, pb, ranks, c, b, n, sxa, sxc, sxb, split, hsplit, fper, k, n,
-            float(n), HAS_PRE=has_pre, NC=hc, NF=bins, T=COARSE_RANGE, BP=fbp, BC=fbc, SPLIT_BLOCK=64,
-            num_warps=stats_warps)
+        fper, fsplit = _parts(_cdiv(n, fbp), _cdiv(stats_programs, _cdiv(c, fbc)))
+        _kernel(_fine_cols_kernel, x)[(_cdiv(c, fbc), fsplit)](
+            x, part, centre, hist, ps, pb, ranks, c, b, n, sxa, sxc, sxb, split, fper, k, n, float(n),
+            HAS_PRE=has_pre, NC=hc, NF=bins, T=COARSE_RANGE, BP=fbp, BC=fbc, SPLIT_BLOCK=64, num_warps=stats_warps)
     else:
-        hsplit = split
-        fine = torch.empty(c, hsplit, bins, dtype=torch.int32, device=dev)
-        below = torch.empty(c, hsplit, dtype=torch.int32, device=dev)
-        _kernel(_fine_rows_kernel, x)[(c, hsplit)](
-            x, part, sums, centre, coarse, fine, below, ps, pb, ranks, a, c, b, sxa, sxc, sxb, split, hsplit, n_tb, per,
-            k, n, float(n), HAS_PRE=has_pre, NC=hc, NF=bins, T=COARSE_RANGE, TA=ta, TB=tb, SPLIT_BLOCK=64,
-            num_warps=stats_warps)
+        _kernel(_fine_rows_kernel, x)[(c, split)](
+            x, part, centre, hist, ps, pb, ranks, a, c, b, sxa, sxc, sxb, split, n_tb, per, k, n, float(n),
+            HAS_PRE=has_pre, NC=hc, NF=bins, T=COARSE_RANGE, TA=ta, TB=tb, SPLIT_BLOCK=64, num_warps=stats_warps)
     _kernel(_knots_kernel, x)[(c,)](
-        x, part, sums, centre, coarse, fine, below, ps, pb, ranks, fracs, tq, moments, finite, c, sxc, k, split, hsplit,
-        n, float(n), HAS_PRE=has_pre, NC=hc, NF=bins, T=COARSE_RANGE, K_PAD=_pow2(k), SPLIT_BLOCK=64,
-        num_warps=sort_warps)
+        x, part, centre, hist, ps, pb, ranks, fracs, tq, moments, finite, c, sxc, k, split, n, float(n),
+        HAS_PRE=has_pre, NC=hc, NF=bins, T=COARSE_RANGE, K_PAD=_pow2(k), SPLIT_BLOCK=64, num_warps=sort_warps)
     return tq, moments, finite
 
 
