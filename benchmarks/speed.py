@@ -107,10 +107,10 @@ class CompiledAQR:
     """``torch.compile(model)`` called inside :func:`aqr.recalibrating`: the hooks and folded
     BatchNorms are in place while the model is traced, so the compiled graph calls aqr's kernels."""
 
-    def __init__(self, model: torch.nn.Module, stats: aqr.SourceStats) -> None:
+    def __init__(self, model: torch.nn.Module, stats: aqr.SourceStats, mode: str | None = None) -> None:
         self.block = aqr.recalibrating(model, stats, triton=True)
         self.block.__enter__()  # left at exit of the process (a benchmark's model is not reused plainly)
-        self.compiled = torch.compile(model)
+        self.compiled = torch.compile(model, mode=mode)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -183,13 +183,13 @@ def per_batch(args: argparse.Namespace) -> list[dict]:
             model = model.to(memory_format=torch.contiguous_format)
             batch = args.batch_sizes[0]
             x = images(batch, seed=1, size=size).to(args.device)
-            plain = torch.compile(model)
-            runners = {"source": lambda t: plain(t), "aqr": CompiledAQR(model, stats)}
+            plain = torch.compile(model, mode=args.compile_mode)
+            runners = {"source": lambda t: plain(t), "aqr": CompiledAQR(model, stats, args.compile_mode)}
             times = _round_robin(runners, x, "fp32", args.warmup, args.repeats)
             for method, runner in runners.items():
                 ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))
                 row = {"model": name, "batch": batch, "method": method, "dtype": "fp32", "layout": "contiguous",
-                       "compiled": True, "seconds": statistics.median(times[method]), "ratio": ratio,
+                       "compiled": True, "compile_mode": args.compile_mode or "default", "seconds": statistics.median(times[method]), "ratio": ratio,
                        "peak_mib": _peak_memory(runner, x, method, "fp32")}
                 rows.append(row)
                 _print(row)
@@ -299,6 +299,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                         help="bf16: the forward under torch.autocast(bfloat16)")
     parser.add_argument("--layouts", nargs="+", default=["contiguous"], choices=["contiguous", "channels_last"])
+    parser.add_argument("--compile-mode", default=None, choices=[None, "reduce-overhead", "max-autotune"],
+                        help="torch.compile's mode for --compiled (reduce-overhead: CUDA graphs, no launch cost)")
     parser.add_argument("--compiled", action="store_true",
                         help="also torch.compile(model) plain and inside aqr.recalibrating, at the first batch size")
     args = parser.parse_args()

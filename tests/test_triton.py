@@ -385,7 +385,11 @@ def test_histogram_knots_within_one_bucket_of_the_exact_quantiles(kind, folded):
     rows = v.transpose(0, 1).reshape(c, -1).double()
     exact = sorted_quantiles(rows.sort(1).values, K)
     got = targets.knots.cpu().double()
-    assert torch.equal(got[:, 0], exact[:, 0].float().double()) and torch.equal(got[:, -1], exact[:, -1].float().double())
+    ends = exact[:, [0, -1]].float().double()
+    if ON_GPU:  # the folded affine step may be fused (FMA) on a GPU: one rounding apart
+        torch.testing.assert_close(got[:, [0, -1]], ends, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got[:, [0, -1]], ends)
     err = (got - exact).abs()[:, 1:-1]
     # every channel, outliers or not: within a small share of the inner knots' spread (a fine
     # bucket is at most a few percent of the window that holds them)

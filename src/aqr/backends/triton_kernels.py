@@ -1,27 +1,37 @@
-"""The fast AQR path on a GPU, in Triton: four kernels per layer, no host synchronisation.
+"""The fast AQR path on a GPU, in Triton: no host synchronisation, every value read a bounded number of times.
 
 A layer output is viewed as ``x`` (A, C, B), channel in the middle, with any strides (NCHW,
-channels_last, tokens): nothing is copied. Per layer:
+channels_last, tokens): nothing is copied. Per layer, for a channel of ``n = A * B`` values:
 
-1. ``extremes`` (grid: channel blocks x ``split`` parts): min, max and a NaN flag of every value
-   of each channel, one partial per part (min and max are exact whatever the order, so the result
-   is deterministic). Program (0, 0) also sets the layer's ``finite`` flag to True.
-2. ``targets`` (one program per channel): the channel's ``S`` values at fixed sampled positions
-   (the positions of :class:`aqr.backends.subsets.SubsetCache`), sorted in registers
-   (``tl.sort``; padded with +inf to a power of two), the type-7 knots, p0/p100 from the partials
-   of (1), and the sample's mean and std. A channel with a NaN or an infinite value gets NaN knots
-   and clears ``finite`` (a plain store of False: every writer writes the same value).
+1. ``extremes`` (grid: channel blocks x ``split`` parts): min, max, a NaN flag and the sums of
+   ``v - v0`` and its square (``v0`` the channel's first value) of every value, one partial per part
+   (exact or summed in a fixed order, so deterministic). Program (0, 0) sets the layer's ``finite``
+   flag. For a large channel (``n > TritonConfig.sort_max``) the same pass also counts every value
+   into a *coarse* histogram: 64 buckets of ``sign(z) log2(1 + |z|)``, ``z`` the distance to the
+   median of 64 sampled values in units of their robust scale, so the buckets are linear near the
+   centre and logarithmic far from it (outliers cannot stretch them). Counts are added atomically
+   (integers: any order gives one sum).
+2. large channels: ``fine`` (same grid as 1): the coarse counts locate exactly the buckets of the
+   lowest and highest inner knot's ranks; the values in that window are counted into ``bins`` fine
+   buckets (and those below it); then ``knots`` (one program per channel): each type-7 inner knot
+   is read off the fine histogram (its bucket found exactly by the cumulative counts, the value
+   placed linearly among the bucket's), so it lies within one fine bucket of the exact quantile of
+   every value; p0/p100 exact; the mean and std of every value.
+   Small channels: ``targets`` (one program per channel): the channel's ``S`` values at the
+   sampled positions of :class:`aqr.backends.subsets.SubsetCache`, sorted in registers, their
+   type-7 knots and moments, exactly as the torch path computes them.
+   A channel with a NaN or an infinite value gets NaN knots and clears ``finite``.
 3. ``table`` (one program per channel): the ``cells + 2``-cell slope/intercept table of
    ``aqr.backends.torch_backend.table_map``: cell 0 the lower tail line, cells 1..cells the exact map at the
    ``cells + 1`` grid points between p1 and p_{K-2} (the tie rule included), cell cells+1 the upper
    tail line (all six tails, as ``aqr.core.qmap.tail_lines``). NaN knots give a NaN table.
-4. ``map`` (elementwise, tiles of rows or of channels): ``y = slope[cell] * v + icpt[cell]`` with
-   ``v = x`` or ``v = scale * x + shift`` (``pre``: an eval-mode BatchNorm folded in), computed in
-   float32, written in ``x``'s dtype. NaN goes to cell 0, so it stays NaN.
+4. ``map`` (tiles of one channel, or of positions x channels when the channel is fastest):
+   ``y = slope[cell] * v + icpt[cell]`` (one 64-bit load of the pair) with ``v = x`` or
+   ``v = scale * x + shift`` (``pre``: an eval-mode BatchNorm folded in), computed in float32,
+   written in ``x``'s dtype. NaN goes to cell 0, so it stays NaN.
 
-With ``pre`` the map reads the BatchNorm's input, so (1) and (4) replace the BatchNorm's own pass.
-Memory traffic per value: one read in (1), one read and one write in (4); (2) reads ``S`` values
-per channel; (3) writes ``8 * (cells + 2)`` bytes per channel.
+With ``pre`` the map reads the BatchNorm's input, so (4) replaces the BatchNorm's own pass. Memory
+traffic per value: reads in (1), (2) for large channels and (4), one write in (4).
 
 Offsets: per-position and per-row bases are int64 (a layer output may exceed 2**31 values); the
 offsets inside a tile are int32. Under ``torch.compile`` the two host functions are
@@ -81,7 +91,7 @@ class TritonConfig:
     sort_warps: int = 8
     table_warps: int = 4
     sort_max: int = 1024
-    bins: int = 256
+    bins: int = 128
 
     def __post_init__(self) -> None:
         for name in ("map_tile", "stats_tile", "map_warps", "stats_warps", "sort_warps", "table_warps", "bins"):
