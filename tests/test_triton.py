@@ -453,3 +453,18 @@ def test_histogram_is_deterministic_and_takes_half_precision():
     y1, _ = be.recalibrate(x)
     y2, _ = be.recalibrate(x.clone())
     assert y1.dtype == torch.bfloat16 and torch.equal(y1, y2)
+
+
+@pytest.mark.parametrize("histogram", [False, True])
+def test_knots_spanning_more_than_the_float32_maximum_map_to_finite_values(histogram):
+    """Attack 1 of the hardening issue: +-2e38 and +-FLT_MAX in a channel. The table's grid is then
+    computed in float64 (as on the torch path), so every output is finite."""
+    x = torch.randn(8, 3, 200, generator=torch.Generator().manual_seed(0))
+    x[0, 1, 0], x[1, 1, 3] = 2e38, -2e38
+    x[2, 2, :], x[3, 2, :] = 3.4028234663852886e38, -3.4028234663852886e38
+    x = x.to(DEVICE)
+    be = _backend("standard", 3, config=TritonConfig(sort_max=0) if histogram else None)
+    y, finite = be.recalibrate(x)
+    assert bool(finite) and bool(y.isfinite().all())
+    if not histogram:
+        assert_map_equal(y, _want(be, x))

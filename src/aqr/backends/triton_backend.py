@@ -1,11 +1,12 @@
 """The fast path on a GPU, in aqr's Triton kernels (:mod:`aqr.backends.triton_kernels`): :class:`TritonBackend`.
 
-Four kernel launches per layer and no host synchronisation: the extremes of every value, the
-sampled knots (sorted in registers), the lookup table, and the map (with an eval-mode BatchNorm's
-affine step folded in, so the map replaces the BatchNorm's own pass). Any strides are read as they
-are (NCHW, channels_last, tokens); float32, bfloat16 and float16 activations are mapped in float32
-and written in their dtype. A channel with a NaN or Inf value comes out all NaN, so it reaches the
-logits, which :class:`aqr.AQR` checks once per batch.
+No host synchronisation. Per layer: the extremes and moments of every value; for channels of more
+than ``TritonConfig.sort_max`` values, knots read off histograms of every value (within one fine
+bucket of the exact quantiles), for smaller ones the sorted sample as on the torch path; the lookup
+table; and the map (with an eval-mode BatchNorm's affine step folded in, so the map replaces the
+BatchNorm's own pass). Any strides are read as they are (NCHW, channels_last, tokens); float32,
+bfloat16 and float16 activations are mapped in float32 and written in their dtype. A channel with a
+NaN or Inf value comes out all NaN, so it reaches the logits, which :class:`aqr.AQR` checks once per batch.
 
 Needs ``triton`` >= 3.3 (it ships with CUDA builds of torch); on CPU the kernels run under Triton's
 interpreter (``TRITON_INTERPRET=1``), which is how the tests check them without a GPU.

@@ -703,13 +703,19 @@ def _table_kernel(tq_ptr, sq_ptr, mean_ptr, std_ptr, mstride, loc_ptr, scale_ptr
     s99 = tl.load(sq_ptr + row + K - 1)
     # the grid: CELLS + 1 points between p1 and p_{K-2}
     lo = t1
-    width = tl.math.div_rn(t98 - t1, CELLS * 1.0)
+    # knots spanning more than the float32 maximum: the grid in float64 there (as the torch path)
+    wide = (t98 - t1) == float("inf")
+    step = (t98.to(tl.float64) - t1.to(tl.float64)) / CELLS
+    width = tl.where(wide, step.to(tl.float32), tl.math.div_rn(t98 - t1, CELLS * 1.0))
     inv = tl.where(width > 0, tl.math.div_rn(1.0, tl.where(width > 0, width, 1.0)), 0.0)
+    inv = tl.where(inv < float("inf"), inv, 0.0)  # a subnormal width: every value to cell 1
     j = tl.arange(0, CP)
-    g = lo + width * j.to(tl.float32)
+    g = tl.where(wide, (t1.to(tl.float64) + step * j.to(tl.float64)).to(tl.float32), lo + width * j.to(tl.float32))
     v0 = _exact_at(g, tq, sq, run_start, K, K_PAD, LOG_K)
     top = tl.full([2], CELLS, tl.int32)  # the point CELLS, beyond the CP registers when CELLS == CP
-    v_top = tl.max(_exact_at(lo + width * top.to(tl.float32), tq, sq, run_start, K, K_PAD, LOG_K), axis=0)
+    g_top = tl.where(wide, (t1.to(tl.float64) + step * top.to(tl.float64)).to(tl.float32),
+                     lo + width * top.to(tl.float32))
+    v_top = tl.max(_exact_at(g_top, tq, sq, run_start, K, K_PAD, LOG_K), axis=0)
     j1 = j + 1
     v1 = tl.where(j1 < CP, tl.gather(v0, tl.minimum(j1, CP - 1), 0), v_top)
     slope = (v1 - v0) * inv
