@@ -129,6 +129,19 @@ def _ref_value(x_ptr, off):
 
 
 @triton.jit
+def _row_tile(x_ptr, cbase, t, n_tb, A, B, sxa, sxb, ia, ib):
+    """Tile ``t`` of a channel's (A, B) plane in channel-major layouts (``n_tb`` tiles across B, rows
+    ``ia``, positions ``ib``): its values as float32 (0 where masked) and the mask."""
+    ta = t // n_tb
+    tb = t - ta * n_tb
+    a = ta * ia.shape[0] + ia
+    b = tb * ib.shape[0] + ib
+    m = (a < A)[:, None] & (b < B)[None, :]
+    off = cbase + (a.to(tl.int64) * sxa)[:, None] + (b.to(tl.int64) * sxb)[None, :]
+    return tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32), m
+
+
+@triton.jit
 def _pick(srt, i, S_PAD: tl.constexpr):
     """Row-wise element ``i`` (one index per row) of the 2-D register array ``srt``."""
     j = tl.arange(0, S_PAD)
@@ -213,14 +226,7 @@ def _extremes_rows_kernel(x_ptr, part_ptr, finite_ptr, pre_scale_ptr, pre_shift_
         acc = tl.zeros([NC], tl.int32)
         pad = tl.full([], 0, tl.int32)
     for i in range(0, per):  # an argument as the bound: older interpreters take no computed bounds
-        t = s * per + i
-        ta = t // n_tb
-        tb = t - ta * n_tb
-        a = ta * TA + ia
-        b = tb * TB + ib
-        m = (a < A)[:, None] & (b < B)[None, :]
-        off = cbase + (a.to(tl.int64) * sxa)[:, None] + (b.to(tl.int64) * sxb)[None, :]
-        v = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        v, m = _row_tile(x_ptr, cbase, s * per + i, n_tb, A, B, sxa, sxb, ia, ib)
         ok = m & (v == v)
         mn = tl.minimum(mn, tl.where(ok, v, float("inf")))
         mx = tl.maximum(mx, tl.where(ok, v, -float("inf")))
@@ -434,14 +440,7 @@ def _fine_rows_kernel(x_ptr, part_ptr, centre_ptr, hist_ptr, pre_scale_ptr, pre_
     below = tl.full([], 0, tl.int32)
     cbase = c.to(tl.int64) * sxc
     for i in range(0, per):
-        t = s * per + i
-        ta = t // n_tb
-        tb = t - ta * n_tb
-        a = ta * TA + ia
-        b = tb * TB + ib
-        m = (a < A)[:, None] & (b < B)[None, :]
-        off = cbase + (a.to(tl.int64) * sxa)[:, None] + (b.to(tl.int64) * sxb)[None, :]
-        v = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        v, m = _row_tile(x_ptr, cbase, s * per + i, n_tb, A, B, sxa, sxb, ia, ib)
         if HAS_PRE:
             v = v * pa + pb
         inside = m & (v >= lo) & (v <= hi)
