@@ -142,6 +142,18 @@ def _row_tile(x_ptr, cbase, t, n_tb, A, B, sxa, sxb, ia, ib):
 
 
 @triton.jit
+def _col_tile(x_ptr, coff, cm, t, P, B, sxa, sxb, ip):
+    """Tile ``t`` of positions (``ip``) x channels (element offsets ``coff``, mask ``cm``) in
+    channel-fastest layouts: its values as float32 (0 where masked) and the mask."""
+    p = t * ip.shape[0] + ip
+    a = p // B
+    b = p - a * B
+    m = (p < P)[:, None] & cm[None, :]
+    off = (a.to(tl.int64) * sxa + b.to(tl.int64) * sxb)[:, None] + coff[None, :]
+    return tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32), m
+
+
+@triton.jit
 def _pick(srt, i, S_PAD: tl.constexpr):
     """Row-wise element ``i`` (one index per row) of the 2-D register array ``srt``."""
     j = tl.arange(0, S_PAD)
@@ -289,12 +301,7 @@ def _extremes_cols_kernel(x_ptr, part_ptr, finite_ptr, pre_scale_ptr, pre_shift_
         acc = tl.zeros([BC * NC], tl.int32)
         pad = tl.zeros([BC], tl.int32)
     for i in range(0, per):
-        p = (s * per + i) * BP + ip
-        a = p // B
-        b = p - a * B
-        m = (p < P)[:, None] & cm[None, :]
-        off = (a.to(tl.int64) * sxa + b.to(tl.int64) * sxb)[:, None] + coff[None, :]
-        v = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        v, m = _col_tile(x_ptr, coff, cm, s * per + i, P, B, sxa, sxb, ip)
         ok = m & (v == v)
         mn = tl.minimum(mn, tl.where(ok, v, float("inf")))
         mx = tl.maximum(mx, tl.where(ok, v, -float("inf")))
@@ -482,12 +489,7 @@ def _fine_cols_kernel(x_ptr, part_ptr, centre_ptr, hist_ptr, pre_scale_ptr, pre_
     pad = tl.zeros([BC], tl.int32)
     below = tl.zeros([BC], tl.int32)
     for i in range(0, per):
-        p = (s * per + i) * BP + ip
-        a = p // B
-        b = p - a * B
-        m = (p < P)[:, None] & cm[None, :]
-        off = (a.to(tl.int64) * sxa + b.to(tl.int64) * sxb)[:, None] + coff[None, :]
-        v = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        v, m = _col_tile(x_ptr, coff, cm, s * per + i, P, B, sxa, sxb, ip)
         if HAS_PRE:
             v = v * pa[None, :] + pb[None, :]
         inside = m & (v >= lo[None, :]) & (v <= hi[None, :])
