@@ -900,3 +900,6 @@ int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, c
     free(ext_nan);
     return status;
 }
+
+/* Streaming AQR's kernels share this translation unit (and its thread team). */
+#include "_stream_kernels.c"

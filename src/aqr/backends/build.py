@@ -24,6 +24,7 @@ import torch
 from aqr.util.files import atomic_write
 
 SOURCE = Path(__file__).with_name("_kernels.c")
+INCLUDED = (Path(__file__).with_name("_stream_kernels.c"),)  # #included by SOURCE: part of the build's hash
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -63,7 +64,8 @@ def build_library(command: list[str], name: str = "aqr_kernels") -> Path:
 
     ``name`` starts the cached file's name (a sanitizer build is kept apart from the normal one).
     """
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(command).encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in (SOURCE, *INCLUDED))
+    digest = hashlib.sha256(sources + " ".join(command).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}_{digest}.so"
     if target.exists():
         return target

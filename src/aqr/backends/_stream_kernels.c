@@ -1,0 +1,464 @@
+/* Streaming AQR's CPU kernels: a layer's running target state, updated and applied in one pass.
+ *
+ * Included at the end of _kernels.c (one translation unit: they share its thread team); called
+ * through aqr/backends/stream_native.py, mirrored operation by operation in torch by
+ * aqr/backends/stream_torch.py (the reference the fuzz tests hold these kernels to).
+ *
+ * Per layer and channel the state is: K running knots kn (p0 and p100 the Average Sample Tails of
+ * the tail window, the inner knots a piecewise-linear CDF), a lookup table of the map built from
+ * them, the tail window (the last W images' minima and maxima, a ring in arrival order and a
+ * sorted copy), and the pending group (a histogram of recent values on bins fixed by the knots,
+ * and the group's extremes). See aqr/core/stream.py for the algorithm and why.
+ *
+ *   aqr_stream_scan     the per-batch pass: map through the table, per-image extremes, NaN/Inf
+ *                       check and a strided histogram on the knots' bins
+ *   aqr_stream_push     a batch into the pending group and the tail window
+ *   aqr_stream_tails    Average Sample Tails of the window (weights given)
+ *   aqr_stream_merge    the pending group into the knots: EMA of piecewise-linear CDFs
+ *   aqr_stream_tables   the lookup table of the map from the knots onto the source knots
+ *
+ * Every index computed from data (a table cell, a histogram bin, a position in the sorted window)
+ * is clamped to its array before a float is converted; sizes and counters the caller passes are
+ * checked first (STREAM_BAD_ARGUMENT). Arithmetic that can overflow float between two finite
+ * floats (a range spanning +-3e38) runs in double.
+ */
+
+enum { STREAM_OK = 0, STREAM_NONFINITE = 1, STREAM_NO_MEMORY = -1, STREAM_BAD_ARGUMENT = -2 };
+enum { STREAM_MAP = 1, STREAM_COUNT = 2 };
+enum { STREAM_EDGE_BINS = 4 }; /* below p0, [p0, p1), [p_{K-2}, p_{K-1}), from p_{K-1} on */
+
+/* Layer outputs of more values than this are split over the thread team. */
+enum { STREAM_PARALLEL_VALUES = 1 << 15 };
+
+static int stream_parts(int64_t C, int64_t values, int nthreads) {
+    return values < STREAM_PARALLEL_VALUES ? 1 : num_parts(C, nthreads);
+}
+
+static int stream_sizes_ok(int64_t C, int64_t K, int64_t G, int64_t GC) {
+    return C >= 1 && K >= 3 && K < (1 << 24) && G >= 1 && G < (1 << 24) && GC >= 1 && GC < (1 << 24) &&
+           C < INT64_MAX / (G + 2) / 8 && C < INT64_MAX / (GC + STREAM_EDGE_BINS) / 8;
+}
+
+/* Whether v is NaN or +-inf (on the bits, so fast-math could not fold it away). */
+static inline int stream_nonfinite(float v) {
+    union { float f; uint32_t u; } b = {v};
+    return (b.u & 0x7f800000u) == 0x7f800000u;
+}
+
+/* f clamped to [0, top] as a float, NaN to 0, then converted: always a valid index. */
+static inline int64_t stream_index(float f, int64_t top) {
+    if (!(f > 0.0f)) return 0;
+    return f < (float)top ? (int64_t)f : top;
+}
+
+/* float of a double, saturating at +-FLT_MAX (a slope of 1e300 would be inf). */
+static inline float stream_float(double v) {
+    if (v != v) return 0.0f;
+    return v > FLT_MAX ? FLT_MAX : (v < -FLT_MAX ? -FLT_MAX : (float)v);
+}
+
+/* The line through (x0, y0) and (x1, y1) as (slope, intercept); flat at y_flat when x1 <= x0. */
+static void stream_line(double x0, double y0, double x1, double y1, double y_flat, float *slope, float *icpt) {
+    double run = x1 - x0;
+    double s = run > 0 ? (y1 - y0) / run : 0.0;
+    *slope = stream_float(s);
+    *icpt = stream_float(run > 0 ? y0 - (double)*slope * x0 : y_flat);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The per-batch pass. x (A, C, B) holds N images of A / N rows each; pre_scale / pre_shift (C) or
+ * NULL fold an eval BatchNorm (everything reads v = pre_scale * x + pre_shift). kn (C, K) the
+ * knots, sq (C, K) the source knots, slope / icpt (C, G + 2) and glo / ginv (C) the table of
+ * aqr_stream_tables. mode & STREAM_MAP: y = the map; where the batch passes the knots' ends, the
+ * edge lines are stretched out to the batch's own extremes (a value is never extrapolated beyond
+ * them, as in per-batch AQR, whose ends are the batch's extremes). mode & STREAM_COUNT: counts
+ * (C, GC + 4) = the histogram of every stride-th value of the channel (flat position r * B + b) on
+ * the bins [.., p0), [p0, p1), GC equal cells of [p1, p_{K-2}), [p_{K-2}, p_{K-1}), [p_{K-1}, ..).
+ * Always lo / hi (N, C): each image's extremes. Returns STREAM_OK, STREAM_NONFINITE when a value v
+ * is NaN or +-inf (y, counts, lo and hi are then partly written and meaningless), or
+ * STREAM_BAD_ARGUMENT. */
+typedef struct {
+    const float *x;
+    float *y;
+    int64_t A, C, B, N, K, G, GC, stride;
+    const float *pre_scale, *pre_shift, *kn, *sq, *slope, *icpt, *glo, *ginv;
+    int32_t *counts;
+    float *lo, *hi;
+    int mode;
+    int32_t *bad; /* (C): a non-finite value in the channel */
+} stream_scan_args;
+
+static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
+    const int64_t K = a->K, G = a->G, B = a->B, rows = a->A / a->N;
+    const float ps = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
+    const float *k = a->kn + c * K, *s = a->sq + c * K;
+    const float k0 = k[0], k1 = k[1], kb = k[K - 2], kl = k[K - 1];
+    const float *sl = a->slope + c * (G + 2), *ic = a->icpt + c * (G + 2);
+    const float g0 = a->glo[c], gi = a->ginv[c];
+    float bmin = INFINITY, bmax = -INFINITY;
+    int bad = 0;
+    for (int64_t n = 0; n < a->N; n++) {
+        float mn = INFINITY, mx = -INFINITY;
+        for (int64_t r = n * rows; r < (n + 1) * rows; r++) {
+            const float *xp = a->x + (r * a->C + c) * B;
+            float *yp = a->y ? a->y + (r * a->C + c) * B : NULL;
+            for (int64_t b = 0; b < B; b++) {
+                const float v = xp[b] * ps + pb;
+                bad |= stream_nonfinite(v);
+                mn = v < mn ? v : mn;
+                mx = v > mx ? v : mx;
+                if (a->mode & STREAM_MAP) {
+                    int64_t cell = stream_index((v - g0) * gi + 1.0f, G + 1);
+                    cell = v >= kb ? G + 1 : cell;
+                    cell = v < k1 ? 0 : cell;
+                    yp[b] = sl[cell] * v + ic[cell];
+                }
+            }
+        }
+        a->lo[n * a->C + c] = mn;
+        a->hi[n * a->C + c] = mx;
+        bmin = mn < bmin ? mn : bmin;
+        bmax = mx > bmax ? mx : bmax;
+    }
+    a->bad[c] = bad;
+    if (bad) return;
+    if ((a->mode & STREAM_MAP) && (bmin < k0 || bmax > kl)) { /* stretch the edge lines to the batch's extremes */
+        float al, bl, ah, bh;
+        stream_line(bmin < k0 ? bmin : k0, s[0], k1, s[1], s[1], &al, &bl);
+        stream_line(kb, s[K - 2], bmax > kl ? bmax : kl, s[K - 1], s[K - 2], &ah, &bh);
+        for (int64_t r = 0; r < a->A; r++) {
+            const float *xp = a->x + (r * a->C + c) * B;
+            float *yp = a->y + (r * a->C + c) * B;
+            for (int64_t b = 0; b < B; b++) {
+                const float v = xp[b] * ps + pb;
+                if (v < k1) yp[b] = al * v + bl;
+                else if (v >= kb) yp[b] = ah * v + bh;
+            }
+        }
+    }
+    if (!(a->mode & STREAM_COUNT)) return;
+    const int64_t GC = a->GC, stride = a->stride;
+    int32_t *cnt = a->counts + c * (GC + STREAM_EDGE_BINS);
+    for (int64_t j = 0; j < GC + STREAM_EDGE_BINS; j++) cnt[j] = 0;
+    const double span = (double)kb - (double)k1;
+    const float cinv = span > 0 ? stream_float((double)GC / span) : 0.0f;
+    for (int64_t r = 0; r < a->A; r++) {
+        const float *xp = a->x + (r * a->C + c) * B;
+        const int64_t skip = (r * B) % stride; /* the first b with (r * B + b) % stride == 0 */
+        for (int64_t b = skip ? stride - skip : 0; b < B; b += stride) {
+            const float v = xp[b] * ps + pb;
+            int64_t bin;
+            if (v < k1) bin = v < k0 ? 0 : 1;
+            else if (v >= kb) bin = v >= kl ? GC + 3 : GC + 2;
+            else bin = 2 + stream_index((v - k1) * cinv, GC - 1);
+            cnt[bin]++;
+        }
+    }
+}
+
+static void stream_scan_part(void *p, int part, int64_t c0, int64_t c1) {
+    (void)part;
+    for (int64_t c = c0; c < c1; c++) stream_scan_channel((const stream_scan_args *)p, c);
+}
+
+int aqr_stream_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N,
+                    const float *pre_scale, const float *pre_shift, int64_t K, const float *kn,
+                    const float *sq, const float *slope, const float *icpt, int64_t G, const float *glo,
+                    const float *ginv, int64_t stride, int64_t GC, int32_t *counts, float *lo, float *hi,
+                    int mode, int nthreads) {
+    if (!stream_sizes_ok(C, K, G, GC) || A < 1 || B < 1 || N < 1 || A % N || stride < 1 ||
+        A > INT64_MAX / C / B || mode < 0 || mode > (STREAM_MAP | STREAM_COUNT) ||
+        !x || !kn || !sq || !slope || !icpt || !glo || !ginv || !lo || !hi || ((mode & STREAM_MAP) && !y) ||
+        ((mode & STREAM_COUNT) && !counts))
+        return STREAM_BAD_ARGUMENT;
+    int32_t *bad = malloc(sizeof(int32_t) * (size_t)C);
+    if (!bad) return STREAM_NO_MEMORY;
+    stream_scan_args a = {x, (mode & STREAM_MAP) ? y : NULL, A, C, B, N, K, G, GC, stride, pre_scale, pre_shift,
+                   kn, sq, slope, icpt, glo, ginv, counts, lo, hi, mode, bad};
+    parallel_for(stream_scan_part, &a, C, stream_parts(C, A * C * B, nthreads));
+    int status = STREAM_OK;
+    for (int64_t c = 0; c < C; c++) status = bad[c] ? STREAM_NONFINITE : status;
+    free(bad);
+    return status;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The tail window: per channel, the last W images' minima in arrival order (ring_lo (W, C), row
+ * head the oldest once full) and ascending (sorted_lo (C, W)); maxima likewise, negated in
+ * sorted_hi so the most extreme come first in both. */
+
+/* row[0..len) ascending: remove one copy of old (the entry found where old would go: a window
+   whose copies disagree loses its nearest entry instead, never a size), then insert v. */
+static void stream_sorted_replace(float *row, int64_t len, int remove, float old, float v) {
+    if (remove && len > 0) {
+        int64_t lo = 0, hi = len; /* first entry >= old */
+        while (lo < hi) {
+            int64_t m = lo + (hi - lo) / 2;
+            if (row[m] < old) lo = m + 1;
+            else hi = m;
+        }
+        if (lo >= len) lo = len - 1;
+        memmove(row + lo, row + lo + 1, sizeof(float) * (size_t)(len - lo - 1));
+        len--;
+    }
+    int64_t lo = 0, hi = len; /* first entry > v */
+    while (lo < hi) {
+        int64_t m = lo + (hi - lo) / 2;
+        if (row[m] <= v) lo = m + 1;
+        else hi = m;
+    }
+    memmove(row + lo + 1, row + lo, sizeof(float) * (size_t)(len - lo));
+    row[lo] = v;
+}
+
+typedef struct {
+    int64_t C, bins, W, N, filled, head;
+    int32_t *pending;
+    const int32_t *counts;
+    float *gmin, *gmax;
+    const float *lo, *hi;
+    float *ring_lo, *sorted_lo, *ring_hi, *sorted_hi;
+} stream_push_args;
+
+static void stream_push_part(void *p, int part, int64_t c0, int64_t c1) {
+    (void)part;
+    const stream_push_args *a = (const stream_push_args *)p;
+    const int64_t C = a->C, W = a->W;
+    for (int64_t c = c0; c < c1; c++) {
+        if (a->counts) {
+            for (int64_t j = 0; j < a->bins; j++) a->pending[c * a->bins + j] += a->counts[c * a->bins + j];
+        }
+        int64_t filled = a->filled;
+        for (int64_t n = 0; n < a->N; n++) {
+            const int64_t row = (a->head + n) % W;
+            const float l = a->lo[n * C + c], h = a->hi[n * C + c];
+            if (a->gmin) {
+                a->gmin[c] = l < a->gmin[c] ? l : a->gmin[c];
+                a->gmax[c] = h > a->gmax[c] ? h : a->gmax[c];
+            }
+            const int full = filled >= W;
+            stream_sorted_replace(a->sorted_lo + c * W, full ? W : filled, full, a->ring_lo[row * C + c], l);
+            stream_sorted_replace(a->sorted_hi + c * W, full ? W : filled, full, -a->ring_hi[row * C + c], -h);
+            a->ring_lo[row * C + c] = l;
+            a->ring_hi[row * C + c] = h;
+            if (!full) filled++;
+        }
+    }
+}
+
+/* A finite batch into the state: pending (C, bins) += counts (unless NULL), the group's extremes
+   gmin / gmax (C) (unless NULL) and the window take each image's extremes lo / hi (N, C), in order.
+   filled and head describe the window before the batch; the caller advances them. */
+int aqr_stream_push(int64_t C, int64_t bins, int64_t W, int32_t *pending, const int32_t *counts, float *gmin,
+                    float *gmax, const float *lo, const float *hi, int64_t N, float *ring_lo, float *sorted_lo,
+                    float *ring_hi, float *sorted_hi, int64_t filled, int64_t head, int nthreads) {
+    if (C < 1 || W < 1 || N < 0 || filled < 0 || filled > W || head < 0 || head >= W || (filled < W && head != filled) ||
+        bins < 0 || (counts && (!pending || bins < 1)) || !gmin != !gmax || !lo || !hi || !ring_lo || !sorted_lo ||
+        !ring_hi || !sorted_hi || C > INT64_MAX / W / 8 || (bins && C > INT64_MAX / bins / 8))
+        return STREAM_BAD_ARGUMENT;
+    stream_push_args a = {C, bins, W, N, filled, head, pending, counts, gmin, gmax, lo, hi, ring_lo, sorted_lo, ring_hi,
+                   sorted_hi};
+    parallel_for(stream_push_part, &a, C, stream_parts(C, C * W * (N + 1), nthreads));
+    return STREAM_OK;
+}
+
+/* p0 / p100 (C): sum over i < k of w[i] times the window's i-th smallest minimum (largest maximum). */
+int aqr_stream_tails(int64_t C, int64_t W, const float *sorted_lo, const float *sorted_hi, const double *w,
+                     int64_t k, float *p0, float *p100) {
+    if (C < 1 || W < 1 || k < 1 || k > W) return STREAM_BAD_ARGUMENT;
+    for (int64_t c = 0; c < C; c++) {
+        double low = 0, high = 0;
+        for (int64_t i = 0; i < k; i++) {
+            low += w[i] * (double)sorted_lo[c * W + i];
+            high += w[i] * (double)sorted_hi[c * W + i];
+        }
+        p0[c] = stream_float(low);
+        p100[c] = stream_float(-high);
+    }
+    return STREAM_OK;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The EMA of CDFs. A piecewise-linear CDF is given by points (z[i], h[i]), z and h nondecreasing:
+ * between points it is linear, points sharing a z make an atom. F(z-) and F(z) at any z, given
+ * lt = #points below z and le = #points at or below it: */
+static void stream_cdf_at(const double *z, const double *h, int64_t n, double v, int64_t lt, int64_t le, double *left,
+                   double *right) {
+    if (lt < le) { /* v is a point: no interpolation */
+        *left = lt == 0 ? 0.0 : h[lt];
+        *right = h[le - 1];
+        return;
+    }
+    double f;
+    if (lt == 0) f = 0.0;
+    else if (lt >= n) f = 1.0;
+    else { /* z[lt - 1] < v < z[lt] */
+        double run = z[lt] - z[lt - 1];
+        double t = run > 0 ? (v - z[lt - 1]) / run : 1.0;
+        t = t < 0 ? 0 : (t > 1 ? 1 : t);
+        f = h[lt - 1] + t * (h[lt] - h[lt - 1]);
+    }
+    *left = *right = f;
+}
+
+/* out[1..K-2] = the quantiles at levels j / (K - 1) of (1 - w) F_a + w F_b; exact for these
+   piecewise-linear CDFs (their breakpoints are the union of the points; atoms are kept). The
+   mixture's quantile curve passes through (z, H(z-)) and (z, H(z)) at every breakpoint z and is
+   linear between breakpoints; one merge of the two point lists walks it. O(na + nb + K). */
+static void stream_mix_quantiles(const double *za, const double *ha, int64_t na, const double *zb, const double *hb,
+                          int64_t nb, double w, int64_t K, float *out) {
+    int64_t a_lt = 0, a_le = 0, b_lt = 0, b_le = 0, t = 1;
+    double zp = 0, hp = 0;
+    int first = 1;
+    while ((a_le < na || b_le < nb) && t < K - 1) {
+        const double v = (b_le >= nb || (a_le < na && za[a_le] <= zb[b_le])) ? za[a_le] : zb[b_le];
+        const int64_t a_was = a_le, b_was = b_le;
+        while (a_lt < na && za[a_lt] < v) a_lt++;
+        while (a_le < na && za[a_le] <= v) a_le++;
+        while (b_lt < nb && zb[b_lt] < v) b_lt++;
+        while (b_le < nb && zb[b_le] <= v) b_le++;
+        if (a_le == a_was && b_le == b_was) { /* a NaN point (never from these kernels): step over it */
+            if (a_le < na) a_le++;
+            else b_le++;
+        }
+        if (a_lt > a_le) a_lt = a_le; /* unsorted points (never from these kernels): stay consistent */
+        if (b_lt > b_le) b_lt = b_le;
+        double fal, far, fbl, fbr;
+        stream_cdf_at(za, ha, na, v, a_lt, a_le, &fal, &far);
+        stream_cdf_at(zb, hb, nb, v, b_lt, b_le, &fbl, &fbr);
+        double hl = (1 - w) * fal + w * fbl, hr = (1 - w) * far + w * fbr;
+        if (first) zp = v, hp = 0, first = 0;
+        hl = hl < hp ? hp : hl; /* rounding must not make the curve go down */
+        hr = hr < hl ? hl : hr;
+        for (; t < K - 1; t++) { /* levels on the rising segment (zp, hp) -> (v, hl) */
+            const double u = (double)t / (double)(K - 1);
+            if (u > hl) break;
+            double f = hl > hp ? (u - hp) / (hl - hp) : 1.0;
+            f = f < 0 ? 0 : (f > 1 ? 1 : f);
+            double q = zp + f * (v - zp);
+            out[t] = stream_float(q < zp ? zp : (q > v ? v : q));
+        }
+        for (; t < K - 1; t++) { /* levels inside the atom at v */
+            if ((double)t / (double)(K - 1) > hr) break;
+            out[t] = stream_float(v);
+        }
+        zp = v, hp = hr;
+    }
+    for (; t < K - 1; t++) out[t] = stream_float(zp); /* rounding left the top levels unreached */
+}
+
+typedef struct {
+    int64_t C, K, GC;
+    float *kn;
+    const int32_t *counts;
+    const float *gmin, *gmax, *p0, *p100;
+    double w;
+    char *scratch; /* per part: stream_merge_scratch_bytes */
+} stream_merge_args;
+
+static int64_t stream_merge_scratch_bytes(int64_t K, int64_t GC) {
+    return (int64_t)sizeof(double) * (2 * K + 2 * (GC + STREAM_EDGE_BINS + 2)) + (int64_t)sizeof(float) * K;
+}
+
+static void stream_merge_part(void *p, int part, int64_t c0, int64_t c1) {
+    const stream_merge_args *a = (const stream_merge_args *)p;
+    const int64_t K = a->K, GC = a->GC, bins = GC + STREAM_EDGE_BINS;
+    double *za = (double *)(a->scratch + part * stream_merge_scratch_bytes(K, GC)), *ha = za + K;
+    double *zb = ha + K, *hb = zb + bins + 2;
+    float *fresh = (float *)(hb + bins + 2);
+    for (int64_t c = c0; c < c1; c++) {
+        float *k = a->kn + c * K;
+        const int32_t *cnt = a->counts ? a->counts + c * bins : NULL;
+        double total = 0;
+        for (int64_t j = 0; cnt && j < bins; j++) total += cnt[j] > 0 ? (double)cnt[j] : 0.0;
+        if (total > 0 && a->w > 0) {
+            for (int64_t j = 0; j < K; j++) za[j] = k[j], ha[j] = (double)j / (double)(K - 1);
+            const double k0 = k[0], k1 = k[1], kb = k[K - 2], kl = k[K - 1];
+            const double lo = a->gmin[c] < k0 ? a->gmin[c] : k0, hi = a->gmax[c] > kl ? a->gmax[c] : kl;
+            /* the group's CDF: its bins' edges at their cumulative shares, the outer ends at its extremes */
+            int64_t nb = 0;
+            double cum = 0;
+            zb[nb] = lo, hb[nb++] = 0.0;
+            cum += cnt[0] > 0 ? cnt[0] : 0, zb[nb] = k0, hb[nb++] = cum / total;
+            cum += cnt[1] > 0 ? cnt[1] : 0, zb[nb] = k1, hb[nb++] = cum / total;
+            for (int64_t g = 1; g <= GC; g++) {
+                cum += cnt[1 + g] > 0 ? cnt[1 + g] : 0;
+                zb[nb] = g == GC ? kb : k1 + (kb - k1) * (double)g / (double)GC;
+                hb[nb++] = cum / total;
+            }
+            cum += cnt[GC + 2] > 0 ? cnt[GC + 2] : 0, zb[nb] = kl, hb[nb++] = cum / total;
+            zb[nb] = hi, hb[nb++] = 1.0;
+            stream_mix_quantiles(za, ha, K, zb, hb, nb, a->w, K, fresh);
+            for (int64_t j = 1; j < K - 1; j++) k[j] = fresh[j];
+        }
+        k[0] = a->p0[c] < k[1] ? a->p0[c] : k[1];
+        k[K - 1] = a->p100[c] > k[K - 2] ? a->p100[c] : k[K - 2];
+    }
+}
+
+/* kn (C, K), in place: the inner knots become the quantiles of (1 - w) F_kn + w F_group, where
+   F_group is the pending group's histogram counts (C, GC + 4) (taken on the bins of these knots,
+   aqr_stream_scan) spread linearly within each bin, its outer bins out to its extremes gmin /
+   gmax (C); a channel without counts keeps its inner knots. The ends become p0 / p100 (C), kept
+   outside the inner knots. */
+int aqr_stream_merge(int64_t C, int64_t K, float *kn, const int32_t *counts, int64_t GC, const float *gmin,
+                     const float *gmax, double w, const float *p0, const float *p100, int nthreads) {
+    if (!stream_sizes_ok(C, K, 1, GC) || !(w >= 0 && w <= 1) || (counts && (!gmin || !gmax))) return STREAM_BAD_ARGUMENT;
+    const int parts = stream_parts(C, C * (K + GC) * 16, nthreads);
+    char *scratch = malloc((size_t)(parts * stream_merge_scratch_bytes(K, GC)));
+    if (!scratch) return STREAM_NO_MEMORY;
+    stream_merge_args a = {C, K, GC, kn, counts, gmin, gmax, p0, p100, w, scratch};
+    parallel_for(stream_merge_part, &a, C, parts);
+    free(scratch);
+    return STREAM_OK;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The lookup table of the map from knots kn onto sq (both (C, K)): cell 0 the line through
+ * (p0, s0) and (p1, s1), cells 1..G the exact piecewise-linear map between G + 1 equally spaced
+ * points of [p1, p_{K-2}] (one division per knot interval), cell G + 1 the line through
+ * (p_{K-2}, s_{K-2}) and (p_{K-1}, s_{K-1}). glo / ginv (C): the grid's start and inverse width. */
+typedef struct {
+    int64_t C, K, G;
+    const float *kn, *sq;
+    float *slope, *icpt, *glo, *ginv;
+} stream_tables_args;
+
+static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
+    (void)part;
+    const stream_tables_args *a = (const stream_tables_args *)p;
+    const int64_t K = a->K, G = a->G;
+    for (int64_t c = c0; c < c1; c++) {
+        const float *k = a->kn + c * K, *s = a->sq + c * K;
+        float *sl = a->slope + c * (G + 2), *ic = a->icpt + c * (G + 2);
+        const double lo = k[1], span = (double)k[K - 2] - lo, width = span > 0 ? span / (double)G : 0.0;
+        a->glo[c] = k[1];
+        a->ginv[c] = width > 0 ? stream_float(1.0 / width) : 0.0f;
+        stream_line(k[0], s[0], k[1], s[1], s[1], &sl[0], &ic[0]);
+        stream_line(k[K - 2], s[K - 2], k[K - 1], s[K - 1], s[K - 2], &sl[G + 1], &ic[G + 1]);
+        int64_t q = 1; /* the knot interval [k[q], k[q+1]) holding the grid point */
+        double gprev = lo, yprev = s[1];
+        for (int64_t g = 1; g <= G; g++) {
+            const double gx = g == G ? (double)k[K - 2] : lo + width * (double)g;
+            while (q < K - 2 && gx >= (double)k[q + 1]) q++;
+            double yv;
+            if (q >= K - 2) yv = s[K - 2];
+            else {
+                const double run = (double)k[q + 1] - (double)k[q];
+                yv = run > 0 ? s[q] + (gx - (double)k[q]) / run * ((double)s[q + 1] - (double)s[q]) : s[q + 1];
+            }
+            float cs, ci;
+            stream_line(gprev, yprev, gx, yv, yv, &cs, &ci);
+            sl[g] = cs, ic[g] = ci;
+            gprev = gx, yprev = yv;
+        }
+    }
+}
+
+int aqr_stream_tables(int64_t C, int64_t K, const float *kn, const float *sq, int64_t G, float *slope, float *icpt,
+                      float *glo, float *ginv, int nthreads) {
+    if (!stream_sizes_ok(C, K, G, 1)) return STREAM_BAD_ARGUMENT;
+    stream_tables_args a = {C, K, G, kn, sq, slope, icpt, glo, ginv};
+    parallel_for(stream_tables_part, &a, C, stream_parts(C, C * G * 8, nthreads));
+    return STREAM_OK;
+}

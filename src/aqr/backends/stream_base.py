@@ -1,0 +1,178 @@
+"""The operations streaming AQR needs from a backend, and the running state they work on.
+
+A streamed layer keeps, per channel, the buffers of :class:`StreamBuffers` (all of fixed size:
+nothing grows with the stream). :class:`StreamKernels` are the five operations on them, each one
+pass at most: :meth:`~StreamKernels.scan` (map a batch, take each image's extremes, histogram its
+values), :meth:`~StreamKernels.push` (a batch into the tail window and the pending group),
+:meth:`~StreamKernels.tails`, :meth:`~StreamKernels.merge` and :meth:`~StreamKernels.tables`.
+:class:`aqr.backends.stream_native.NativeStreamKernels` runs them in aqr's C kernels on CPU,
+:class:`aqr.backends.stream_torch.TorchStreamKernels` in torch on any device (and is the
+reference the C kernels are tested against). :mod:`aqr.core.stream` decides when each runs.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, fields
+
+import torch
+
+from aqr.backends.base import Affine
+
+MAP, COUNT = 1, 2  # scan modes, as _stream_kernels.c reads them
+EDGE_BINS = 4  # the histogram's bins outside the inner cells: below p0, [p0, p1), [p_{K-2}, p_{K-1}), above
+
+
+@dataclass
+class StreamTable:
+    """The lookup table of one layer's map: ``slope``/``icpt`` ``(C, G + 2)`` (cell 0 and G + 1 the edge
+    lines), ``glo``/``ginv`` ``(C,)`` the grid's start and inverse cell width."""
+
+    slope: torch.Tensor
+    icpt: torch.Tensor
+    glo: torch.Tensor
+    ginv: torch.Tensor
+
+    @classmethod
+    def empty(cls, channels: int, grid: int, device: torch.device | str = "cpu") -> StreamTable:
+        zeros = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
+        return cls(zeros(channels, grid + 2), zeros(channels, grid + 2), zeros(channels), zeros(channels))
+
+    @property
+    def grid(self) -> int:
+        return self.slope.shape[1] - 2
+
+
+@dataclass
+class TailWindow:
+    """The last ``W`` images' per-channel minima and maxima: ``ring_lo``/``ring_hi`` ``(W, C)`` in arrival
+    order (row ``head`` the oldest once ``filled == W``), ``sorted_lo`` ``(C, W)`` ascending and
+    ``sorted_hi`` the maxima negated and ascending (the most extreme first in both; ``filled`` valid)."""
+
+    ring_lo: torch.Tensor
+    sorted_lo: torch.Tensor
+    ring_hi: torch.Tensor
+    sorted_hi: torch.Tensor
+    filled: int = 0
+    head: int = 0
+
+    @classmethod
+    def empty(cls, channels: int, window: int, device: torch.device | str = "cpu") -> TailWindow:
+        return cls(*(torch.zeros(*shape, device=device) for shape in
+                     ((window, channels), (channels, window), (window, channels), (channels, window))))
+
+    @property
+    def size(self) -> int:
+        return self.ring_lo.shape[0]
+
+
+@dataclass
+class PendingGroup:
+    """Images seen since the knots last absorbed them: ``counts`` ``(C, GC + 4)`` int32 (a histogram on
+    the knots' bins, see :meth:`StreamKernels.scan`), ``gmin``/``gmax`` ``(C,)`` their extremes."""
+
+    counts: torch.Tensor
+    gmin: torch.Tensor
+    gmax: torch.Tensor
+    images: int = 0
+
+    @classmethod
+    def empty(cls, channels: int, cells: int, device: torch.device | str = "cpu") -> PendingGroup:
+        group = cls(torch.zeros(channels, cells + EDGE_BINS, dtype=torch.int32, device=device),
+                    torch.empty(channels, device=device), torch.empty(channels, device=device))
+        group.clear()
+        return group
+
+    def clear(self) -> None:
+        self.counts.zero_()
+        self.gmin.fill_(float("inf"))
+        self.gmax.fill_(float("-inf"))
+        self.images = 0
+
+    @property
+    def cells(self) -> int:
+        return self.counts.shape[1] - EDGE_BINS
+
+
+def copy_into(target: object, source: object) -> None:
+    """Copy every field of the dataclass ``source`` into ``target`` (tensors in place, so their memory,
+    which the kernels were handed, stays the same)."""
+    for f in fields(source):  # type: ignore[arg-type]
+        value = getattr(source, f.name)
+        if isinstance(value, torch.Tensor):
+            getattr(target, f.name).copy_(value)
+        else:
+            setattr(target, f.name, value)
+
+
+def cloned(state: object) -> object:
+    """A copy of the dataclass ``state`` with every tensor cloned."""
+    values = {f.name: getattr(state, f.name) for f in fields(state)}  # type: ignore[arg-type]
+    return type(state)(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    """What :meth:`StreamKernels.scan` returns: the map ``y`` (``None`` unless asked), each image's
+    extremes ``lo``/``hi`` ``(N, C)``, the histogram ``counts`` (``None`` unless asked) and whether every
+    value was finite (if not, the rest is meaningless)."""
+
+    y: torch.Tensor | None
+    lo: torch.Tensor
+    hi: torch.Tensor
+    counts: torch.Tensor | None
+    finite: bool
+
+
+def check_scan(x: torch.Tensor, images: int, knots: torch.Tensor, source: torch.Tensor, table: StreamTable) -> None:
+    """Raise ``ValueError`` unless ``x`` (A, C, B) holds ``images`` images and the state fits its C channels."""
+    a, c, _ = x.shape
+    if images < 1 or a % images:
+        raise ValueError(f"a layer output of {a} rows cannot hold {images} images (streaming AQR needs the "
+                         "batch dimension first)")
+    k = knots.shape[1]
+    if knots.shape != (c, k) or source.shape != (c, k) or table.slope.shape != (c, table.grid + 2):
+        raise ValueError(f"streaming state of {knots.shape[0]} channels for a layer output of {c}")
+
+
+class StreamKernels(abc.ABC):
+    """The five operations of streaming AQR on one device (see the module docstring)."""
+
+    name = ""
+
+    @abc.abstractmethod
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`scan` can read ``x`` as it is."""
+
+    @abc.abstractmethod
+    def scan(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
+             table: StreamTable, mode: int, stride: int, cells: int) -> ScanResult:
+        """One pass over ``x`` (A, C, B), whose A rows are ``images`` images' rows, read as
+        ``pre[0] * x + pre[1]`` when ``pre`` is given.
+
+        ``mode & MAP``: ``y`` = ``x`` mapped by ``table`` (built from ``knots`` onto ``source``), its
+        edge lines stretched out to the batch's extremes where the batch passes ``knots``' ends.
+        ``mode & COUNT``: ``counts`` ``(C, cells + 4)`` = the histogram of every ``stride``-th value of
+        each channel (flat position ``row * B + b``) on the bins ``[.., p0)``, ``[p0, p1)``, ``cells``
+        equal cells of ``[p1, p_{K-2})``, ``[p_{K-2}, p_{K-1})``, ``[p_{K-1}, ..)``.
+        """
+
+    @abc.abstractmethod
+    def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,
+             lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """In place: each image's extremes ``lo``/``hi`` ``(N, C)`` into ``window`` (the oldest leave);
+        with ``group``, its extremes and ``counts`` join the group's (not its image count)."""
+
+    @abc.abstractmethod
+    def tails(self, window: TailWindow, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(p0, p100)`` ``(C,)``: the weighted sums of the ``len(weights)`` most extreme minima and maxima."""
+
+    @abc.abstractmethod
+    def merge(self, knots: torch.Tensor, group: PendingGroup | None, weight: float, p0: torch.Tensor,
+              p100: torch.Tensor) -> None:
+        """In place: ``knots``' inner knots become the quantiles of ``(1 - weight) F_knots + weight F_group``
+        (a channel whose group is empty keeps them); the ends become ``p0``/``p100``, kept outside."""
+
+    @abc.abstractmethod
+    def tables(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable) -> None:
+        """In place: ``table`` = the map from ``knots`` onto ``source`` (both ``(C, K)``)."""

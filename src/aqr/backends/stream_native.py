@@ -1,0 +1,118 @@
+"""Streaming AQR's operations in aqr's C kernels (``_stream_kernels.c``, built with ``_kernels.c``).
+
+:class:`NativeStreamKernels` implements :class:`aqr.backends.stream_base.StreamKernels` for float32
+CPU tensors without gradients; :class:`aqr.backends.stream_torch.TorchStreamKernels` is the same in
+torch. The kernels run on torch's OpenMP team for large layers and in the calling thread otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from aqr.backends.base import Affine
+from aqr.backends.native import NativeKernelError, native_takes
+from aqr.backends.stream_base import (COUNT, EDGE_BINS, MAP, PendingGroup, ScanResult, StreamKernels, StreamTable,
+                                      TailWindow, check_scan)
+
+_P, _I, _D, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
+STATUS = {-1: "could not allocate its scratch memory", -2: "was given sizes or counters out of bounds"}
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the stream entry points' argument types on the loaded kernels (idempotent)."""
+    lib.aqr_stream_scan.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P,
+                                    _P, _P, _C, _C]
+    lib.aqr_stream_push.argtypes = [_I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _C]
+    lib.aqr_stream_tails.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P]
+    lib.aqr_stream_merge.argtypes = [_I, _I, _P, _P, _I, _P, _P, _D, _P, _P, _C]
+    lib.aqr_stream_tables.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _P, _C]
+    for name in ("scan", "push", "tails", "merge", "tables"):
+        getattr(lib, f"aqr_stream_{name}").restype = _C
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(status: int, name: str) -> int:
+    if status < 0:
+        raise NativeKernelError(f"aqr_stream_{name} {STATUS.get(status, f'failed ({status})')}")
+    return status
+
+
+def _cpu_float(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor of ``dtype`` (itself when it already is one)."""
+    return t.to("cpu", dtype).contiguous()
+
+
+class NativeStreamKernels(StreamKernels):
+    """:class:`~aqr.backends.stream_base.StreamKernels` in C; the state's tensors must be CPU, float32
+    (int32 counts) and contiguous, as :mod:`aqr.core.stream` allocates them."""
+
+    name = "native"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = declare(lib)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return native_takes(x)
+
+    def scan(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
+             table: StreamTable, mode: int, stride: int, cells: int) -> ScanResult:
+        x = x.contiguous()
+        a, c, b = x.shape
+        check_scan(x, images, knots, source, table)
+        y = torch.empty_like(x) if mode & MAP else None
+        counts = torch.empty(c, cells + EDGE_BINS, dtype=torch.int32) if mode & COUNT else None
+        lo, hi = torch.empty(images, c), torch.empty(images, c)
+        scale, shift = (None, None) if pre is None else pre
+        status = _check(self.lib.aqr_stream_scan(
+            x.data_ptr(), _ptr(y), a, c, b, images, _ptr(scale), _ptr(shift), knots.shape[1], knots.data_ptr(),
+            source.data_ptr(), table.slope.data_ptr(), table.icpt.data_ptr(), table.grid, table.glo.data_ptr(),
+            table.ginv.data_ptr(), stride, cells, _ptr(counts), lo.data_ptr(), hi.data_ptr(), mode,
+            torch.get_num_threads()), "scan")
+        return ScanResult(y, lo, hi, counts, status == 0)
+
+    def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,
+             lo: torch.Tensor, hi: torch.Tensor) -> None:
+        n, c = lo.shape
+        lo, hi = _cpu_float(lo), _cpu_float(hi)
+        counts = None if counts is None else _cpu_float(counts, torch.int32)
+        bins = 0 if group is None else group.counts.shape[1]
+        _check(self.lib.aqr_stream_push(
+            c, bins, window.size, None if group is None else group.counts.data_ptr(), _ptr(counts),
+            None if group is None else group.gmin.data_ptr(), None if group is None else group.gmax.data_ptr(),
+            lo.data_ptr(), hi.data_ptr(), n, window.ring_lo.data_ptr(), window.sorted_lo.data_ptr(),
+            window.ring_hi.data_ptr(), window.sorted_hi.data_ptr(), window.filled, window.head,
+            torch.get_num_threads()), "push")
+        window.filled = min(window.filled + n, window.size)
+        window.head = (window.head + n) % window.size
+
+    def tails(self, window: TailWindow, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = window.sorted_lo.shape[0]
+        weights = _cpu_float(weights, torch.float64)
+        if len(weights) > window.filled:
+            raise ValueError(f"{len(weights)} tail weights for a window holding {window.filled} images")
+        p0, p100 = torch.empty(c), torch.empty(c)
+        _check(self.lib.aqr_stream_tails(c, window.size, window.sorted_lo.data_ptr(), window.sorted_hi.data_ptr(),
+                                         weights.data_ptr(), len(weights), p0.data_ptr(), p100.data_ptr()), "tails")
+        return p0, p100
+
+    def merge(self, knots: torch.Tensor, group: PendingGroup | None, weight: float, p0: torch.Tensor,
+              p100: torch.Tensor) -> None:
+        c, k = knots.shape
+        p0, p100 = _cpu_float(p0), _cpu_float(p100)
+        cells = 1 if group is None else group.cells
+        _check(self.lib.aqr_stream_merge(
+            c, k, knots.data_ptr(), None if group is None else group.counts.data_ptr(), cells,
+            None if group is None else group.gmin.data_ptr(), None if group is None else group.gmax.data_ptr(),
+            float(weight), p0.data_ptr(), p100.data_ptr(), torch.get_num_threads()), "merge")
+
+    def tables(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable) -> None:
+        c, k = knots.shape
+        _check(self.lib.aqr_stream_tables(c, k, knots.data_ptr(), source.data_ptr(), table.grid,
+                                          table.slope.data_ptr(), table.icpt.data_ptr(), table.glo.data_ptr(),
+                                          table.ginv.data_ptr(), torch.get_num_threads()), "tables")

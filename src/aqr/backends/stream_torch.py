@@ -1,0 +1,218 @@
+"""Streaming AQR's operations in torch, on any device: the reference for the C kernels.
+
+Each method computes what its counterpart in ``_stream_kernels.c`` computes, with the same float32
+and float64 operations in the same order where the result depends on it, so the two agree to
+rounding (``tests/stream_fuzz.py`` holds them to it). Only the sums of the tails and the sorting of
+the window differ in order, not in value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aqr.backends.base import Affine
+from aqr.backends.stream_base import (COUNT, EDGE_BINS, MAP, PendingGroup, ScanResult, StreamKernels, StreamTable,
+                                      TailWindow, check_scan)
+
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def saturate(v: torch.Tensor) -> torch.Tensor:
+    """float32 of a float64 tensor, NaN to 0 and beyond +-FLT_MAX to +-FLT_MAX (``stream_float``)."""
+    return torch.nan_to_num(v, nan=0.0).clamp(-FLT_MAX, FLT_MAX).float()
+
+
+def index_of(f: torch.Tensor, top: int) -> torch.Tensor:
+    """``f`` clamped to ``[0, top]``, NaN to 0, as int64 (``stream_index``)."""
+    f = torch.where(f > 0, f, torch.zeros_like(f))
+    return torch.where(f < top, f, torch.full_like(f, top)).long()
+
+
+def line(x0: torch.Tensor, y0: torch.Tensor, x1: torch.Tensor, y1: torch.Tensor,
+         flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The line through ``(x0, y0)`` and ``(x1, y1)`` (float64 in), flat at ``flat`` where ``x1 <= x0``
+    (``stream_line``): float32 slope and intercept."""
+    run = x1 - x0
+    rising = run > 0
+    slope = saturate(torch.where(rising, (y1 - y0) / torch.where(rising, run, torch.ones_like(run)),
+                                 torch.zeros_like(run)))
+    icpt = saturate(torch.where(rising, y0 - slope.double() * x0, flat))
+    return slope, icpt
+
+
+def cdf_at(z: torch.Tensor, h: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F(v-)`` and ``F(v)`` ``(C, M)`` of the piecewise-linear CDFs through points ``(z, h)`` ``(C, n)``
+    (nondecreasing rows; tied points are atoms) at ``v`` ``(C, M)`` (``stream_cdf_at``)."""
+    n = z.shape[1]
+    lt = torch.searchsorted(z, v, right=False)
+    le = torch.searchsorted(z, v, right=True)
+    lo = (lt - 1).clamp(0, n - 1)
+    hi = lt.clamp(0, n - 1)
+    z0, z1, h0, h1 = z.gather(1, lo), z.gather(1, hi), h.gather(1, lo), h.gather(1, hi)
+    run = z1 - z0
+    t = torch.where(run > 0, (v - z0) / torch.where(run > 0, run, torch.ones_like(run)), torch.ones_like(run))
+    f = h0 + t.clamp(0, 1) * (h1 - h0)
+    f = torch.where(lt == 0, torch.zeros_like(f), torch.where(lt >= n, torch.ones_like(f), f))
+    point = lt < le
+    left = torch.where(point, torch.where(lt == 0, torch.zeros_like(f), h.gather(1, hi)), f)
+    right = torch.where(point, h.gather(1, (le - 1).clamp(0, n - 1)), f)
+    return left, right
+
+
+def mix_quantiles(za: torch.Tensor, ha: torch.Tensor, zb: torch.Tensor, hb: torch.Tensor, w: float,
+                  k: int) -> torch.Tensor:
+    """``(C, K - 2)``: the quantiles at levels ``j / (K - 1)``, ``j = 1..K-2``, of ``(1 - w) F_a + w F_b``
+    (float64 points ``(C, n)``; ``stream_mix_quantiles``). The quantile curve runs through
+    ``(z, H(z-))`` and ``(z, H(z))`` at every breakpoint ``z``, linearly in between."""
+    z = torch.sort(torch.cat([za, zb], dim=1), dim=1).values
+    fal, far = cdf_at(za, ha, z)
+    fbl, fbr = cdf_at(zb, hb, z)
+    hl, hr = (1 - w) * fal + w * fbl, (1 - w) * far + w * fbr
+    c = z.shape[0]
+    points = torch.cat([z[:, :1], torch.stack([z, z], dim=2).flatten(1)], dim=1)
+    levels = torch.cat([torch.zeros(c, 1, dtype=z.dtype, device=z.device), torch.stack([hl, hr], dim=2).flatten(1)],
+                       dim=1)
+    levels = torch.cummax(levels, dim=1).values  # rounding must not make the curve go down
+    u = (torch.arange(1, k - 1, dtype=z.dtype, device=z.device) / (k - 1)).expand(c, -1).contiguous()
+    i = torch.searchsorted(levels, u, right=False)
+    past = i >= points.shape[1]  # rounding left the top levels unreached: the last point
+    i = i.clamp(1, points.shape[1] - 1)
+    z0, z1, h0, h1 = points.gather(1, i - 1), points.gather(1, i), levels.gather(1, i - 1), levels.gather(1, i)
+    rise = h1 - h0
+    f = torch.where(rise > 0, (u - h0) / torch.where(rise > 0, rise, torch.ones_like(rise)), torch.ones_like(rise))
+    q = z0 + f.clamp(0, 1) * (z1 - z0)
+    q = torch.minimum(torch.maximum(q, z0), z1)
+    return saturate(torch.where(past, points[:, -1:].expand_as(q), q))
+
+
+class TorchStreamKernels(StreamKernels):
+    """:class:`~aqr.backends.stream_base.StreamKernels` in torch (any device, float32 state)."""
+
+    name = "torch"
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return True
+
+    def scan(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
+             table: StreamTable, mode: int, stride: int, cells: int) -> ScanResult:
+        check_scan(x, images, knots, source, table)
+        a, c, b = x.shape
+        v = x.float()
+        if pre is not None:
+            v = v * pre[0].view(1, c, 1) + pre[1].view(1, c, 1)
+        per_image = v.reshape(images, a // images, c, b)
+        lo, hi = per_image.amin(dim=(1, 3)), per_image.amax(dim=(1, 3))
+        if not bool(torch.isfinite(v).all()):
+            return ScanResult(None, lo, hi, None, False)
+        col = lambda t: t.view(1, c, 1)  # noqa: E731
+        k0, k1, kb, kl = (col(knots[:, j]) for j in (0, 1, -2, -1))
+        y = counts = None
+        if mode & MAP:
+            g = table.grid
+            cell = index_of((v - col(table.glo)) * col(table.ginv) + 1.0, g + 1)
+            cell = torch.where(v >= kb, torch.full_like(cell, g + 1), cell)
+            cell = torch.where(v < k1, torch.zeros_like(cell), cell)
+            flat = cell + col(torch.arange(c, device=v.device) * (g + 2))
+            y = table.slope.reshape(-1)[flat] * v + table.icpt.reshape(-1)[flat]
+            bmin, bmax = lo.amin(0), hi.amax(0)
+            d = lambda t: t.double()  # noqa: E731
+            s = source
+            al, bl = line(d(torch.minimum(bmin, knots[:, 0])), d(s[:, 0]), d(knots[:, 1]), d(s[:, 1]), d(s[:, 1]))
+            ah, bh = line(d(knots[:, -2]), d(s[:, -2]), d(torch.maximum(bmax, knots[:, -1])), d(s[:, -1]),
+                          d(s[:, -2]))
+            low = (v < k1) & col(bmin < knots[:, 0])
+            high = (v >= kb) & ~(v < k1) & col(bmax > knots[:, -1])
+            y = torch.where(low, col(al) * v + col(bl), y)
+            y = torch.where(high, col(ah) * v + col(bh), y)
+        if mode & COUNT:
+            values = v.permute(1, 0, 2).reshape(c, a * b)[:, ::stride]
+            k = knots.shape[1]
+            k0, k1, kb, kl = (knots[:, j : j + 1] for j in (0, 1, k - 2, k - 1))
+            span = kb.double() - k1.double()
+            cinv = torch.where(span > 0, saturate(cells / torch.where(span > 0, span, torch.ones_like(span))),
+                               torch.zeros_like(k1))
+            inner = 2 + index_of((values - k1) * cinv, cells - 1)
+            edge_hi = torch.where(values >= kl, cells + 3, cells + 2)
+            bins = torch.where(values < k1, (values >= k0).long(), torch.where(values >= kb, edge_hi, inner))
+            counts = torch.zeros(c, cells + EDGE_BINS, dtype=torch.int32, device=v.device)
+            counts.scatter_add_(1, bins, torch.ones_like(bins, dtype=torch.int32))
+        return ScanResult(None if y is None else y.to(x.dtype), lo, hi, counts, True)
+
+    def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,
+             lo: torch.Tensor, hi: torch.Tensor) -> None:
+        n = lo.shape[0]
+        size = window.size
+        if group is not None:
+            if counts is not None:
+                group.counts += counts.to(group.counts)
+            if n:
+                torch.minimum(group.gmin, lo.amin(0), out=group.gmin)
+                torch.maximum(group.gmax, hi.amax(0), out=group.gmax)
+        for i in range(n):
+            row = (window.head + i) % size
+            window.ring_lo[row] = lo[i]
+            window.ring_hi[row] = hi[i]
+        window.filled = min(window.filled + n, size)
+        window.head = (window.head + n) % size
+        f = window.filled
+        window.sorted_lo[:, :f] = window.ring_lo[:f].t().sort(dim=1).values
+        window.sorted_hi[:, :f] = (-window.ring_hi[:f].t()).sort(dim=1).values
+
+    def tails(self, window: TailWindow, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = len(weights)
+        if k > window.filled:
+            raise ValueError(f"{k} tail weights for a window holding {window.filled} images")
+        w = weights.to(window.sorted_lo.device, torch.float64)
+        return saturate(window.sorted_lo[:, :k].double() @ w), saturate(-(window.sorted_hi[:, :k].double() @ w))
+
+    def merge(self, knots: torch.Tensor, group: PendingGroup | None, weight: float, p0: torch.Tensor,
+              p100: torch.Tensor) -> None:
+        c, k = knots.shape
+        if group is not None and weight > 0:
+            cells = group.cells
+            counts = group.counts.double().clamp(min=0)
+            total = counts.sum(dim=1, keepdim=True)
+            kd = knots.double()
+            k0, k1, kb, kl = (kd[:, j : j + 1] for j in (0, 1, k - 2, k - 1))
+            lo = torch.minimum(group.gmin.double()[:, None], k0)
+            hi = torch.maximum(group.gmax.double()[:, None], kl)
+            inner = k1 + (kb - k1) * torch.arange(1, cells + 1, dtype=torch.float64, device=kd.device) / cells
+            inner[:, -1:] = kb
+            zb = torch.cat([lo, k0, k1, inner, kl, hi], dim=1)
+            cum = counts.cumsum(dim=1)[:, : cells + 3] / torch.where(total > 0, total, torch.ones_like(total))
+            hb = torch.cat([torch.zeros_like(lo), cum, torch.ones_like(lo)], dim=1)
+            levels = (torch.arange(k, dtype=torch.float64, device=kd.device) / (k - 1)).expand(c, -1).contiguous()
+            fresh = mix_quantiles(kd, levels, zb, hb, float(weight), k)
+            has = (total > 0).expand(-1, k - 2)
+            knots[:, 1 : k - 1] = torch.where(has, fresh, knots[:, 1 : k - 1])
+        knots[:, 0] = torch.minimum(p0.to(knots), knots[:, 1])
+        knots[:, -1] = torch.maximum(p100.to(knots), knots[:, -2])
+
+    def tables(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable) -> None:
+        c, k = knots.shape
+        g = table.grid
+        kd, sd = knots.double(), source.double()
+        lo = kd[:, 1:2]
+        span = kd[:, k - 2 : k - 1] - lo
+        width = torch.where(span > 0, span / g, torch.zeros_like(span))
+        table.glo.copy_(knots[:, 1])
+        table.ginv.copy_(torch.where(width[:, 0] > 0, saturate(1.0 / torch.where(width > 0, width, torch.ones_like(width))[:, 0]),
+                                     torch.zeros_like(table.ginv)))
+        ends = [line(kd[:, 0], sd[:, 0], kd[:, 1], sd[:, 1], sd[:, 1]),
+                line(kd[:, k - 2], sd[:, k - 2], kd[:, k - 1], sd[:, k - 1], sd[:, k - 2])]
+        steps = torch.arange(1, g + 1, dtype=torch.float64, device=kd.device)
+        gx = lo + width * steps
+        gx[:, -1:] = kd[:, k - 2 : k - 1]
+        q = (torch.searchsorted(kd.contiguous(), gx.contiguous(), right=True) - 1).clamp(1, k - 2)
+        top = q >= k - 2
+        q0 = q.clamp(max=k - 3) if k > 3 else q
+        kq, kq1 = kd.gather(1, q0), kd.gather(1, (q0 + 1).clamp(max=k - 1))
+        sq, sq1 = sd.gather(1, q0), sd.gather(1, (q0 + 1).clamp(max=k - 1))
+        run = kq1 - kq
+        yv = torch.where(run > 0, sq + (gx - kq) / torch.where(run > 0, run, torch.ones_like(run)) * (sq1 - sq), sq1)
+        yv = torch.where(top, sd[:, k - 2 : k - 1].expand_as(yv), yv)
+        gprev = torch.cat([lo, gx[:, :-1]], dim=1)
+        yprev = torch.cat([sd[:, 1:2], yv[:, :-1]], dim=1)
+        slope, icpt = line(gprev, yprev, gx, yv, yv)
+        table.slope.copy_(torch.cat([ends[0][0][:, None], slope, ends[1][0][:, None]], dim=1))
+        table.icpt.copy_(torch.cat([ends[0][1][:, None], icpt, ends[1][1][:, None]], dim=1))

@@ -1,0 +1,302 @@
+"""Streaming AQR: each layer's target distribution as a running estimate over the stream.
+
+Per-batch AQR reads a layer's target quantiles from the current batch alone, which needs large
+batches (at batch 1 it maps one image onto the whole source distribution). With
+``aqr.AQR(model, stats, target="stream")`` every recalibrated layer keeps, per channel, a running
+estimate of its target distribution, updates it with every batch and maps the batch with it.
+
+Estimators (``estimator=``; measured in ``docs/results/stream/``):
+
+``"cdf-ema"`` (default)
+    an exponential moving average of the per-channel *CDFs*: the running CDF is piecewise linear
+    through K knots at levels ``j / (K - 1)``; a group of new values, as a histogram on bins fixed
+    by those knots, is mixed in with its weight and the mixture's K quantiles are the new knots
+    (exact for the two piecewise-linear CDFs involved). It estimates the quantiles of the pooled
+    recent stream, which is what the source knots are (quantiles of the pooled source images).
+``"knot-ema"``
+    an exponential moving average of each batch's own knots. It averages quantile *functions*,
+    which at batch 1 is the mean per-image quantile function: narrower than the pooled
+    distribution whenever images differ, so it under-corrects at small batches.
+
+Weights are per image: a batch of ``b`` images gets weight ``1 - (1 - 1/H)^b``, so the horizon
+``H`` (``horizon=``, images) does not depend on the batch size; until ``H`` images are seen the
+weight is ``b / seen`` (a running mean: the first image is not over-weighted by a cold start).
+The EMA's effective sample size is ``2H - 1`` images (:func:`effective_images`).
+
+Tails. The source's p0/p100 are Average Sample Tails: the mean, over draws, of the minimum
+(maximum) over ``tail_batch`` images (100). At batch 1 a batch's own extremes are one image's, far
+inside those. The stream's p0 (p100) is the same statistic of the recent stream: the mean, over
+every subset of ``tail_batch`` of the last ``W`` images (``tail_window=``, 128), of the subset's
+minimum of per-image minima. That U-statistic is the unbiased, minimum-variance estimate of
+E[min over ``tail_batch`` images] from the window (:func:`extreme_weights`); with fewer than
+``tail_batch`` images seen it is their minimum. A batch's own extremes always bound its map's ends,
+so no value is extrapolated beyond the batch's range (per-batch AQR's ends are the batch's extremes).
+
+Cost. Per batch and layer one pass over the values (:meth:`StreamKernels.scan`): the map through
+a lookup table built from the running knots, each image's extremes, the NaN/Inf check and a
+histogram of every ``COUNT_STRIDE``-th value on ``COUNT_CELLS`` cells. Batches of fewer than
+``rebuild_every`` (R) images are mapped with the state of the images before them and their
+histograms pool into a pending group; every R images (every batch until H images were seen) the
+group is merged into the knots and the table rebuilt, O(C (K + cells + G)) per layer. A batch of R
+or more images is merged first and mapped with the result (a counting pass, then the mapping pass).
+The first batch after a reset is mapped with its own knots (per-batch AQR) and starts the state.
+
+Memory per recalibrated channel, fixed (float32): K running knots, 2 (G + 2) + 2 table entries,
+4 W window entries (ring and sorted, minima and maxima), ``COUNT_CELLS + 4`` int32 counts and two
+extremes: ``4 (K + 2G + 4W + COUNT_CELLS + 10)`` bytes (6.7 KB at K = 101, G = 512, W = 128;
+:meth:`LayerStream.memory_bytes`).
+
+A batch enters the state only when the whole forward pass was finite: each layer's update is staged
+while the batch runs and committed after it (:meth:`LayerStream.commit`), so a batch with NaN/Inf
+anywhere leaves the state bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from aqr.backends import Affine, Targets
+from aqr.backends.stream_base import COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow, cloned, copy_into
+
+ESTIMATORS = ("cdf-ema", "knot-ema")
+COUNT_CELLS = 64  # inner cells of a group's histogram
+# Every COUNT_STRIDE-th value (flat position within a channel) enters the histogram. Odd, and prime
+# to common row widths: a stride sharing a factor with the width would sample whole columns.
+COUNT_STRIDE = 5
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """How a layer's running target estimate evolves (the stream fields of :class:`aqr.AQRConfig`)."""
+
+    estimator: str = "cdf-ema"
+    horizon: float = 128.0
+    tail_window: int = 128
+    tail_batch: int = 100
+    rebuild_every: int = 8
+    grid: int = 512
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {self.estimator!r}; expected one of {', '.join(ESTIMATORS)}")
+        if not (isinstance(self.horizon, (int, float)) and math.isfinite(self.horizon) and self.horizon >= 1):
+            raise ValueError(f"horizon must be a number of images >= 1, got {self.horizon!r}")
+        for name, low in (("tail_window", 1), ("tail_batch", 1), ("rebuild_every", 1), ("grid", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1 << 20:
+                raise ValueError(f"{name} must be an integer in [{low}, {1 << 20}], got {value!r}")
+
+
+def batch_weight(images: int, seen: int, horizon: float) -> float:
+    """The weight of ``images`` new images after ``seen``: ``1 - (1 - 1/H)^images``, and at least
+    ``images / (seen + images)`` (a running mean until about ``H`` images were seen)."""
+    ema = 1.0 - (1.0 - 1.0 / horizon) ** images
+    return max(ema, images / (seen + images))
+
+
+def effective_images(horizon: float) -> float:
+    """Kish's effective sample size (images) of the per-image EMA with weight ``a = 1/H``: ``(2 - a) / a``."""
+    a = 1.0 / horizon
+    return (2.0 - a) / a
+
+
+def kish_size(weights: torch.Tensor) -> float:
+    """Kish's effective sample size ``(sum w)^2 / sum w^2`` of the weights ``weights``."""
+    w = weights.double()
+    return float(w.sum() ** 2 / (w * w).sum())
+
+
+@functools.lru_cache(maxsize=512)
+def extreme_weights(n: int, m: int) -> torch.Tensor:
+    """``w_i``, ``i = 1..n - m + 1`` (float64): the probability that the ``i``-th smallest of ``n`` values
+    is the minimum of a random ``m``-subset, ``C(n - i, m - 1) / C(n, m)``. ``sum_i w_i x_(i)`` is the
+    unbiased, minimum-variance estimate of E[min of ``m`` draws] from ``n`` i.i.d. values."""
+    if not 1 <= m <= n:
+        raise ValueError(f"need 1 <= m <= n, got m={m}, n={n}")
+    i = torch.arange(1, n - m + 2, dtype=torch.float64)
+    log_w = (torch.lgamma(n - i + 1) - torch.lgamma(n - i - m + 2) - math.lgamma(m)
+             - (math.lgamma(n + 1) - math.lgamma(m + 1) - math.lgamma(n - m + 1)))
+    w = log_w.exp()
+    return w / w.sum()
+
+
+# ------------------------------------------------------------------------------------ staging
+# What a batch leaves to commit, per layer: computed during the forward pass, applied after it.
+
+
+@dataclass
+class _First:
+    knots: torch.Tensor
+    table: StreamTable
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+
+@dataclass
+class _Small:
+    lo: torch.Tensor
+    hi: torch.Tensor
+    counts: torch.Tensor | None  # cdf-ema
+    batch_knots: torch.Tensor | None  # knot-ema
+
+
+@dataclass
+class _Large:
+    knots: torch.Tensor
+    table: StreamTable
+    window: TailWindow
+    images: int
+
+
+Staged = Union[_First, _Small, _Large]
+BatchKnots = Callable[[torch.Tensor, Union[Affine, None]], Targets]
+
+
+class LayerStream:
+    """One layer's running target state and its per-batch step.
+
+    ``source``: the layer's source knots ``(C, K)``; ``batch_knots(x, pre)``: the batch's own knots
+    (the layer's fast-path backend, :meth:`aqr.backends.LayerBackend.target_knots`); ``kernels``: the
+    :class:`~aqr.backends.stream_base.StreamKernels` of the device the state lives on.
+    """
+
+    def __init__(self, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
+                 batch_knots: BatchKnots) -> None:
+        self.source = source.float().contiguous()
+        self.settings = settings
+        self.kernels = kernels
+        self.batch_knots = batch_knots
+        c, k = self.source.shape
+        device = self.source.device
+        self.knots = torch.zeros(c, k, device=device)
+        self.table = StreamTable.empty(c, settings.grid, device)
+        self.window = TailWindow.empty(c, settings.tail_window, device)
+        self.group = PendingGroup.empty(c, COUNT_CELLS, device)
+        self.reset()
+
+    # ---- state --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Back to the initial state: no batch seen (the buffers are kept, and zeroed)."""
+        for t in (self.knots, self.table.slope, self.table.icpt, self.table.glo, self.table.ginv,
+                  self.window.ring_lo, self.window.sorted_lo, self.window.ring_hi, self.window.sorted_hi):
+            t.zero_()
+        self.window.filled = self.window.head = 0
+        self.group.clear()
+        self.seen = 0  # images the knots have absorbed since the reset
+        self.started = False
+
+    def snapshot(self) -> dict[str, object]:
+        """Every part of the state (tensors cloned), for comparisons."""
+        return {"knots": self.knots.clone(), "table": cloned(self.table), "window": cloned(self.window),
+                "group": cloned(self.group), "seen": self.seen, "started": self.started}
+
+    def memory_bytes(self) -> int:
+        """Bytes of the running state (fixed: nothing grows with the stream)."""
+        tensors = [self.knots, *vars(self.table).values(), *vars(self.window).values(), *vars(self.group).values()]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    @property
+    def channels(self) -> int:
+        return self.knots.shape[0]
+
+    # ---- one batch ------------------------------------------------------------------------------
+    def step(self, x: torch.Tensor, images: int, pre: Affine | None = None) -> tuple[torch.Tensor | None, Staged | None]:
+        """Map the layer output ``x`` (A, C, B; A rows of ``images`` images) with the running estimate.
+
+        Returns the mapped output and what the batch leaves to :meth:`commit`, or ``(None, None)``
+        when a value was NaN or Inf (nothing to commit). The state is not changed.
+        """
+        s, kern = self.settings, self.kernels
+        if not self.started:
+            return self._first(x, images, pre)
+        batch = None
+        if s.estimator == "knot-ema":
+            targets = self.batch_knots(x, pre)
+            if not bool(targets.finite):
+                return None, None
+            batch = targets.knots.to(self.knots)
+        if images < s.rebuild_every:  # map with the committed state; the update waits for the commit
+            mode = MAP | (COUNT if batch is None else 0)
+            r = kern.scan(x, images, pre, self.knots, self.source, self.table, mode, COUNT_STRIDE, COUNT_CELLS)
+            if not r.finite:
+                return None, None
+            return r.y, _Small(r.lo, r.hi, r.counts, batch)
+        # a large batch: merged into a tentative state first, then mapped with it
+        mode = COUNT if batch is None else 0
+        r = kern.scan(x, images, pre, self.knots, self.source, self.table, mode, COUNT_STRIDE, COUNT_CELLS)
+        if not r.finite:
+            return None, None
+        knots, window = self.knots.clone(), cloned(self.window)
+        if batch is None:
+            group = cloned(self.group)
+            kern.push(window, group, r.counts, r.lo, r.hi)
+            weight = batch_weight(self.group.images + images, self.seen, s.horizon)
+        else:
+            group = None
+            kern.push(window, None, None, r.lo, r.hi)
+            weight = batch_weight(images, self.seen + self.group.images, s.horizon)
+            knots[:, 1:-1] = torch.lerp(knots[:, 1:-1], batch[:, 1:-1], weight)
+        p0, p100 = kern.tails(window, self._weights(window.filled))
+        kern.merge(knots, group, weight, p0, p100)
+        table = StreamTable.empty(self.channels, s.grid, knots.device)
+        kern.tables(knots, self.source, table)
+        mapped = kern.scan(x, images, pre, knots, self.source, table, MAP, COUNT_STRIDE, COUNT_CELLS)
+        return mapped.y, _Large(knots, table, window, images)
+
+    def _first(self, x: torch.Tensor, images: int, pre: Affine | None) -> tuple[torch.Tensor | None, Staged | None]:
+        targets = self.batch_knots(x, pre)
+        if not bool(targets.finite):
+            return None, None
+        knots = targets.knots.to(self.knots).contiguous()
+        table = StreamTable.empty(self.channels, self.settings.grid, knots.device)
+        self.kernels.tables(knots, self.source, table)
+        r = self.kernels.scan(x, images, pre, knots, self.source, table, MAP, COUNT_STRIDE, COUNT_CELLS)
+        if not r.finite:
+            return None, None
+        return r.y, _First(knots, table, r.lo, r.hi)
+
+    def _weights(self, filled: int) -> torch.Tensor:
+        return extreme_weights(filled, min(self.settings.tail_batch, filled))
+
+    def commit(self, staged: Staged) -> None:
+        """Apply what :meth:`step` staged for a batch whose whole forward pass was finite."""
+        s, kern = self.settings, self.kernels
+        if isinstance(staged, _First):
+            self.knots.copy_(staged.knots)
+            copy_into(self.table, staged.table)
+            kern.push(self.window, None, None, staged.lo, staged.hi)
+            self.group.clear()
+            self.started, self.seen = True, staged.lo.shape[0]
+        elif isinstance(staged, _Large):
+            self.knots.copy_(staged.knots)
+            copy_into(self.table, staged.table)
+            copy_into(self.window, staged.window)
+            self.seen += self.group.images + staged.images
+            self.group.clear()
+        else:
+            images = staged.lo.shape[0]
+            if staged.batch_knots is None:  # cdf-ema: the histogram joins the group
+                kern.push(self.window, self.group, staged.counts, staged.lo, staged.hi)
+            else:  # knot-ema: the knots move now, the table follows at the rebuild
+                kern.push(self.window, self.group, None, staged.lo, staged.hi)
+                weight = batch_weight(images, self.seen + self.group.images, s.horizon)
+                self.knots[:, 1:-1] = torch.lerp(self.knots[:, 1:-1], staged.batch_knots[:, 1:-1], weight)
+            self.group.images += images
+            if self.group.images >= s.rebuild_every or self.seen < s.horizon:
+                self._rebuild(cdf=staged.batch_knots is None)
+
+    def _rebuild(self, cdf: bool) -> None:
+        """The pending group into the knots (cdf-ema), the tails from the window, the table from the knots."""
+        kern = self.kernels
+        weight = batch_weight(self.group.images, self.seen, self.settings.horizon)
+        p0, p100 = kern.tails(self.window, self._weights(self.window.filled))
+        kern.merge(self.knots, self.group if cdf else None, weight, p0, p100)
+        kern.tables(self.knots, self.source, self.table)
+        self.seen += self.group.images
+        self.group.clear()
