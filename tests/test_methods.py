@@ -115,7 +115,7 @@ MODELS = {"bn": (lambda: conv_net("bn"), images), "gn": (lambda: conv_net("gn"),
 
 # ---------------------------------------------------------------------------- registry
 def test_available_and_create() -> None:
-    assert methods.available() == ["source", "ttn", "tent", "sar", "aqr", "rbn"]
+    assert methods.available() == ["source", "ttn", "tent", "sar", "aqr", "rbn", "bn-ema"]
     net = conv_net()
     for name in ["source", "ttn", "tent", "sar", "rbn"]:
         m = create(name, net, protocol="online" if name == "rbn" else "episodic")
@@ -416,7 +416,7 @@ def test_methods_declare_what_a_caller_must_supply() -> None:
     needs = {name: (methods.method_class(name).needs_stats, methods.method_class(name).needs_batch_size)
              for name in methods.available()}
     assert needs == {"source": (False, False), "ttn": (False, False), "tent": (False, True), "sar": (False, True),
-                     "aqr": (True, False), "rbn": (False, False)}
+                     "aqr": (True, False), "rbn": (False, False), "bn-ema": (False, False)}
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         methods.method_class("nope")
 
