@@ -253,7 +253,7 @@ int aqr_stream_push(int64_t C, int64_t bins, int64_t W, int32_t *pending, const 
                     float *gmax, const float *lo, const float *hi, int64_t N, float *ring_lo, float *sorted_lo,
                     float *ring_hi, float *sorted_hi, int64_t filled, int64_t head, int nthreads) {
     if (C < 1 || W < 1 || N < 0 || filled < 0 || filled > W || head < 0 || head >= W || (filled < W && head != filled) ||
-        bins < 0 || (counts && (!pending || bins < 1)) || !gmin != !gmax || !lo || !hi || !ring_lo || !sorted_lo ||
+        bins < 0 || (counts && (!pending || bins < 1)) || !gmin != !gmax || (N > 0 && (!lo || !hi)) || !ring_lo || !sorted_lo ||
         !ring_hi || !sorted_hi || C > INT64_MAX / W / 8 || (bins && C > INT64_MAX / bins / 8))
         return STREAM_BAD_ARGUMENT;
     stream_push_args a = {C, bins, W, N, filled, head, pending, counts, gmin, gmax, lo, hi, ring_lo, sorted_lo, ring_hi,

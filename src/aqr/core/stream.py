@@ -42,8 +42,8 @@ or more images is merged first and mapped with the result (a counting pass, then
 The first batch after a reset is mapped with its own knots (per-batch AQR) and starts the state.
 
 Memory per recalibrated channel, fixed (float32): K running knots, 2 (G + 2) + 2 table entries,
-4 W window entries (ring and sorted, minima and maxima), ``COUNT_CELLS + 4`` int32 counts and two
-extremes: ``4 (K + 2G + 4W + COUNT_CELLS + 10)`` bytes (6.7 KB at K = 101, G = 512, W = 128;
+4 W window entries (ring and sorted, minima and maxima), ``COUNT_CELLS + 4`` int32 counts and the
+group's two extremes: ``4 (K + 2G + 4W + COUNT_CELLS + 12)`` bytes (6.7 KB at K = 101, G = 512, W = 128;
 :meth:`LayerStream.memory_bytes`).
 
 A batch enters the state only when the whole forward pass was finite: each layer's update is staged

@@ -1,0 +1,147 @@
+"""A property test of streaming AQR's C kernels against their torch mirror on extreme inputs; run by
+tests/test_stream_kernels.py with the normal build and, in a subprocess, under AddressSanitizer and
+UBSan (``python stream_fuzz.py EXAMPLES FLAG...``).
+
+Each case is a small layer output (finite values from the whole float32 range, ties, constant
+channels, sometimes a NaN or Inf), knots and source knots (sorted, sometimes tied or spanning
++-FLT_MAX), an optional folded BatchNorm, and a sequence of operations: tables, scan, pushes into a
+tail window, tails and a merge. Both implementations run each operation on the same inputs; their
+results must agree to float rounding, flags and histograms exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from aqr.backends.stream_base import COUNT, MAP, PendingGroup, StreamTable, TailWindow
+from aqr.backends.stream_native import NativeStreamKernels
+from aqr.backends.stream_torch import TorchStreamKernels
+from aqr.core.stream import extreme_weights
+
+FLT_MAX = float(np.finfo(np.float32).max)
+SPECIAL = [FLT_MAX, -FLT_MAX, 1e38, -1e38, 2e38, -2e38, 1e-45, -1e-45, 0.0, -0.0, 1.0, -1.0, 1e-30]
+# (images, rows per image, C, B)
+LAYOUTS = [(1, 1, 1, 1), (1, 1, 3, 20), (2, 1, 2, 5), (3, 2, 2, 1), (2, 4, 3, 1), (4, 1, 1, 17), (1, 5, 4, 3)]
+
+
+def floats(special_weight: int = 1) -> st.SearchStrategy[float]:
+    return st.one_of(st.floats(width=32, allow_nan=False, allow_infinity=False), *[st.sampled_from(SPECIAL)] * special_weight)
+
+
+def sorted_rows(draw: st.DrawFn, c: int, k: int, moderate: bool) -> torch.Tensor:
+    """``(c, k)`` nondecreasing float32 knots: moderate, or anything finite; some rows tied."""
+    values = st.floats(-100, 100, width=32) if moderate else st.one_of(st.floats(-100, 100, width=32), floats())
+    a = draw(arrays(np.float32, (c, k), elements=values))
+    a.sort(axis=1)
+    for row in range(c):
+        if draw(st.integers(0, 4)) == 0 and k > 3:  # a run of tied knots (an atom)
+            j = draw(st.integers(0, k - 3))
+            a[row, j : j + 3] = a[row, j]
+    return torch.from_numpy(a)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict:
+    images, rows, c, b = draw(st.sampled_from(LAYOUTS))
+    x = draw(arrays(np.float32, (images * rows, c, b), elements=floats(2)))
+    for ch in range(c):
+        kind = draw(st.sampled_from(["drawn", "normal", "constant"]))
+        if kind == "normal":
+            x[:, ch] = np.random.default_rng(draw(st.integers(0, 2**16))).normal(size=(images * rows, b))
+        elif kind == "constant":
+            x[:, ch] = x[0, ch, 0]
+    if draw(st.integers(0, 9)) == 0:
+        x.reshape(-1)[draw(st.integers(0, x.size - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    k = draw(st.sampled_from([3, 4, 11]))
+    moderate = draw(st.booleans())
+    knots, source = sorted_rows(draw, c, k, moderate), sorted_rows(draw, c, k, True)
+    pre = None
+    if draw(st.booleans()):
+        values = st.one_of(st.floats(-10, 10, width=32), floats())
+        pre = tuple(torch.from_numpy(draw(arrays(np.float32, (c,), elements=values))) for _ in range(2))
+    pushes = [torch.from_numpy(np.sort(draw(arrays(np.float32, (2, n, c), elements=floats())), axis=0))
+              for n in draw(st.lists(st.integers(0, 4), min_size=1, max_size=5))]
+    return {"x": torch.from_numpy(x), "images": images, "knots": knots, "source": source, "pre": pre,
+            "grid": draw(st.sampled_from([1, 2, 7, 64])), "cells": draw(st.sampled_from([1, 3, 8])),
+            "stride": draw(st.sampled_from([1, 2, 5])), "window": draw(st.sampled_from([1, 3, 8])),
+            "weight": draw(st.sampled_from([0.0, 1e-3, 0.3, 1.0])), "pushes": pushes}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = float(want.double().abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * max(scale, 1.0), equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
+    """Every stream operation of the C kernels equals its torch mirror on ``case``."""
+    ref = TorchStreamKernels()
+    x, knots, source, pre = case["x"], case["knots"], case["source"], case["pre"]
+    c, g, cells = x.shape[1], case["grid"], case["cells"]
+    tables = [StreamTable.empty(c, g), StreamTable.empty(c, g)]
+    native.tables(knots, source, tables[0])
+    ref.tables(knots, source, tables[1])
+    for name in ("slope", "icpt", "glo", "ginv"):
+        _close(getattr(tables[0], name), getattr(tables[1], name), f"table {name}")
+    mode = MAP | COUNT
+    got = native.scan(x, case["images"], pre, knots, source, tables[0], mode, case["stride"], cells)
+    want = ref.scan(x, case["images"], pre, knots, source, tables[1], mode, case["stride"], cells)
+    assert got.finite == want.finite, "finite flags differ"
+    if want.finite:  # otherwise the rest is documented as meaningless
+        assert torch.equal(got.lo, want.lo) and torch.equal(got.hi, want.hi), "per-image extremes differ"
+        _close(got.y, want.y, "map")
+        assert torch.equal(got.counts, want.counts), "histograms differ"
+    windows = [TailWindow.empty(c, case["window"]) for _ in range(2)]
+    groups = [PendingGroup.empty(c, cells) for _ in range(2)]
+    counts = want.counts if want.finite else torch.zeros(c, cells + 4, dtype=torch.int32)
+    for extremes in case["pushes"]:
+        lo, hi = extremes[0], extremes[1]
+        native.push(windows[0], groups[0], counts, lo, hi)
+        ref.push(windows[1], groups[1], counts, lo, hi)
+    f = windows[1].filled
+    assert (windows[0].filled, windows[0].head) == (f, windows[1].head)
+    for name in ("ring_lo", "ring_hi"):
+        assert torch.equal(getattr(windows[0], name)[:f], getattr(windows[1], name)[:f]), name
+    for name in ("sorted_lo", "sorted_hi"):  # equal values (+0 and -0 may trade places)
+        assert bool((getattr(windows[0], name)[:, :f] == getattr(windows[1], name)[:, :f]).all()), name
+    assert torch.equal(groups[0].counts, groups[1].counts) and torch.equal(groups[0].gmin, groups[1].gmin)
+    if f == 0:
+        return
+    weights = extreme_weights(f, max(1, f // 2))
+    tails = native.tails(windows[0], weights), ref.tails(windows[1], weights)
+    _close(tails[0][0], tails[1][0], "p0")
+    _close(tails[0][1], tails[1][1], "p100")
+    merged = [knots.clone(), knots.clone()]
+    native.merge(merged[0], groups[0], case["weight"], *tails[1])
+    ref.merge(merged[1], groups[1], case["weight"], *tails[1])
+    _close(merged[0], merged[1], "merged knots")
+    assert bool((merged[1][:, 1:] >= merged[1][:, :-1]).all()), "merged knots must stay sorted"
+
+
+def fuzz(lib: ctypes.CDLL, examples: int, seed: int | None = None) -> None:
+    """Run :func:`check_against_torch` on ``examples`` generated cases (raises on the first failure)."""
+    native = NativeStreamKernels(lib)
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is not None,
+              suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def run(case: dict) -> None:
+        check_against_torch(native, case)
+
+    run()
+
+
+if __name__ == "__main__":  # the sanitizer run: python stream_fuzz.py EXAMPLES FLAG...
+    from aqr.backends import build
+
+    examples, flags = int(sys.argv[1]), sys.argv[2:]
+    for simd in (False, True):
+        fuzz(build.load(build.compile_command(flags, simd=simd), name="aqr_kernels_sanitized"), examples, seed=0)
+    print("sanitized stream fuzz passed")

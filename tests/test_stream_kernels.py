@@ -1,0 +1,52 @@
+"""Streaming AQR's C kernels on hostile input: equal to their torch mirror, refusing sizes out of bounds,
+and the same fuzz under AddressSanitizer and UBSan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aqr.backends import build
+from aqr.backends.native import NativeKernelError
+from aqr.backends.stream_base import MAP, StreamTable, TailWindow
+from aqr.backends.stream_native import NativeStreamKernels
+from tests.stream_fuzz import fuzz
+
+LIB, WHY = build.load_kernels()
+needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")
+
+
+@needs_kernels
+def test_stream_kernels_equal_the_torch_mirror() -> None:
+    fuzz(LIB, examples=120, seed=0)
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_stream_kernels_equal_the_torch_mirror_on_many_cases() -> None:
+    fuzz(LIB, examples=1500)
+
+
+@needs_kernels
+def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
+    native = NativeStreamKernels(LIB)
+    c, k = 3, 11
+    knots = torch.linspace(-1, 1, k).expand(c, k).contiguous()
+    table = StreamTable.empty(c, 8)
+    native.tables(knots, knots, table)
+    with pytest.raises(ValueError, match="cannot hold 3 images"):
+        native.scan(torch.zeros(4, c, 5), 3, None, knots, knots, table, MAP, 5, 8)
+    with pytest.raises(ValueError, match="channels"):
+        native.scan(torch.zeros(4, c + 1, 5), 2, None, knots, knots, table, MAP, 5, 8)
+    window = TailWindow.empty(c, 4)
+    window.head = 2  # a window that is not full must have its head at its end
+    with pytest.raises(NativeKernelError, match="out of bounds"):
+        native.push(window, None, None, torch.zeros(1, c), torch.zeros(1, c))
+    window = TailWindow.empty(c, 4)
+    with pytest.raises(ValueError, match="tail weights"):
+        native.tails(window, torch.ones(2, dtype=torch.float64))
+    lib = native.lib
+    assert lib.aqr_stream_merge(c, k, knots.data_ptr(), None, 8, None, None, 1.5, knots[:, 0].contiguous().data_ptr(),
+                                knots[:, -1].contiguous().data_ptr(), 1) == -2  # a weight outside [0, 1]
+    assert lib.aqr_stream_tables(c, 2, knots.data_ptr(), knots.data_ptr(), 8, table.slope.data_ptr(),
+                                 table.icpt.data_ptr(), table.glo.data_ptr(), table.ginv.data_ptr(), 1) == -2  # K < 3
