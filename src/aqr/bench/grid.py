@@ -11,6 +11,12 @@ seeds, from a preset (:func:`preset`), a YAML/JSON file (:func:`load_grid`) or P
 A cell's images come in a seeded random order unless it names a stream order (``Cell.order``, the
 text of a :class:`aqr.data.streams.StreamOrder`, e.g. ``"delta=0.1"``): then the same images are put
 in that order, class-correlated, with the cell's seed; the order is part of the cell's key.
+
+A *continual* cell (corruption ``"continual"``, or ``"continual:fog+contrast+..."`` for another
+sequence; :func:`stream_corruptions`) is one whole stream: for each corruption in turn, a block of
+the same ``n_images`` drawn images, one block after the other, evaluated without a reset (the
+``stream`` preset, issue 15). Its result keeps whether each image was classified right, in stream
+order, for the accuracy along the stream.
 """
 
 from __future__ import annotations
@@ -39,7 +45,11 @@ AQR_FAST_PATH_VERSION = 3
 # Part of the keys of cells with a stream order only: bump when aqr.data.streams orders images differently.
 STREAM_ORDER_VERSION = 1
 
-PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet")
+PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet", "stream")
+# A continual cell's corruption: the 15 benchmark corruptions in the order of the test-time-adaptation
+# benchmark repository (gaussian noise first), or "continual:<name>+<name>+..." for another sequence.
+CONTINUAL = "continual"
+CONTINUAL_ORDER: tuple[str, ...] = CORRUPTIONS[:15]
 # ModelSpec fields added after results were recorded: absent from a cell's dict while None
 OPTIONAL_MODEL_FIELDS = ("image_size", "resize")
 # Cell fields added after results were recorded: absent from a cell's dict while None
@@ -199,6 +209,26 @@ def _freeze_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(frozen)
 
 
+def stream_corruptions(corruption: str) -> tuple[str, ...] | None:
+    """The corruptions a continual cell streams through, in order (see the module docs); ``None`` for a
+    cell of one corruption. ``ValueError`` for a sequence naming an unknown corruption."""
+    if corruption == CONTINUAL:
+        return CONTINUAL_ORDER
+    if not corruption.startswith(CONTINUAL + ":"):
+        return None
+    names = tuple(n.strip() for n in corruption[len(CONTINUAL) + 1 :].split("+") if n.strip())
+    unknown = [n for n in names if n not in CORRUPTIONS]
+    if not names or unknown:
+        raise ValueError(f"continual stream {corruption!r} must list known corruptions joined by '+'; "
+                         f"unknown: {unknown or 'none given'}")
+    return names
+
+
+def data_corruptions(corruptions: Sequence[str]) -> tuple[str, ...]:
+    """The corruption files a list of cell corruptions reads (continual streams expanded), each once."""
+    return tuple(dict.fromkeys(c for name in corruptions for c in (stream_corruptions(name) or (name,))))
+
+
 def canonical_order(order: "str | StreamOrder | None") -> str | None:
     """The canonical text of a stream order (``"delta=0.10"`` -> ``"delta=0.1"``), ``None`` for none;
     ``ValueError`` for text that names no order."""
@@ -310,9 +340,10 @@ class GridSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "order", canonical_order(self.order))
-        unknown = [c for c in self.corruptions if c not in CORRUPTIONS]
+        unknown = [c for c in data_corruptions(self.corruptions) if c not in CORRUPTIONS]
         if unknown:
-            raise ValueError(f"unknown corruptions {unknown}; expected names from {', '.join(CORRUPTIONS)}")
+            raise ValueError(f"unknown corruptions {unknown}; expected names from {', '.join(CORRUPTIONS)} "
+                             f"or {CONTINUAL!r}")
         bad = [s for s in self.severities if not 1 <= int(s) <= 5]
         if bad:
             raise ValueError(f"severities must lie in 1..5, got {bad}")
@@ -376,6 +407,9 @@ def default_data(data_dir: str | Path | None = None, cifar_c: str | Path = "cach
 
 
 BASELINES = ("source", "ttn", "tent", "sar", "aqr")
+# The stream preset's methods: per-batch AQR (the reference at batch 128), streaming AQR, and the
+# methods used on streams, all online.
+STREAM_METHODS = ("source", "ttn", "bn-ema", "tent", "sar", "aqr", "aqr:target=stream")
 
 
 def imagenet_models(imagenet_dir: str | Path) -> dict[str, ModelSpec]:
@@ -411,7 +445,10 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
     Table 3 (K = 11 vs 101); ``vit-blocks``: AQR on all / top-half / bottom-half ViT layers;
     ``smoke``: every method on ResNet-20, two corruptions, one severity, 256 images (about a minute);
     ``imagenet``: Table 1's ImageNet-C setting (ResNet-50 BN and GN, ViT-B/16 from timm; severities
-    1, 3, 5; batch 64; 5,000 of the 50,000 images per cell; see docs/imagenet.md for its cost).
+    1, 3, 5; batch 64; 5,000 of the 50,000 images per cell; see docs/imagenet.md for its cost);
+    ``stream``: continual CIFAR-10-C (issue 15): each cell one stream of the 15 corruptions at severity 5
+    in the continual order, blocks of ``n_images`` (2,000) test images, online (no reset), batch sizes
+    1, 4, 16, 64 and 128, for :data:`STREAM_METHODS` (see docs/results/stream for its cost).
     """
     methods = tuple(MethodSpec(m) for m in BASELINES)
     if name == "imagenet":
@@ -434,6 +471,10 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
         return GridSpec("vit-blocks", (models["vit_ln"],), data,
                         tuple(MethodSpec("aqr", {"layers": s}) for s in ("all", "top-half", "bottom-half")),
                         severities=(3, 5))
+    if name == "stream":
+        return GridSpec("stream", tuple(models.values()), data, tuple(MethodSpec.parse(m) for m in STREAM_METHODS),
+                        corruptions=(CONTINUAL,), severities=(5,), batch_sizes=(1, 4, 16, 64, 128), seeds=(0,),
+                        n_images=2000, protocol="online")
     if name == "smoke":
         smoke_data = replace(data, root=str(Path(cifar_c).parent / "cifar10c-smoke"))
         return GridSpec("smoke", (models["resnet20"],), smoke_data, methods,

@@ -47,6 +47,10 @@ CREATE TABLE IF NOT EXISTS experiment_cells (
     PRIMARY KEY (experiment, key)
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS details (  -- what an ok cell keeps beyond its accuracy (a stream's per-image results)
+    key TEXT PRIMARY KEY,
+    detail TEXT NOT NULL             -- JSON
+);
 """
 
 TABLES = {"results", "experiment_cells", "meta"}
@@ -81,6 +85,7 @@ class Row:
     config: dict
     provenance: dict
     created: float
+    detail: dict | None = None  # e.g. a continual cell's per-image results (aqr.bench.runner.stream_detail)
 
 
 class ResultsDB:
@@ -134,9 +139,10 @@ class ResultsDB:
 
     # ---- writing ----------------------------------------------------------------------------
     def add(self, key: str, cell: dict, status: str, accuracy: float | None, n_images: int | None,
-            wall_s: float | None, provenance: dict, message: str | None = None) -> None:
+            wall_s: float | None, provenance: dict, message: str | None = None, detail: dict | None = None) -> None:
         """Store one cell's result in its own transaction: it replaces the cell's stored row, except
-        that an ``error`` never replaces an ``ok`` result (a failed rerun keeps the result)."""
+        that an ``error`` never replaces an ``ok`` result (a failed rerun keeps the result). ``detail``
+        (JSON-able) is kept beside an ok row."""
         if status not in ("ok", "n/a", "error"):
             raise ValueError(f"status must be 'ok', 'n/a' or 'error', got {status!r}")
         values = (key, cell["model"]["name"], cell["method"], Cell.from_dict(cell).variant, cell["data"]["name"],
@@ -144,9 +150,13 @@ class ResultsDB:
                   status, accuracy, n_images, wall_s, message,
                   json.dumps(cell, sort_keys=True), json.dumps(provenance, sort_keys=True), time.time())
         update = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[1:])
-        self._conn.execute(f"INSERT INTO results ({','.join(COLUMNS)}) VALUES ({','.join('?' * len(COLUMNS))}) "
-                           f"ON CONFLICT(key) DO UPDATE SET {update} "
-                           "WHERE NOT (excluded.status = 'error' AND results.status = 'ok')", values)
+        with self._conn:
+            self._conn.execute("BEGIN")
+            self._conn.execute(f"INSERT INTO results ({','.join(COLUMNS)}) VALUES ({','.join('?' * len(COLUMNS))}) "
+                               f"ON CONFLICT(key) DO UPDATE SET {update} "
+                               "WHERE NOT (excluded.status = 'error' AND results.status = 'ok')", values)
+            if detail is not None and status == "ok":
+                self._conn.execute("INSERT OR REPLACE INTO details VALUES (?, ?)", (key, json.dumps(detail)))
 
     def add_membership(self, experiment: str, keys: Iterable[str]) -> None:
         """Record that these cells belong to ``experiment`` (a cell may belong to several)."""
@@ -160,6 +170,7 @@ class ResultsDB:
         with self._conn:
             self._conn.execute("BEGIN")
             self._conn.execute("UPDATE OR REPLACE results SET key = ? WHERE key = ?", (new, old))
+            self._conn.execute("UPDATE OR REPLACE details SET key = ? WHERE key = ?", (new, old))
             self._conn.execute("UPDATE OR IGNORE experiment_cells SET key = ? WHERE key = ?", (new, old))
             self._conn.execute("DELETE FROM experiment_cells WHERE key = ?", (old,))
 
@@ -177,7 +188,7 @@ class ResultsDB:
         bad = set(where) - set(COLUMNS)
         if bad:
             raise ValueError(f"unknown columns {sorted(bad)}")
-        sql = f"SELECT {','.join('r.' + c for c in COLUMNS)} FROM results r"
+        sql = f"SELECT {','.join('r.' + c for c in COLUMNS)}, d.detail FROM results r LEFT JOIN details d ON d.key = r.key"
         args: list[Any] = []
         if experiment is not None:
             sql += " JOIN experiment_cells e ON e.key = r.key AND e.experiment = ?"
@@ -195,7 +206,8 @@ class ResultsDB:
 
 
 def _row(values: tuple) -> Row:
-    d = dict(zip(COLUMNS, values))
+    d = dict(zip((*COLUMNS, "detail"), values))
     d["config"] = json.loads(d["config"])
     d["provenance"] = json.loads(d["provenance"])
+    d["detail"] = None if d["detail"] is None else json.loads(d["detail"])
     return Row(**d)

@@ -31,7 +31,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from aqr.bench.grid import (STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key,
-                            eval_indices, legacy_cell_key, location_free, parse_range, stream_positions)
+                            data_corruptions, eval_indices, legacy_cell_key, location_free, parse_range,
+                            stream_corruptions, stream_positions)
 from aqr.bench.results import ResultsDB
 from aqr.core.calibrate import DEFAULT_TAIL_UNIT
 from aqr.core.stats import StatsError
@@ -54,7 +55,8 @@ class CellResult:
     """What a cell produced. ``status``: ``"ok"``, ``"n/a"`` (method not applicable) or ``"error"``.
 
     ``node``, ``threads`` and ``device``: the host that ran the cell, torch's thread count and the
-    device there (``None`` when the cell never ran, e.g. its worker died).
+    device there (``None`` when the cell never ran, e.g. its worker died). ``detail``: what a continual
+    cell keeps beyond its accuracy (:func:`aqr.bench.continual.stream_detail`).
     """
 
     status: str
@@ -65,6 +67,7 @@ class CellResult:
     node: str | None = None
     threads: int | None = None
     device: str | None = None
+    detail: dict[str, Any] | None = None
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -144,7 +147,11 @@ def cell_files(cell: Cell) -> dict[str, Path]:
     if weights is not None:
         files["weights"] = weights
     files["source"] = Path(cell.model.source_data)
-    if uses_image_folders(cell.data):
+    streamed = stream_corruptions(cell.corruption)
+    if streamed is not None:  # a continual cell reads every corruption of its stream
+        files.update({f"eval:{name}": Path(cell.data.root) / f"{name}.npy" for name in streamed})
+        files["labels"] = Path(cell.data.root) / "labels.npy"
+    elif uses_image_folders(cell.data):
         files["eval"] = Path(cell.data.root) / cell.corruption / str(cell.severity)
     else:
         files["eval"] = Path(cell.data.root) / f"{cell.corruption}.npy"
@@ -378,6 +385,8 @@ def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False
             torch.manual_seed(cell.seed)
             method = build_method(cell, cache_dir, device, loader_workers, stats_file)
             desc = f"{cell.variant} {cell.corruption}-{cell.severity}"
+            if stream_corruptions(cell.corruption) is not None:
+                return _run_continual(cell, method, progress, desc, t0, where)
             if uses_image_folders(cell.data):
                 folder = eval_folder(cell, model_preprocess(cell.model, load_model(cell.model)))
                 loader = data_loader(folder, cell.batch_size, loader_workers, device)
@@ -391,6 +400,21 @@ def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False
         except Exception as err:  # recorded, so one broken cell doesn't stop a grid
             msg = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=6)}"
             return CellResult("error", None, None, time.perf_counter() - t0, msg, **where)
+
+
+def _run_continual(cell: Cell, method: nn.Module, progress: bool, desc: str, t0: float,
+                   where: dict[str, Any]) -> CellResult:
+    """A continual cell: the whole stream through ``method``, the per-image results kept."""
+    from aqr.bench import continual
+
+    if uses_image_folders(cell.data):
+        raise ValueError("continual cells read CIFAR-C arrays; image folders are not supported")
+    blocks = continual.stream_blocks(cell)
+    images, labels, starts = continual.stream_batches(cell, blocks)
+    correct = continual.evaluate_stream(method, images, labels, starts, progress, desc)
+    detail = continual.stream_detail(correct, [name for name, _, _ in blocks], len(blocks[0][2]))
+    return CellResult("ok", 100.0 * float(correct.mean()), len(correct), time.perf_counter() - t0, **where,
+                      detail=detail)
 
 
 # ----------------------------------------------------------------------------- provenance
@@ -420,6 +444,9 @@ def provenance(cell: Cell, files: dict[str, str], key: str, result: CellResult |
 
     result = result or CellResult("ok")
     order = "numpy default_rng(seed).permutation(pool)[:n_images]"
+    streamed = stream_corruptions(cell.corruption)
+    if streamed is not None:
+        order += f", the same images for each of {len(streamed)} corruptions in turn ({'+'.join(streamed)}), no reset"
     if cell.order is not None:
         order += f", then stream order {cell.order!r} (aqr.data.streams, seed {cell.seed})"
     return {
@@ -568,7 +595,7 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     t0 = time.perf_counter()
     summary = GridSummary()
-    ensure_data(grid.data, grid.corruptions, progress=progress, severities=grid.severities)
+    ensure_data(grid.data, data_corruptions(grid.corruptions), progress=progress, severities=grid.severities)
     keyed = keyed_cells(grid)
     summary.total = len(keyed)
     db.add_membership(grid.name, [k for k, _, _ in keyed])
@@ -648,7 +675,8 @@ def _drive(runner: CellExecutor, claims: Claims, todo: Sequence[tuple[str, Cell,
                 for handle, result in runner.wait(list(in_flight), poll_s):
                     key, cell, fp = in_flight.pop(handle)
                     db.add(key, cell.to_dict(), result.status, result.accuracy, result.n_images, result.wall_s,
-                           provenance(cell, fp, key, result, runner.name, claims.owner), result.message)
+                           provenance(cell, fp, key, result, runner.name, claims.owner), result.message,
+                           result.detail)
                     claims.release(key)
                     _count(summary, cell, result)
                     acc = "n/a" if result.accuracy is None else f"{result.accuracy:.2f}"

@@ -17,6 +17,7 @@ from typing import Any
 
 from aqr.bench.report.figures import (architecture_bars, closest_severity, mean_se, plot_architectures,
                                       plot_severity, severity_curves, write_figures)
+from aqr.bench.report.streams import is_continual, stream_report, stream_tables, write_stream_figures
 from aqr.bench.report.render import FORMATS, latex_escape, to_csv, to_latex, to_markdown, write_tables
 from aqr.bench.report.tables import (BASE_METHODS, METHOD_LABELS, Entry, Table, ablation_tables, bold_best,
                                      build_tables, corruption_order, entry_of, flag_incomplete, method_label,
@@ -27,8 +28,8 @@ __all__ = ["BASE_METHODS", "FORMATS", "METHOD_LABELS", "Entry", "Table", "ablati
            "bold_best", "build_tables", "condition", "corruption_order", "entry_of", "flag_incomplete",
            "index_markdown", "latest_rows", "latex_escape", "load_rows", "mean_se", "method_label",
            "per_corruption_table", "plot_architectures", "plot_severity", "provenance_summary", "report",
-           "report_dict", "severity_curves", "summarize", "summary_table", "to_csv", "to_latex", "to_markdown",
-           "variant_order", "write_figures", "write_tables"]
+           "report_dict", "severity_curves", "stream_report", "stream_tables", "summarize", "summary_table", "to_csv",
+           "to_latex", "to_markdown", "variant_order", "write_figures", "write_stream_figures", "write_tables"]
 
 
 def load_rows(db_path: str | Path, experiment: str | None = None, latest: bool = True) -> list[Row]:
@@ -76,16 +77,18 @@ def provenance_summary(rows: Iterable[Row]) -> dict[str, list[str]]:
 
 def report_dict(rows: Sequence[Row], tables: Sequence[Table], superseded: int = 0) -> dict[str, Any]:
     """The JSON-able numbers of a report: row counts, provenance, tables and figure data."""
-    severity = closest_severity(rows)
+    paper = [r for r in rows if not is_continual(r)]  # the paper's figures; continual cells have their own
+    severity = closest_severity(paper)
     return {
         "rows": dict(Counter(r.status for r in rows)),
         "superseded_rows": superseded,
         "models": sorted({r.model for r in rows}),
         "provenance": provenance_summary(rows),
         "tables": [t.to_dict() for t in tables],
-        "severity_curves": severity_curves(rows),
+        "severity_curves": severity_curves(paper),
         "architecture_bars": {"severity": severity,
-                              "bars": architecture_bars(rows, severity) if severity is not None else {}},
+                              "bars": architecture_bars(paper, severity) if severity is not None else {}},
+        "streams": stream_report(rows),
     }
 
 

@@ -157,9 +157,13 @@ def plot_architectures(rows: Sequence[Row], path: str | Path, severity: int = 3)
 
 
 def write_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
-    """Fig. 4 and Fig. 5 (at severity 3, or the closest present) when the rows support them."""
+    """Fig. 4 and Fig. 5 (at severity 3, or the closest present) when the rows support them, then the
+    continual cells' figures (:mod:`aqr.bench.report.streams`)."""
+    from aqr.bench.report.streams import is_continual, write_stream_figures
+
     out = Path(out_dir)
-    figures: dict[str, list[Path]] = {}
+    figures: dict[str, list[Path]] = write_stream_figures(rows, out)
+    rows = [r for r in rows if not is_continual(r)]
     if not has_ok(rows):
         return figures
     figures["severity"] = plot_severity(rows, out / "severity")

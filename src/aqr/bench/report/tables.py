@@ -265,7 +265,12 @@ def ablation_tables(rows: Sequence[Row], model: str) -> list[Table]:
 
 
 def build_tables(rows: Sequence[Row]) -> list[Table]:
-    """Every table the rows support: summaries, ablations, then per-corruption tables."""
+    """Every table the rows support: summaries, ablations, per-corruption tables, then the continual
+    cells' tables (:mod:`aqr.bench.report.streams`)."""
+    from aqr.bench.report.streams import is_continual, stream_tables
+
+    streams = stream_tables(rows)
+    rows = [r for r in rows if not is_continual(r)]
     models = sorted({r.model for r in rows})
     tables = [summary_table(rows, m) for m in models]
     if len(models) > 1:
@@ -275,4 +280,4 @@ def build_tables(rows: Sequence[Row]) -> list[Table]:
     for model in models:
         settings = sorted({(r.severity, r.batch_size) for r in rows if r.model == model})
         tables.extend(per_corruption_table(rows, model, s, b) for s, b in settings)
-    return [t for t in tables if t is not None]
+    return [t for t in tables if t is not None] + streams

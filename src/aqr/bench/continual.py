@@ -1,0 +1,108 @@
+"""Continual cells: one stream of corruption blocks, evaluated without a reset (the ``stream`` preset).
+
+A continual cell (:func:`aqr.bench.grid.stream_corruptions`) draws ``n_images`` test images from its
+pool with its seed, as every cell does, and shows the same images once per corruption, block after
+block in the given order. With a stream order (``Cell.order``) the blocks are ordered by
+:meth:`aqr.data.streams.StreamOrder.stream` (class-correlated within blocks, or all blocks mixed).
+Batches never straddle two blocks, unless the order mixes them; a block's last batch may be smaller.
+
+The result keeps whether each image was classified right, in stream order (:func:`stream_detail`);
+:func:`block_accuracies` and :func:`along_stream` read it back for tables and figures.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from aqr.bench.grid import Cell, eval_indices, parse_range, stream_corruptions
+from aqr.data.arrays import to_float
+from aqr.data.streams import StreamOrder, take
+
+
+def stream_blocks(cell: Cell) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """``(corruption, images uint8 NHWC, labels)`` per block of a continual cell, images in draw order."""
+    from aqr.data import load_cifar_c
+
+    names = stream_corruptions(cell.corruption)
+    if names is None:
+        raise ValueError(f"cell corruption {cell.corruption!r} is not a continual stream")
+    pool = parse_range(cell.data.eval_indices)
+    if pool is None:
+        raise ValueError("DataSpec.eval_indices must be set")
+    indices = eval_indices(cell, pool)
+    blocks = []
+    for name in names:
+        ds = load_cifar_c(cell.data.root, name, cell.severity, indices=indices)
+        blocks.append((name, np.asarray(ds.images), np.asarray(ds.labels)))
+    return blocks
+
+
+def stream_batches(cell: Cell, blocks: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The stream's images and labels in order, and where its batches start (never across two blocks,
+    unless the cell's order mixes them)."""
+    images = [b[1] for b in blocks]
+    labels = [b[2] for b in blocks]
+    order = StreamOrder.parse(cell.order) if cell.order is not None else None
+    if order is None:
+        rows = np.concatenate([np.stack([np.full(len(lab), k), np.arange(len(lab))], 1) for k, lab in enumerate(labels)])
+    else:
+        rows = order.stream(labels, cell.seed)
+    stream_images, stream_labels = take(images, rows), take(labels, rows)
+    size = cell.batch_size
+    if order is not None and order.mixed:
+        starts = list(range(0, len(stream_labels), size))
+    else:
+        edges = np.flatnonzero(np.r_[True, rows[1:, 0] != rows[:-1, 0]]).tolist() + [len(rows)]
+        starts = [s for a, b in zip(edges[:-1], edges[1:]) for s in range(a, b, size)]
+    return stream_images, stream_labels, starts
+
+
+def evaluate_stream(method: nn.Module, images: np.ndarray, labels: np.ndarray, starts: Sequence[int],
+                    progress: bool = False, desc: str = "") -> np.ndarray:
+    """Whether each image of the stream was classified right, feeding ``method`` the batches that begin at
+    ``starts`` in order (from the first image to the last)."""
+    from tqdm.auto import tqdm
+
+    correct = np.zeros(len(labels), dtype=bool)
+    ends = [*starts[1:], len(labels)]
+    device = next((p.device for p in method.parameters()), torch.device("cpu"))
+    for start, end in tqdm(list(zip(starts, ends)), desc=desc or "batches", leave=False, disable=not progress,
+                           unit="batch"):
+        logits = method(to_float(images[start:end]).to(device))
+        correct[start:end] = logits.argmax(1).cpu().numpy() == labels[start:end]
+    return correct
+
+
+def stream_detail(correct: np.ndarray, corruptions: Sequence[str], block_size: int) -> dict[str, Any]:
+    """A continual cell's per-image results as JSON-able data (correctness packed as bits, base64)."""
+    return {"corruptions": list(corruptions), "block_size": int(block_size), "n": int(len(correct)),
+            "correct": base64.b64encode(np.packbits(correct.astype(bool))).decode("ascii")}
+
+
+def correctness(detail: dict[str, Any]) -> np.ndarray:
+    """The per-image correctness (bool, stream order) stored by :func:`stream_detail`."""
+    bits = np.frombuffer(base64.b64decode(detail["correct"]), dtype=np.uint8)
+    return np.unpackbits(bits)[: detail["n"]].astype(bool)
+
+
+def block_accuracies(detail: dict[str, Any]) -> dict[str, float]:
+    """Accuracy (%) of each block of an unmixed stream, by corruption."""
+    correct = correctness(detail)
+    size = detail["block_size"]
+    return {name: 100.0 * float(correct[k * size : (k + 1) * size].mean()) for k, name in enumerate(detail["corruptions"])}
+
+
+def along_stream(detail: dict[str, Any], window: int) -> np.ndarray:
+    """Accuracy (%) along the stream: the mean correctness of the ``window`` images ending at each
+    position (fewer at the start)."""
+    correct = correctness(detail).astype(float)
+    totals = np.cumsum(np.r_[0.0, correct])
+    ends = np.arange(1, len(correct) + 1)
+    begins = np.maximum(0, ends - window)
+    return 100.0 * (totals[ends] - totals[begins]) / (ends - begins)
