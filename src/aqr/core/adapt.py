@@ -2,7 +2,9 @@
 
 On every forward pass, each selected normalization layer's output is mapped, channel by channel,
 from this batch's quantiles onto the stored source quantiles (:func:`aqr.quantile_map`). Nothing is
-learned and nothing persists between batches.
+learned and nothing persists between batches. With ``target="stream"``, :class:`AQR` instead keeps
+a running estimate of each layer's target distribution across batches and maps every batch with it
+(:mod:`aqr.core.stream`), for batches down to one image.
 
 :class:`AQR` never changes the user's model: it runs a structural twin of it (:mod:`aqr.core.twin`)
 whose selected norm layers map their outputs, so several threads may call one ``AQR`` at once and
@@ -14,9 +16,11 @@ to end, in any order).
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,8 +32,12 @@ from aqr.core.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, quantile
 from aqr.core.stats import SOURCE_MOMENTS, SourceStats
 from aqr.core.twin import structural_twin
 
+if TYPE_CHECKING:
+    from aqr.core.stream_map import StreamBatch
+
 NONFINITE_POLICIES = ("raise", "skip")
 MODES = ("fast", "exact")
+TARGETS = ("batch", "stream")
 MAX_TARGET_SAMPLES = 1 << 24  # the kernels' histograms count in int32
 MAX_GRID = 1 << 16  # cells per table; C * (grid + 2) indexes the tables in int32
 
@@ -60,6 +68,17 @@ class AQRConfig:
             the exact map than the torch path's sample; on an H100, ResNet-50 at batch 64 costs
             x2.4 of the plain forward against the torch path's x3.7, see ``docs/results/speed/``);
             opt-in until it reaches its cost target. Without triton it warns once and uses torch.
+        target: ``"batch"`` (default): each batch's target quantiles are its own (per-batch AQR);
+            ``"stream"``: a running estimate per layer across batches (:mod:`aqr.core.stream`; fast
+            mode, tails ``"standard"``/``"average"``), for small batches; :class:`AQR` then has a
+            ``reset()`` and serializes its calls.
+        estimator: the stream's estimate, ``"cdf-ema"`` (EMA of the per-channel CDFs; default) or
+            ``"knot-ema"`` (EMA of the batches' knots; biased at small batches).
+        horizon: the stream's EMA horizon in images (per-image weight ``1 / horizon``; effective
+            sample size ``2 horizon - 1`` images).
+        tail_window: images whose extremes give the stream's Average Sample Tails.
+        rebuild_every: images between two updates of the stream's knots and table (smaller batches
+            are mapped with the state of the images before them; larger ones update first).
     """
 
     tail: str | None = None
@@ -73,6 +92,11 @@ class AQRConfig:
     compile: bool = True
     native: bool = True
     triton: bool = False
+    target: str = "batch"
+    estimator: str = "cdf-ema"
+    horizon: float = 128.0
+    tail_window: int = 128
+    rebuild_every: int = 8
 
     def __post_init__(self) -> None:
         if self.tail is not None and self.tail not in TAILS:
@@ -89,6 +113,13 @@ class AQRConfig:
                 raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
         if not 0.0 < self.gaussian_p < 0.5:
             raise ValueError(f"gaussian_p must be in (0, 0.5), got {self.gaussian_p}")
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
+        from aqr.core.stream import StreamSettings
+
+        StreamSettings(self.estimator, self.horizon, self.tail_window, 100, self.rebuild_every, self.grid)  # checks
+        if self.target == "stream" and self.mode != "fast":
+            raise ValueError("target='stream' runs the fast path: mode='exact' is not available with it")
 
 
 def host_reads_are_cheap(device: torch.device) -> bool:
@@ -231,11 +262,17 @@ class LayerMap:
         )
 
 
-def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False) -> dict[str, LayerMap]:
+def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False,
+                batch: StreamBatch | None = None) -> dict[str, LayerMap]:
+    """The maps of the selected layers; with ``batch``, streaming ones sharing it (:mod:`aqr.core.stream_map`)."""
     tail = config.tail or stats.tail
     infos = [layer.info for layer in stats.layers.values()]
     chosen = select_layers(infos, "all" if config.layers is None else config.layers, stats.layer_names)
     subsets = SubsetCache(config.target_samples)  # shared: layers of one shape share one index
+    if batch is not None:
+        from aqr.core.stream_map import StreamLayerMap
+
+        return {info.name: StreamLayerMap(stats, info.name, config, tail, subsets, batch) for info in chosen}
     return {info.name: LayerMap(stats, info.name, config, tail, subsets, logits_checked) for info in chosen}
 
 
@@ -250,6 +287,9 @@ def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> It
     """
     stats.check_model(model)
     config = AQRConfig(**options)  # type: ignore[arg-type]
+    if config.target == "stream":
+        raise ValueError("target='stream' keeps a state across batches, which a context manager cannot: use "
+                         "aqr.AQR(model, stats, target='stream')")
     check_named_layers(model, config.layers)
     maps = _layer_maps(stats, config)
     with instrumented(model) as tools:
@@ -320,6 +360,14 @@ class AQR(nn.Module):
     In the twin, a BatchNorm with running statistics runs its map folded (on CPU with the native
     kernels): the map reads the BN's input and applies its affine step itself, one pass instead
     of two. The layers' forward hooks run and see the recalibrated output.
+
+    With ``target="stream"`` each layer keeps a running estimate of its target distribution
+    (:mod:`aqr.core.stream`; options ``estimator``, ``horizon``, ``tail_window``, ``rebuild_every``):
+    every batch updates it and is mapped with it. The state's memory is fixed (:meth:`memory_bytes`),
+    :meth:`reset` returns to the initial state, and a batch enters the state only if every layer
+    and the logits were finite (with NaN/Inf, ``on_nonfinite="raise"`` raises and ``"skip"`` returns
+    the output; neither changes the state). The stream is one sequence: calls from several threads
+    are serialized by a lock, each batch seeing the state its predecessors left.
     """
 
     def __init__(self, model: nn.Module, stats: SourceStats, **options: object) -> None:
@@ -329,8 +377,15 @@ class AQR(nn.Module):
         self.stats = stats
         self.config = AQRConfig(**options)  # type: ignore[arg-type]
         check_named_layers(model, self.config.layers)
+        self._batch: StreamBatch | None = None
+        if self.config.target == "stream":
+            from aqr.core.stream_map import StreamBatch
+
+            self._batch = StreamBatch()
+            self._lock = threading.Lock()
+            self._owner: int | None = None
         # "skip" needs no check; "raise" is checked on the logits in forward
-        self._maps = _layer_maps(stats, self.config, logits_checked=True)
+        self._maps = _layer_maps(stats, self.config, logits_checked=True, batch=self._batch)
         object.__setattr__(self, "_twin", recalibrated_twin(model, self._maps))  # not a submodule
         self._reach_checked = False
 
@@ -340,6 +395,8 @@ class AQR(nn.Module):
         return list(self._maps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._batch is not None:
+            return self._stream_forward(x)
         with torch.no_grad():
             out = self._twin(x)
         if not self._reach_checked:
@@ -353,6 +410,52 @@ class AQR(nn.Module):
                     recalibrated_twin(self.model, exact)(x)
         return out
 
+    def _stream_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One batch of the stream: mapped with the running estimate, which it updates if all was finite."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError("a streaming AQR was called from inside its own forward pass")
+        with self._lock:
+            self._owner = threading.get_ident()
+            batch = self._batch
+            try:
+                batch.begin(int(x.shape[0]) if x.ndim else 0)
+                with torch.no_grad():
+                    out = self._twin(x)
+                if not self._reach_checked:
+                    self._check_every_layer_called()
+                finite = not batch.nonfinite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
+                if finite:
+                    batch.commit()
+                elif self.config.on_nonfinite == "raise":
+                    raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
+                                                   "unchanged (on_nonfinite='skip' returns them)")
+                return out
+            finally:
+                batch.begin(0)
+                self._owner = None
+
+    def reset(self) -> None:
+        """Forget the stream (``target="stream"``): every layer back to its state before the first batch."""
+        if self._batch is None:
+            return
+        with self._lock:
+            for layer_map in self._maps.values():
+                layer_map.reset()  # type: ignore[attr-defined]
+
+    def memory_bytes(self) -> int:
+        """Bytes of the running state (``target="stream"``; fixed, 0 before the first batch and for batches)."""
+        return sum(m.memory_bytes() for m in self._maps.values()) if self._batch is not None else 0  # type: ignore[attr-defined]
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)  # locks cannot be copied; a copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        if self._batch is not None:
+            self._lock = threading.Lock()
+
     def _check_every_layer_called(self) -> None:
         """After the first forward pass: every selected layer's map ran (else the model reaches that
         layer outside its module tree, and AQR cannot recalibrate it)."""
@@ -365,4 +468,8 @@ class AQR(nn.Module):
         self._reach_checked = True
 
     def extra_repr(self) -> str:
-        return f"layers={len(self._maps)}, tail={self.config.tail or self.stats.tail!r}, K={self.stats.num_quantiles}"
+        text = f"layers={len(self._maps)}, tail={self.config.tail or self.stats.tail!r}, K={self.stats.num_quantiles}"
+        if self._batch is not None:
+            c = self.config
+            text += f", target='stream', estimator={c.estimator!r}, horizon={c.horizon:g}"
+        return text

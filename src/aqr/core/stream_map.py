@@ -1,0 +1,111 @@
+"""The layer maps of ``aqr.AQR(model, stats, target="stream")``: each layer maps with its running estimate.
+
+A :class:`StreamLayerMap` is a :class:`aqr.core.adapt.LayerMap` whose fast map steps the layer's
+:class:`aqr.core.stream.LayerStream` instead of reading the batch's own knots. Every map of one
+:class:`aqr.AQR` shares a :class:`StreamBatch`: the batch's image count, and the updates its layers
+stage while it runs, which :meth:`StreamBatch.commit` applies once the whole forward pass was
+finite (:class:`aqr.AQR` serializes forward passes, so one batch runs at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from aqr.backends import Affine
+from aqr.backends.build import native_kernels
+from aqr.backends.stream_base import StreamKernels
+from aqr.backends.stream_native import NativeStreamKernels
+from aqr.backends.stream_torch import TorchStreamKernels
+from aqr.core.adapt import AQRConfig, LayerMap
+from aqr.core.layers import as_acb
+from aqr.core.stats import SourceStats
+from aqr.core.stream import LayerStream, Staged, StreamSettings
+
+STREAM_TAILS = ("standard", "average")  # the tails whose edge lines the stream's table holds (Eq. 1)
+
+
+@dataclass
+class StreamBatch:
+    """The batch a streaming :class:`aqr.AQR` is running: its images and the layers' staged updates."""
+
+    images: int = 0
+    staged: list[tuple[LayerStream, Staged]] = field(default_factory=list)
+    nonfinite: bool = False
+
+    def begin(self, images: int) -> None:
+        self.images, self.staged, self.nonfinite = images, [], False
+
+    def commit(self) -> None:
+        """Apply every staged update (the batch was finite everywhere)."""
+        for stream, staged in self.staged:
+            stream.commit(staged)
+        self.staged = []
+
+
+def stream_settings(config: AQRConfig, stats: SourceStats) -> StreamSettings:
+    """The running estimate's settings from an :class:`aqr.AQRConfig` (``tail_batch`` from the statistics)."""
+    return StreamSettings(config.estimator, float(config.horizon), config.tail_window, stats.tail_batch,
+                          config.rebuild_every, config.grid)
+
+
+def stream_kernels(device: torch.device, native: bool) -> StreamKernels:
+    """aqr's C kernels on CPU when ``native`` and built, else the torch kernels."""
+    if native and device.type == "cpu":
+        lib = native_kernels()
+        if lib is not None:
+            return NativeStreamKernels(lib)
+    return TorchStreamKernels()
+
+
+class StreamLayerMap(LayerMap):
+    """One layer of a streaming :class:`aqr.AQR`: its running state (per device, made on first use)."""
+
+    def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str, subsets: object,
+                 batch: StreamBatch) -> None:
+        if tail not in STREAM_TAILS:
+            raise ValueError(f"target='stream' maps with the tail strategies {' or '.join(STREAM_TAILS)} (Eq. 1 at "
+                             f"the running ends), not {tail!r}")
+        super().__init__(stats, name, config, tail, subsets, logits_checked=True)  # type: ignore[arg-type]
+        self.settings = stream_settings(config, stats)
+        self.batch = batch
+        self.streams: dict[torch.device, LayerStream] = {}
+
+    def stream(self, device: torch.device) -> LayerStream:
+        """The layer's running state on ``device``."""
+        if device not in self.streams:
+            backend = self.backend(device)
+            self.streams[device] = LayerStream(self.source_on(device).knots, self.settings,
+                                               stream_kernels(device, self.config.native), backend.target_knots)
+        return self.streams[device]
+
+    def reset(self) -> None:
+        for stream in self.streams.values():
+            stream.reset()
+
+    def memory_bytes(self) -> int:
+        return sum(stream.memory_bytes() for stream in self.streams.values())
+
+    def _fast(self, x: torch.Tensor, pre: Affine | None = None,
+              unmapped: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """The layer output ``x`` mapped with the running estimate; the batch's update is staged."""
+        stream = self.stream(x.device)
+        acb = as_acb(x, self.info.channel_dim)
+        if not stream.kernels.takes(acb):  # float64 or autograd on CPU: the torch kernels on the same state
+            stream = _with_torch_kernels(stream)
+        y, staged = stream.step(acb, self.batch.images, pre)
+        if staged is None:
+            self.batch.nonfinite = True
+            return self._nonfinite(x if unmapped is None else unmapped())
+        self.batch.staged.append((self.stream(x.device), staged))
+        return y.reshape(x.shape)
+
+
+def _with_torch_kernels(stream: LayerStream) -> LayerStream:
+    """``stream``'s state stepped by the torch kernels (a shallow view sharing every buffer)."""
+    view = object.__new__(LayerStream)
+    view.__dict__.update(stream.__dict__)
+    view.kernels = TorchStreamKernels()
+    return view
