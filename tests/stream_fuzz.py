@@ -88,7 +88,7 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
     tables = [StreamTable.empty(c, g), StreamTable.empty(c, g)]
     native.tables(knots, source, tables[0])
     ref.tables(knots, source, tables[1])
-    for name in ("slope", "icpt", "glo", "ginv"):
+    for name in ("pairs", "glo", "ginv"):
         _close(getattr(tables[0], name), getattr(tables[1], name), f"table {name}")
     mode = MAP | COUNT
     got = native.scan(x, case["images"], pre, knots, source, tables[0], mode, case["stride"], cells)

@@ -48,5 +48,5 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
     lib = native.lib
     assert lib.aqr_stream_merge(c, k, knots.data_ptr(), None, 8, None, None, 1.5, knots[:, 0].contiguous().data_ptr(),
                                 knots[:, -1].contiguous().data_ptr(), 1) == -2  # a weight outside [0, 1]
-    assert lib.aqr_stream_tables(c, 2, knots.data_ptr(), knots.data_ptr(), 8, table.slope.data_ptr(),
-                                 table.icpt.data_ptr(), table.glo.data_ptr(), table.ginv.data_ptr(), 1) == -2  # K < 3
+    assert lib.aqr_stream_tables(c, 2, knots.data_ptr(), knots.data_ptr(), 8, table.pairs.data_ptr(),
+                                 table.glo.data_ptr(), table.ginv.data_ptr(), 1) == -2  # K < 3

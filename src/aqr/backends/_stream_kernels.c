@@ -68,8 +68,8 @@ static void stream_line(double x0, double y0, double x1, double y1, double y_fla
 /* ------------------------------------------------------------------------------------------------
  * The per-batch pass. x (A, C, B) holds N images of A / N rows each; pre_scale / pre_shift (C) or
  * NULL fold an eval BatchNorm (everything reads v = pre_scale * x + pre_shift). kn (C, K) the
- * knots, sq (C, K) the source knots, slope / icpt (C, G + 2) and glo / ginv (C) the table of
- * aqr_stream_tables. mode & STREAM_MAP: y = the map; where the batch passes the knots' ends, the
+ * knots, sq (C, K) the source knots, pairs (C, G + 2, 2) (slope, intercept per cell) and glo / ginv
+ * (C) the table of aqr_stream_tables. mode & STREAM_MAP: y = the map; where the batch passes the knots' ends, the
  * edge lines are stretched out to the batch's own extremes (a value is never extrapolated beyond
  * them, as in per-batch AQR, whose ends are the batch's extremes). mode & STREAM_COUNT: counts
  * (C, GC + 4) = the histogram of every stride-th value of the channel (flat position r * B + b) on
@@ -81,39 +81,80 @@ typedef struct {
     const float *x;
     float *y;
     int64_t A, C, B, N, K, G, GC, stride;
-    const float *pre_scale, *pre_shift, *kn, *sq, *slope, *icpt, *glo, *ginv;
+    const float *pre_scale, *pre_shift, *kn, *sq, *pairs, *glo, *ginv;
     int32_t *counts;
     float *lo, *hi;
     int mode;
     int32_t *bad; /* (C): a non-finite value in the channel */
 } stream_scan_args;
 
+/* One row of B values: y = the table map of v = ps * x + pb (unless y is NULL), and the row's
+   extremes and non-finite flag folded into *mn, *mx, *bad. tab: the channel's (G + 2) pairs
+   (slope, intercept); cell 0 below k1, G + 1 from kb on, else the grid cell of v. */
+static inline void stream_map_row(const float *xp, float *yp, int64_t B, float ps, float pb, const float *tab,
+                                  float g0, float gi, int64_t G, float k1, float kb, float *mn_io, float *mx_io,
+                                  int *bad_io) {
+    float mn = *mn_io, mx = *mx_io;
+    int bad = 0;
+    int64_t b = 0;
+#ifdef __AVX2__
+    if (yp) {
+        const __m256 vps = _mm256_set1_ps(ps), vpb = _mm256_set1_ps(pb), vg0 = _mm256_set1_ps(g0);
+        const __m256 vgi = _mm256_set1_ps(gi), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        const __m256 vtop = _mm256_set1_ps((float)(G + 1)), vk1 = _mm256_set1_ps(k1), vkb = _mm256_set1_ps(kb);
+        const __m256i last = _mm256_set1_epi32((int)(G + 1)), first = _mm256_setzero_si256();
+        __m256 vmn = _mm256_set1_ps(mn), vmx = _mm256_set1_ps(mx), vbad = _mm256_setzero_ps();
+        for (; b + 8 <= B; b += 8) {
+            const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + b), vps), vpb);
+            vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_NEQ_UQ)); /* NaN or +-inf */
+            vmn = _mm256_min_ps(vmn, v);
+            vmx = _mm256_max_ps(vmx, v);
+            __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, vg0), vgi), one);
+            t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* max(NaN, 0) is 0: its second operand */
+            __m256i cell = _mm256_cvttps_epi32(t);
+            cell = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(last),
+                                                        _mm256_cmp_ps(v, vkb, _CMP_GE_OQ)));
+            cell = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(first),
+                                                        _mm256_cmp_ps(v, vk1, _CMP_LT_OQ)));
+            _mm256_storeu_ps(yp + b, pair_lookup((const long long *)tab, cell, v));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmn);
+        for (int j = 0; j < 8; j++) mn = lanes[j] < mn ? lanes[j] : mn;
+        _mm256_storeu_ps(lanes, vmx);
+        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+        bad |= _mm256_movemask_ps(vbad) != 0;
+    }
+#endif
+    for (; b < B; b++) {
+        const float v = xp[b] * ps + pb;
+        bad |= stream_nonfinite(v);
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+        if (yp) {
+            int64_t cell = stream_index((v - g0) * gi + 1.0f, G + 1);
+            cell = v >= kb ? G + 1 : cell;
+            cell = v < k1 ? 0 : cell;
+            yp[b] = tab[2 * cell] * v + tab[2 * cell + 1];
+        }
+    }
+    *mn_io = mn, *mx_io = mx, *bad_io |= bad;
+}
+
 static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
     const int64_t K = a->K, G = a->G, B = a->B, rows = a->A / a->N;
     const float ps = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
     const float *k = a->kn + c * K, *s = a->sq + c * K;
     const float k0 = k[0], k1 = k[1], kb = k[K - 2], kl = k[K - 1];
-    const float *sl = a->slope + c * (G + 2), *ic = a->icpt + c * (G + 2);
+    const float *tab = a->pairs + c * 2 * (G + 2);
     const float g0 = a->glo[c], gi = a->ginv[c];
     float bmin = INFINITY, bmax = -INFINITY;
     int bad = 0;
     for (int64_t n = 0; n < a->N; n++) {
         float mn = INFINITY, mx = -INFINITY;
         for (int64_t r = n * rows; r < (n + 1) * rows; r++) {
-            const float *xp = a->x + (r * a->C + c) * B;
-            float *yp = a->y ? a->y + (r * a->C + c) * B : NULL;
-            for (int64_t b = 0; b < B; b++) {
-                const float v = xp[b] * ps + pb;
-                bad |= stream_nonfinite(v);
-                mn = v < mn ? v : mn;
-                mx = v > mx ? v : mx;
-                if (a->mode & STREAM_MAP) {
-                    int64_t cell = stream_index((v - g0) * gi + 1.0f, G + 1);
-                    cell = v >= kb ? G + 1 : cell;
-                    cell = v < k1 ? 0 : cell;
-                    yp[b] = sl[cell] * v + ic[cell];
-                }
-            }
+            const int64_t at = (r * a->C + c) * B;
+            stream_map_row(a->x + at, a->y ? a->y + at : NULL, B, ps, pb, tab, g0, gi, G, k1, kb, &mn, &mx, &bad);
         }
         a->lo[n * a->C + c] = mn;
         a->hi[n * a->C + c] = mx;
@@ -122,7 +163,7 @@ static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
     }
     a->bad[c] = bad;
     if (bad) return;
-    if ((a->mode & STREAM_MAP) && (bmin < k0 || bmax > kl)) { /* stretch the edge lines to the batch's extremes */
+    if (a->y && (bmin < k0 || bmax > kl)) { /* stretch the edge lines to the batch's extremes */
         float al, bl, ah, bh;
         stream_line(bmin < k0 ? bmin : k0, s[0], k1, s[1], s[1], &al, &bl);
         stream_line(kb, s[K - 2], bmax > kl ? bmax : kl, s[K - 1], s[K - 2], &ah, &bh);
@@ -163,18 +204,17 @@ static void stream_scan_part(void *p, int part, int64_t c0, int64_t c1) {
 
 int aqr_stream_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N,
                     const float *pre_scale, const float *pre_shift, int64_t K, const float *kn,
-                    const float *sq, const float *slope, const float *icpt, int64_t G, const float *glo,
-                    const float *ginv, int64_t stride, int64_t GC, int32_t *counts, float *lo, float *hi,
-                    int mode, int nthreads) {
+                    const float *sq, const float *pairs, int64_t G, const float *glo, const float *ginv,
+                    int64_t stride, int64_t GC, int32_t *counts, float *lo, float *hi, int mode, int nthreads) {
     if (!stream_sizes_ok(C, K, G, GC) || A < 1 || B < 1 || N < 1 || A % N || stride < 1 ||
         A > INT64_MAX / C / B || mode < 0 || mode > (STREAM_MAP | STREAM_COUNT) ||
-        !x || !kn || !sq || !slope || !icpt || !glo || !ginv || !lo || !hi || ((mode & STREAM_MAP) && !y) ||
+        !x || !kn || !sq || !pairs || !glo || !ginv || !lo || !hi || ((mode & STREAM_MAP) && !y) ||
         ((mode & STREAM_COUNT) && !counts))
         return STREAM_BAD_ARGUMENT;
     int32_t *bad = malloc(sizeof(int32_t) * (size_t)C);
     if (!bad) return STREAM_NO_MEMORY;
     stream_scan_args a = {x, (mode & STREAM_MAP) ? y : NULL, A, C, B, N, K, G, GC, stride, pre_scale, pre_shift,
-                   kn, sq, slope, icpt, glo, ginv, counts, lo, hi, mode, bad};
+                   kn, sq, pairs, glo, ginv, counts, lo, hi, mode, bad};
     parallel_for(stream_scan_part, &a, C, stream_parts(C, A * C * B, nthreads));
     int status = STREAM_OK;
     for (int64_t c = 0; c < C; c++) status = bad[c] ? STREAM_NONFINITE : status;
@@ -414,15 +454,22 @@ int aqr_stream_merge(int64_t C, int64_t K, float *kn, const int32_t *counts, int
 }
 
 /* ------------------------------------------------------------------------------------------------
- * The lookup table of the map from knots kn onto sq (both (C, K)): cell 0 the line through
- * (p0, s0) and (p1, s1), cells 1..G the exact piecewise-linear map between G + 1 equally spaced
- * points of [p1, p_{K-2}] (one division per knot interval), cell G + 1 the line through
- * (p_{K-2}, s_{K-2}) and (p_{K-1}, s_{K-1}). glo / ginv (C): the grid's start and inverse width. */
+ * The lookup table of the map from knots kn onto sq (both (C, K)), as (slope, intercept) pairs
+ * (C, G + 2, 2): cell 0 the line through (p0, s0) and (p1, s1), cells 1..G the exact piecewise-
+ * linear map between G + 1 equally spaced points of [p1, p_{K-2}] (the lines between them), cell
+ * G + 1 the line through (p_{K-2}, s_{K-2}) and (p_{K-1}, s_{K-1}). glo / ginv (C): the grid's
+ * start and inverse width. */
 typedef struct {
     int64_t C, K, G;
     const float *kn, *sq;
-    float *slope, *icpt, *glo, *ginv;
+    float *pairs, *glo, *ginv;
 } stream_tables_args;
+
+/* The slope of the map on knot interval q, (s[q+1] - s[q]) / (k[q+1] - k[q]); 0 on an empty one. */
+static inline double stream_rise(const float *k, const float *s, int64_t q) {
+    const double run = (double)k[q + 1] - (double)k[q];
+    return run > 0 ? ((double)s[q + 1] - (double)s[q]) / run : 0.0;
+}
 
 static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
     (void)part;
@@ -430,35 +477,36 @@ static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
     const int64_t K = a->K, G = a->G;
     for (int64_t c = c0; c < c1; c++) {
         const float *k = a->kn + c * K, *s = a->sq + c * K;
-        float *sl = a->slope + c * (G + 2), *ic = a->icpt + c * (G + 2);
+        float *tab = a->pairs + c * 2 * (G + 2);
         const double lo = k[1], span = (double)k[K - 2] - lo, width = span > 0 ? span / (double)G : 0.0;
+        const double inv = width > 0 ? 1.0 / width : 0.0;
         a->glo[c] = k[1];
-        a->ginv[c] = width > 0 ? stream_float(1.0 / width) : 0.0f;
-        stream_line(k[0], s[0], k[1], s[1], s[1], &sl[0], &ic[0]);
-        stream_line(k[K - 2], s[K - 2], k[K - 1], s[K - 1], s[K - 2], &sl[G + 1], &ic[G + 1]);
-        int64_t q = 1; /* the knot interval [k[q], k[q+1]) holding the grid point */
+        a->ginv[c] = stream_float(inv);
+        stream_line(k[0], s[0], k[1], s[1], s[1], &tab[0], &tab[1]);
+        stream_line(k[K - 2], s[K - 2], k[K - 1], s[K - 1], s[K - 2], &tab[2 * (G + 1)], &tab[2 * (G + 1) + 1]);
+        int64_t q = 1; /* the knot interval [k[q], k[q+1]) holding the grid point, and its slope */
+        double rise = K > 3 ? stream_rise(k, s, 1) : 0.0;
         double gprev = lo, yprev = s[1];
         for (int64_t g = 1; g <= G; g++) {
             const double gx = g == G ? (double)k[K - 2] : lo + width * (double)g;
-            while (q < K - 2 && gx >= (double)k[q + 1]) q++;
-            double yv;
-            if (q >= K - 2) yv = s[K - 2];
-            else {
-                const double run = (double)k[q + 1] - (double)k[q];
-                yv = run > 0 ? s[q] + (gx - (double)k[q]) / run * ((double)s[q + 1] - (double)s[q]) : s[q + 1];
-            }
-            float cs, ci;
-            stream_line(gprev, yprev, gx, yv, yv, &cs, &ci);
-            sl[g] = cs, ic[g] = ci;
+            int moved = 0;
+            while (q < K - 2 && gx >= (double)k[q + 1]) q++, moved = 1;
+            if (moved && q < K - 2) rise = stream_rise(k, s, q);
+            const double yv = q >= K - 2 ? (double)s[K - 2] : (double)s[q] + (gx - (double)k[q]) * rise;
+            /* the cell's line through (gprev, yprev) and (gx, yv): slope by the inverse width (the last
+               cell ends exactly at k[K-2], within rounding of a width) */
+            const float slope = width > 0 ? stream_float((yv - yprev) * inv) : 0.0f;
+            tab[2 * g] = slope;
+            tab[2 * g + 1] = stream_float(width > 0 ? yprev - (double)slope * gprev : yv);
             gprev = gx, yprev = yv;
         }
     }
 }
 
-int aqr_stream_tables(int64_t C, int64_t K, const float *kn, const float *sq, int64_t G, float *slope, float *icpt,
-                      float *glo, float *ginv, int nthreads) {
-    if (!stream_sizes_ok(C, K, G, 1)) return STREAM_BAD_ARGUMENT;
-    stream_tables_args a = {C, K, G, kn, sq, slope, icpt, glo, ginv};
+int aqr_stream_tables(int64_t C, int64_t K, const float *kn, const float *sq, int64_t G, float *pairs, float *glo,
+                      float *ginv, int nthreads) {
+    if (!stream_sizes_ok(C, K, G, 1) || !kn || !sq || !pairs || !glo || !ginv) return STREAM_BAD_ARGUMENT;
+    stream_tables_args a = {C, K, G, kn, sq, pairs, glo, ginv};
     parallel_for(stream_tables_part, &a, C, stream_parts(C, C * G * 8, nthreads));
     return STREAM_OK;
 }

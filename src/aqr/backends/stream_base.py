@@ -25,22 +25,22 @@ EDGE_BINS = 4  # the histogram's bins outside the inner cells: below p0, [p0, p1
 
 @dataclass
 class StreamTable:
-    """The lookup table of one layer's map: ``slope``/``icpt`` ``(C, G + 2)`` (cell 0 and G + 1 the edge
-    lines), ``glo``/``ginv`` ``(C,)`` the grid's start and inverse cell width."""
+    """The lookup table of one layer's map: ``pairs`` ``(C, G + 2, 2)``, each cell's line as (slope,
+    intercept) (cell 0 and G + 1 the edge lines; pairs side by side, so one 64-bit gather reads a
+    cell), ``glo``/``ginv`` ``(C,)`` the grid's start and inverse cell width."""
 
-    slope: torch.Tensor
-    icpt: torch.Tensor
+    pairs: torch.Tensor
     glo: torch.Tensor
     ginv: torch.Tensor
 
     @classmethod
     def empty(cls, channels: int, grid: int, device: torch.device | str = "cpu") -> StreamTable:
         zeros = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
-        return cls(zeros(channels, grid + 2), zeros(channels, grid + 2), zeros(channels), zeros(channels))
+        return cls(zeros(channels, grid + 2, 2), zeros(channels), zeros(channels))
 
     @property
     def grid(self) -> int:
-        return self.slope.shape[1] - 2
+        return self.pairs.shape[1] - 2
 
 
 @dataclass
@@ -131,7 +131,7 @@ def check_scan(x: torch.Tensor, images: int, knots: torch.Tensor, source: torch.
         raise ValueError(f"a layer output of {a} rows cannot hold {images} images (streaming AQR needs the "
                          "batch dimension first)")
     k = knots.shape[1]
-    if knots.shape != (c, k) or source.shape != (c, k) or table.slope.shape != (c, table.grid + 2):
+    if knots.shape != (c, k) or source.shape != (c, k) or table.pairs.shape != (c, table.grid + 2, 2):
         raise ValueError(f"streaming state of {knots.shape[0]} channels for a layer output of {c}")
 
 

@@ -22,12 +22,12 @@ STATUS = {-1: "could not allocate its scratch memory", -2: "was given sizes or c
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Set the stream entry points' argument types on the loaded kernels (idempotent)."""
-    lib.aqr_stream_scan.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _P,
-                                    _P, _P, _C, _C]
+    lib.aqr_stream_scan.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P,
+                                    _P, _C, _C]
     lib.aqr_stream_push.argtypes = [_I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _C]
     lib.aqr_stream_tails.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P]
     lib.aqr_stream_merge.argtypes = [_I, _I, _P, _P, _I, _P, _P, _D, _P, _P, _C]
-    lib.aqr_stream_tables.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _P, _C]
+    lib.aqr_stream_tables.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _C]
     for name in ("scan", "push", "tails", "merge", "tables"):
         getattr(lib, f"aqr_stream_{name}").restype = _C
     return lib
@@ -45,6 +45,8 @@ def _check(status: int, name: str) -> int:
 
 def _cpu_float(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``t`` as a contiguous CPU tensor of ``dtype`` (itself when it already is one)."""
+    if t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous():
+        return t
     return t.to("cpu", dtype).contiguous()
 
 
@@ -71,8 +73,8 @@ class NativeStreamKernels(StreamKernels):
         scale, shift = (None, None) if pre is None else pre
         status = _check(self.lib.aqr_stream_scan(
             x.data_ptr(), _ptr(y), a, c, b, images, _ptr(scale), _ptr(shift), knots.shape[1], knots.data_ptr(),
-            source.data_ptr(), table.slope.data_ptr(), table.icpt.data_ptr(), table.grid, table.glo.data_ptr(),
-            table.ginv.data_ptr(), stride, cells, _ptr(counts), lo.data_ptr(), hi.data_ptr(), mode,
+            source.data_ptr(), table.pairs.data_ptr(), table.grid, table.glo.data_ptr(), table.ginv.data_ptr(),
+            stride, cells, _ptr(counts), lo.data_ptr(), hi.data_ptr(), mode,
             torch.get_num_threads()), "scan")
         return ScanResult(y, lo, hi, counts, status == 0)
 
@@ -114,5 +116,5 @@ class NativeStreamKernels(StreamKernels):
     def tables(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable) -> None:
         c, k = knots.shape
         _check(self.lib.aqr_stream_tables(c, k, knots.data_ptr(), source.data_ptr(), table.grid,
-                                          table.slope.data_ptr(), table.icpt.data_ptr(), table.glo.data_ptr(),
-                                          table.ginv.data_ptr(), torch.get_num_threads()), "tables")
+                                          table.pairs.data_ptr(), table.glo.data_ptr(), table.ginv.data_ptr(),
+                                          torch.get_num_threads()), "tables")

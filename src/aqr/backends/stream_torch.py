@@ -113,7 +113,7 @@ class TorchStreamKernels(StreamKernels):
             cell = torch.where(v >= kb, torch.full_like(cell, g + 1), cell)
             cell = torch.where(v < k1, torch.zeros_like(cell), cell)
             flat = cell + col(torch.arange(c, device=v.device) * (g + 2))
-            y = table.slope.reshape(-1)[flat] * v + table.icpt.reshape(-1)[flat]
+            y = table.pairs[..., 0].reshape(-1)[flat] * v + table.pairs[..., 1].reshape(-1)[flat]
             bmin, bmax = lo.amin(0), hi.amax(0)
             d = lambda t: t.double()  # noqa: E731
             s = source
@@ -195,11 +195,11 @@ class TorchStreamKernels(StreamKernels):
         lo = kd[:, 1:2]
         span = kd[:, k - 2 : k - 1] - lo
         width = torch.where(span > 0, span / g, torch.zeros_like(span))
+        inv = torch.where(width > 0, 1.0 / torch.where(width > 0, width, torch.ones_like(width)), torch.zeros_like(width))
         table.glo.copy_(knots[:, 1])
-        table.ginv.copy_(torch.where(width[:, 0] > 0, saturate(1.0 / torch.where(width > 0, width, torch.ones_like(width))[:, 0]),
-                                     torch.zeros_like(table.ginv)))
-        ends = [line(kd[:, 0], sd[:, 0], kd[:, 1], sd[:, 1], sd[:, 1]),
-                line(kd[:, k - 2], sd[:, k - 2], kd[:, k - 1], sd[:, k - 1], sd[:, k - 2])]
+        table.ginv.copy_(saturate(inv[:, 0]))
+        low = line(kd[:, 0], sd[:, 0], kd[:, 1], sd[:, 1], sd[:, 1])
+        high = line(kd[:, k - 2], sd[:, k - 2], kd[:, k - 1], sd[:, k - 1], sd[:, k - 2])
         steps = torch.arange(1, g + 1, dtype=torch.float64, device=kd.device)
         gx = lo + width * steps
         gx[:, -1:] = kd[:, k - 2 : k - 1]
@@ -209,10 +209,13 @@ class TorchStreamKernels(StreamKernels):
         kq, kq1 = kd.gather(1, q0), kd.gather(1, (q0 + 1).clamp(max=k - 1))
         sq, sq1 = sd.gather(1, q0), sd.gather(1, (q0 + 1).clamp(max=k - 1))
         run = kq1 - kq
-        yv = torch.where(run > 0, sq + (gx - kq) / torch.where(run > 0, run, torch.ones_like(run)) * (sq1 - sq), sq1)
-        yv = torch.where(top, sd[:, k - 2 : k - 1].expand_as(yv), yv)
+        rise = torch.where(run > 0, (sq1 - sq) / torch.where(run > 0, run, torch.ones_like(run)), torch.zeros_like(run))
+        yv = torch.where(top, sd[:, k - 2 : k - 1].expand_as(gx), sq + (gx - kq) * rise)
         gprev = torch.cat([lo, gx[:, :-1]], dim=1)
         yprev = torch.cat([sd[:, 1:2], yv[:, :-1]], dim=1)
-        slope, icpt = line(gprev, yprev, gx, yv, yv)
-        table.slope.copy_(torch.cat([ends[0][0][:, None], slope, ends[1][0][:, None]], dim=1))
-        table.icpt.copy_(torch.cat([ends[0][1][:, None], icpt, ends[1][1][:, None]], dim=1))
+        rising = width > 0
+        slope = torch.where(rising, saturate((yv - yprev) * inv), torch.zeros_like(yv, dtype=torch.float32))
+        icpt = saturate(torch.where(rising, yprev - slope.double() * gprev, yv))
+        table.pairs[:, 0] = torch.stack(low, dim=1)
+        table.pairs[:, 1 : g + 1] = torch.stack([slope, icpt], dim=2)
+        table.pairs[:, g + 1] = torch.stack(high, dim=1)

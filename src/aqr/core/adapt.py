@@ -79,6 +79,8 @@ class AQRConfig:
         tail_window: images whose extremes give the stream's Average Sample Tails.
         rebuild_every: images between two updates of the stream's knots and table (smaller batches
             are mapped with the state of the images before them; larger ones update first).
+        stream_grid: cells of the stream's lookup table between the first and last inner knots
+            (rebuilt every ``rebuild_every`` images, hence smaller than ``grid``).
     """
 
     tail: str | None = None
@@ -97,6 +99,7 @@ class AQRConfig:
     horizon: float = 128.0
     tail_window: int = 128
     rebuild_every: int = 8
+    stream_grid: int = 512
 
     def __post_init__(self) -> None:
         if self.tail is not None and self.tail not in TAILS:
@@ -117,7 +120,7 @@ class AQRConfig:
             raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
         from aqr.core.stream import StreamSettings
 
-        StreamSettings(self.estimator, self.horizon, self.tail_window, 100, self.rebuild_every, self.grid)  # checks
+        StreamSettings(self.estimator, self.horizon, self.tail_window, 100, self.rebuild_every, self.stream_grid)  # checks
         if self.target == "stream" and self.mode != "fast":
             raise ValueError("target='stream' runs the fast path: mode='exact' is not available with it")
 

@@ -183,7 +183,7 @@ class LayerStream:
     # ---- state --------------------------------------------------------------------------------
     def reset(self) -> None:
         """Back to the initial state: no batch seen (the buffers are kept, and zeroed)."""
-        for t in (self.knots, self.table.slope, self.table.icpt, self.table.glo, self.table.ginv,
+        for t in (self.knots, self.table.pairs, self.table.glo, self.table.ginv,
                   self.window.ring_lo, self.window.sorted_lo, self.window.ring_hi, self.window.sorted_hi):
             t.zero_()
         self.window.filled = self.window.head = 0

@@ -48,7 +48,7 @@ class StreamBatch:
 def stream_settings(config: AQRConfig, stats: SourceStats) -> StreamSettings:
     """The running estimate's settings from an :class:`aqr.AQRConfig` (``tail_batch`` from the statistics)."""
     return StreamSettings(config.estimator, float(config.horizon), config.tail_window, stats.tail_batch,
-                          config.rebuild_every, config.grid)
+                          config.rebuild_every, config.stream_grid)
 
 
 def stream_kernels(device: torch.device, native: bool) -> StreamKernels:
