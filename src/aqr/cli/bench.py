@@ -15,7 +15,7 @@ DEFAULT_CACHE = "cache"
 def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose and shape a grid."""
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, help="main, tails, granularity, vit-blocks, smoke or imagenet")
+    src.add_argument("--preset", default=None, help="main, tails, granularity, vit-blocks, smoke, imagenet or stream")
     src.add_argument("--config", default=None, help="grid file (.yaml needs aqr[bench], or .json)")
     p.add_argument("--data-dir", default=None,
                    help="folder with cifar10_test.npz, cifar10_train_jpeg75.npz, checkpoints/, frost/ "
@@ -32,7 +32,8 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--severities", type=counts(1, 5), default=None)
     p.add_argument("--batch-sizes", type=counts(1), default=None)
     p.add_argument("--seeds", type=counts(0), default=None)
-    p.add_argument("--n-images", type=count(1), default=None, help="evaluated images per cell")
+    p.add_argument("--n-images", type=count(1), default=None,
+                   help="evaluated images per cell (per corruption block in a continual cell)")
     p.add_argument("--order", default=None,
                    help="stream order of each cell's images: 'iid' or 'delta=D' (class-correlated, Dirichlet "
                         "concentration D as in RoTTA; small D: long runs of one class); the grid's name, under "
@@ -65,12 +66,13 @@ def grid_from_args(args: argparse.Namespace):
         changes["models"] = tuple(replace(m, image_size=args.image_size or m.image_size, resize=args.resize or m.resize)
                                   for m in changes.get("models", grid.models))
     if args.order:  # the report reads an experiment's rows by its name: keep orders apart
-        from aqr.bench.grid import canonical_order
+        from aqr.bench.grid import canonical_order, stream_corruptions
 
         changes["order"] = canonical_order(args.order)
-        if changes["order"].startswith("mixed"):  # every cell would fail: a cell holds one corruption
-            raise UsageError(f"--order {args.order!r} mixes corruptions; a bench cell evaluates one corruption "
-                             "(use 'iid' or 'delta=D')")
+        single = [c for c in changes.get("corruptions", grid.corruptions) if stream_corruptions(c) is None]
+        if changes["order"].startswith("mixed") and single:  # those cells would fail: they hold one corruption
+            raise UsageError(f"--order {args.order!r} mixes corruptions; a bench cell of one corruption cannot "
+                             "(use 'iid' or 'delta=D', or continual cells)")
         changes["name"] = f"{grid.name}-{changes['order']}"
     changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
                    n_images=args.n_images)
