@@ -12,6 +12,13 @@ process doing only that calibration against one doing only the forward pass.
     python benchmarks/speed.py --json out.json     # also write the numbers
     python benchmarks/speed.py --device cuda --models resnet50 vit-b16 --batch-sizes 64 16 256 \
         --dtypes fp32 bf16 --layouts contiguous channels_last --compiled --json gpu.json
+    python benchmarks/speed.py --stream --models resnet20-bn --threads 1   # per image at batch 1 and 4
+
+``--stream`` measures small batches instead (issue 15): per image, streaming AQR (``aqr-stream``),
+bn-ema, per-batch AQR and the plain forward at ``--stream-batch-sizes`` (1 and 4): each round feeds
+every method the same ``--stream-images`` images in batches, round-robin, after ``--stream-warmup``
+images that take the stateful methods past their warm-up; ratios are per round against the plain
+forward, medians over ``--repeats`` rounds.
 
 Timings need a quiet machine: other processes inflate every row, but ratios within one run stay
 comparable.
@@ -64,7 +71,8 @@ def _vit_b16() -> torch.nn.Module:
 MODELS.update({"resnet50": _resnet50, "vit-b16": _vit_b16})
 INPUT_SIZE = {"resnet50": 224, "vit-b16": 224}  # the rest take 32 x 32 images
 # aqr-torch: native=False (no C kernels on CPU); aqr-triton: triton=True (aqr's Triton kernels on a GPU)
-METHODS = ["source", "ttn", "aqr", "aqr-torch", "aqr-triton", "aqr-exact", "tent", "sar"]
+METHODS = ["source", "ttn", "aqr", "aqr-torch", "aqr-triton", "aqr-exact", "tent", "sar", "aqr-stream", "bn-ema"]
+STREAM_METHODS = ["aqr-stream", "bn-ema", "aqr"]  # --stream: per image at small batches
 SLOW_METHODS = ("aqr-exact", "tent", "sar")  # timed at the first batch size only on a GPU
 
 
@@ -97,6 +105,10 @@ def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: in
         return methods.create("aqr", model, stats=stats, native=False)
     if method == "aqr-triton":
         return methods.create("aqr", model, stats=stats, triton=True)
+    if method == "aqr-stream":  # streaming AQR (target="stream"), online: its state carries over
+        return methods.create("aqr", model, stats=stats, target="stream", protocol="online")
+    if method == "bn-ema":
+        return methods.create("bn-ema", model, protocol="online")
     if method in ("tent", "sar"):
         arch = "vit" if "vit" in type(model.model if hasattr(model, "model") else model).__name__.lower() else "cnn"
         return methods.create(method, model, arch=arch, batch_size=batch)
@@ -198,6 +210,45 @@ def per_batch(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def small_batches(args: argparse.Namespace) -> list[dict]:
+    """Per model and small batch size: the per-image cost of each method against the plain forward,
+    each round streaming the same images through every method in turn (see the module docs)."""
+    rows = []
+    for name in args.models:
+        model = MODELS[name]().eval()
+        stats = aqr.calibrate(model, images(2000).split(500))
+        total = args.stream_warmup + args.stream_images
+        x = (images(total, seed=1) + 0.1 * torch.randn(total, 3, 32, 32, generator=torch.Generator().manual_seed(2)))
+        x = x.clamp(0, 1)
+        for batch in args.stream_batch_sizes:
+            runners = {"source": build("source", model, stats, batch)}
+            for method in args.methods:
+                try:
+                    runners[method] = build(method, model, stats, batch)
+                except methods.NotApplicable:
+                    continue
+            feed = lambda runner, part: [runner(part[i : i + batch]) for i in range(0, len(part), batch)]  # noqa: E731
+            with torch.no_grad():
+                for runner in runners.values():
+                    feed(runner, x[: args.stream_warmup])
+                times: dict[str, list[float]] = {m: [] for m in runners}
+                part = x[args.stream_warmup :]
+                for _ in range(args.repeats):
+                    for method, runner in runners.items():
+                        start = time.perf_counter()
+                        feed(runner, part)
+                        times[method].append((time.perf_counter() - start) / len(part))
+            for method in runners:
+                ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))
+                row = {"model": name, "batch": batch, "method": method, "dtype": "fp32", "layout": "contiguous",
+                       "compiled": False, "seconds": statistics.median(times[method]), "ratio": ratio,
+                       "per": "image"}
+                rows.append(row)
+                _print(row)
+            _flush(args, rows)
+    return rows
+
+
 def _print(row: dict) -> None:
     mem = f"  +{row['peak_mib']:.0f} MiB" if row.get("peak_mib") is not None else ""
     tag = f"{row['dtype']}{' cl' if row['layout'] == 'channels_last' else ''}{' compiled' if row['compiled'] else ''}"
@@ -263,7 +314,7 @@ def calibration(args: argparse.Namespace) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    present = [m for m in ["source", *METHODS] if any(r["method"] == m for r in rows)]
+    present = [m for m in dict.fromkeys(["source", *METHODS]) if any(r["method"] == m for r in rows)]
     lines = ["| model | batch | dtype | layout | compiled | " + " | ".join(present) + " |",
              "|---|---|---|---|---|" + "---|" * len(present)]
     keys = sorted({(r["model"], r["batch"], r["dtype"], r["layout"], r["compiled"]) for r in rows},
@@ -303,6 +354,11 @@ def main() -> None:
                         help="torch.compile's mode for --compiled (reduce-overhead: CUDA graphs, no launch cost)")
     parser.add_argument("--compiled", action="store_true",
                         help="also torch.compile(model) plain and inside aqr.recalibrating, at the first batch size")
+    parser.add_argument("--stream", action="store_true",
+                        help="per-image cost at small batches instead (streaming AQR, bn-ema, per-batch AQR)")
+    parser.add_argument("--stream-batch-sizes", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--stream-images", type=int, default=256, help="images per round with --stream")
+    parser.add_argument("--stream-warmup", type=int, default=512, help="images before the rounds with --stream")
     args = parser.parse_args()
     if args.device != "cpu":
         args.skip_calibration = True
@@ -312,6 +368,15 @@ def main() -> None:
     if args.quick:
         args.models, args.batch_sizes, args.repeats, args.warmup, args.calib_images = ["resnet20-bn"], [128], 3, 2, 2000
     print(", ".join(f"{k} {v}" for k, v in environment(args).items()), flush=True)
+    if args.stream:
+        if args.methods == METHODS:
+            args.methods = STREAM_METHODS
+        rows = small_batches(args)
+        print()
+        print(markdown(rows).replace("| model | batch |", "| model | batch (ms per image) |"))
+        if args.json:
+            args.json.write_text(json.dumps({**environment(args), "rows": rows}, indent=2))
+        return
     rows = per_batch(args)
     result = {**environment(args), "rows": rows}
     if not args.skip_calibration:
