@@ -20,3 +20,14 @@ def data_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"{DATA_DIR_ENV}={env} is not a folder")
     return path
+
+
+@pytest.fixture()
+def one_thread():
+    """One torch thread for the test: tiny models run fastest so and do not fight other jobs for the cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

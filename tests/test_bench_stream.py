@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from aqr import models
 from aqr.bench import continual
@@ -22,13 +21,7 @@ from tests.test_bench import _tiny_setup
 STREAM = "continual:gaussian_noise+contrast"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is fastest and does not fight other jobs for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_stream_preset() -> None:

@@ -14,13 +14,7 @@ from aqr.methods import BNEmaConfig, NotApplicable, create
 from tests.models_tiny import bn_cnn, gn_cnn, images
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is fastest and does not fight other jobs for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def net() -> nn.Module:

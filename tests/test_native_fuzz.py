@@ -15,12 +15,11 @@ from torch import nn
 import aqr
 from aqr.backends import build
 from tests.native_fuzz import fuzz
+from tests.sanitized import run_sanitized
 
 LIB, WHY = build.load_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")
 HERE = Path(__file__).parent
-SANITIZER_FLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined,float-cast-overflow",
-                   "-fno-sanitize-recover=all"]
 
 
 def _run(code: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -65,37 +64,7 @@ def test_rejected_arguments_raise_instead_of_reading_out_of_bounds():
         native.subset_quantiles(LIB, x, positions[:0], 11)  # no sample at all
 
 
-def _sanitizer_runtime() -> str | None:
-    """The compiler's AddressSanitizer runtime library, or None when the compiler has none."""
-    cc = build.compiler()
-    if cc is None:
-        return None
-    try:
-        path = subprocess.run([*cc, "-print-file-name=libasan.so"], capture_output=True, text=True,
-                              timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return path if os.path.isabs(path) and os.path.exists(path) else None
-
-
 @pytest.mark.slow
 @needs_kernels
 def test_fuzz_under_address_and_undefined_behaviour_sanitizers():
-    runtime = _sanitizer_runtime()
-    if runtime is None:
-        pytest.skip("the C compiler has no AddressSanitizer runtime (libasan.so)")
-    try:  # built here, so a compiler without -fsanitize support skips instead of failing
-        build.build_library(build.compile_command(SANITIZER_FLAGS, simd=False), name="aqr_kernels_sanitized")
-        build.build_library(build.compile_command(SANITIZER_FLAGS), name="aqr_kernels_sanitized")
-    except OSError as err:
-        pytest.skip(f"the C compiler cannot build with sanitizers: {str(err)[-300:]}")
-    done = subprocess.run(
-        [sys.executable, str(HERE / "native_fuzz.py"), "150", *SANITIZER_FLAGS], capture_output=True, text=True,
-        timeout=900, cwd=HERE,
-        # Python and torch keep memory until exit by design: leaks are not what this looks for
-        env={**os.environ, "LD_PRELOAD": runtime, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
-             "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1", "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    report = done.stderr[-4000:]
-    assert "Sanitizer" not in done.stderr and "runtime error" not in done.stderr, report
-    assert done.returncode == 0 and "sanitized fuzz passed" in done.stdout, report
+    run_sanitized("native_fuzz.py", 150, "sanitized fuzz passed")

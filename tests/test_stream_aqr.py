@@ -20,13 +20,7 @@ BUILDERS = {"bn": bn_cnn, "gn": gn_cnn, "vit": tiny_vit}
 REFERENCE = Path(__file__).parent / "data"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is fastest and does not fight other jobs for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def calibrated(name: str) -> tuple[nn.Module, aqr.SourceStats]:

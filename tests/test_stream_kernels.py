@@ -3,11 +3,6 @@ and the same fuzz under AddressSanitizer and UBSan."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,9 +11,7 @@ from aqr.backends.native import NativeKernelError
 from aqr.backends.stream_base import MAP, StreamTable, TailWindow
 from aqr.backends.stream_native import NativeStreamKernels
 from tests.stream_fuzz import fuzz
-from tests.test_native_fuzz import SANITIZER_FLAGS, _sanitizer_runtime
-
-HERE = Path(__file__).parent
+from tests.sanitized import run_sanitized
 
 LIB, WHY = build.load_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")
@@ -63,20 +56,4 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
 @pytest.mark.slow
 @needs_kernels
 def test_stream_fuzz_under_address_and_undefined_behaviour_sanitizers() -> None:
-    runtime = _sanitizer_runtime()
-    if runtime is None:
-        pytest.skip("the C compiler has no AddressSanitizer runtime (libasan.so)")
-    try:  # built here, so a compiler without -fsanitize support skips instead of failing
-        for simd in (False, True):
-            build.build_library(build.compile_command(SANITIZER_FLAGS, simd=simd), name="aqr_kernels_sanitized")
-    except OSError as err:
-        pytest.skip(f"the C compiler cannot build with sanitizers: {str(err)[-300:]}")
-    done = subprocess.run(
-        [sys.executable, str(HERE / "stream_fuzz.py"), "150", *SANITIZER_FLAGS], capture_output=True, text=True,
-        timeout=900, cwd=HERE,
-        env={**os.environ, "LD_PRELOAD": runtime, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
-             "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1", "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    report = done.stderr[-4000:]
-    assert "Sanitizer" not in done.stderr and "runtime error" not in done.stderr, report
-    assert done.returncode == 0 and "sanitized stream fuzz passed" in done.stdout, report
+    run_sanitized("stream_fuzz.py", 150, "sanitized stream fuzz passed")

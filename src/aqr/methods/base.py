@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
@@ -68,6 +69,30 @@ class ProtocolConfig:
     @property
     def episodic(self) -> bool:
         return self.protocol == "episodic"
+
+
+class SerializedCalls:
+    """Mixin for a method whose state is one stream of batches: a re-entrant lock, ``self._lock``,
+    that its ``forward`` and ``reset`` hold, so threads sharing one instance see the state of some
+    sequential order of their batches. Copies and pickles get a lock of their own."""
+
+    _lock: threading.RLock
+
+    def make_lock(self) -> None:
+        self._lock = threading.RLock()
+
+    def reset(self) -> None:
+        with self._lock:
+            super().reset()  # type: ignore[misc]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)  # locks cannot be copied; a copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        self.make_lock()
 
 
 def softmax_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -28,16 +28,14 @@ lock serializes calls, so threads sharing one instance see the statistics of som
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .base import NotApplicable, TTAMethod
+from .base import NotApplicable, SerializedCalls, TTAMethod
 from .norms import batchnorm_layers
 
 
@@ -108,7 +106,7 @@ class EmaBatchNorm(nn.Module):
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, pooled={self.pooled}"
 
 
-class BNEma(TTAMethod):
+class BNEma(SerializedCalls, TTAMethod):
     """Test-time BatchNorm with EMA statistics over the stream (see module docs); no weights change."""
 
     name = "bn-ema"
@@ -126,29 +124,16 @@ class BNEma(TTAMethod):
             self.layers.append(layer)
         if not self.layers:
             raise NotApplicable("bn-ema needs BatchNorm layers; this model has none")
-        self._lock = threading.RLock()
+        self.make_lock()
         return model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self._lock:
             return super().forward(x)
 
-    def reset(self) -> None:
-        with self._lock:
-            super().reset()
-
     def reset_extra_state(self) -> None:
         for layer in self.layers:
             layer.reset()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_lock", None)  # locks cannot be copied; a copy gets its own
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._lock = threading.RLock()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layers={len(self.layers)}"

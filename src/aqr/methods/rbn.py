@@ -26,9 +26,7 @@ threads decide).
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +35,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from aqr.core.memory import ClassBalancedMemory
 
-from .base import NotApplicable, TTAMethod, softmax_entropy
+from .base import NotApplicable, SerializedCalls, TTAMethod, softmax_entropy
 from .norms import batchnorm_layers
 
 
@@ -134,7 +132,7 @@ def use_robust_batchnorm(model: nn.Module, momentum: float) -> list[RobustBatchN
     return layers
 
 
-class RBN(TTAMethod):
+class RBN(SerializedCalls, TTAMethod):
     """RoTTA's robust BatchNorm fed by its class-balanced memory (see module docs); no weights change."""
 
     name = "rbn"
@@ -151,7 +149,7 @@ class RBN(TTAMethod):
         self.memory: ClassBalancedMemory | None = None
         self.offered = 0  # images offered to the memory since the last reset
         self.updates = 0  # EMA steps taken since the last reset
-        self._lock = threading.RLock()
+        self.make_lock()
         return model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,10 +158,6 @@ class RBN(TTAMethod):
             logits = super().forward(x)
             self._observe(x.detach(), logits)
             return logits
-
-    def reset(self) -> None:
-        with self._lock:
-            super().reset()
 
     def reset_extra_state(self) -> None:
         for layer in self.layers:
@@ -209,15 +203,6 @@ class RBN(TTAMethod):
             for layer in self.layers:
                 layer.updating = False
         self.updates += 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_lock", None)  # locks cannot be copied; a copy gets its own
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._lock = threading.RLock()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layers={len(self.layers)}"
