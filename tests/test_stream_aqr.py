@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +13,10 @@ from torch import nn
 import aqr
 from aqr.core.layers import NonFiniteActivationError
 from aqr.methods import create
-from tests.models_tiny import bn_cnn, gn_cnn, images, tiny_vit
+from tests import batch_reference
+from tests.models_tiny import images
 
-BUILDERS = {"bn": bn_cnn, "gn": gn_cnn, "vit": tiny_vit}
-REFERENCE = Path(__file__).parent / "data"
+BUILDERS = batch_reference.BUILDERS
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,16 +43,14 @@ def same(a: list[dict], b: list[dict]) -> bool:
 
 @pytest.mark.parametrize("name", ["bn", "gn", "vit"])
 def test_the_batch_mode_gives_the_outputs_it_gave_before_streaming(name: str) -> None:
-    """Outputs stored by the implementation before target='stream' existed (tests/data, made with the
-    same models, statistics and inputs), for the fast (C and torch), exact and Gaussian-tail maps."""
-    stored = load_file(REFERENCE / "batch_reference.safetensors")
-    model = BUILDERS[name]().eval()
+    """Outputs stored by the implementation before target='stream' existed (tests/batch_reference.py:
+    the same models, statistics and inputs), for the fast (C and torch), exact and Gaussian-tail maps."""
+    stored = load_file(batch_reference.DATA / "batch_reference.safetensors")
+    model = batch_reference.BUILDERS[name]().eval()
     model.load_state_dict({k.split("/", 2)[2]: v for k, v in stored.items() if k.startswith(f"{name}/weights/")})
-    stats = aqr.SourceStats.load(REFERENCE / f"batch_reference_{name}.stats.safetensors")
+    stats = aqr.SourceStats.load(batch_reference.DATA / f"batch_reference_{name}.stats.safetensors")
     x = stored[f"{name}/input"]
-    configs = {"fast": {}, "torch": {"native": False, "compile": False}, "exact": {"mode": "exact"},
-               "gaussian": {"tail": "gaussian"}}
-    for key, options in configs.items():
+    for key, options in batch_reference.CONFIGS.items():
         for target in ({}, {"target": "batch"}):
             out = aqr.AQR(model, stats, **options, **target)(x)
             torch.testing.assert_close(out, stored[f"{name}/{key}"], rtol=1e-6, atol=1e-6, msg=f"{name} {key}")

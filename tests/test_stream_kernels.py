@@ -25,7 +25,7 @@ def test_stream_kernels_equal_the_torch_mirror() -> None:
 @pytest.mark.slow
 @needs_kernels
 def test_stream_kernels_equal_the_torch_mirror_on_many_cases() -> None:
-    fuzz(LIB, examples=1500)
+    fuzz(LIB, examples=600)
 
 
 @needs_kernels
