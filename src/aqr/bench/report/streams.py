@@ -113,11 +113,11 @@ def plot_batch_sizes(rows: Sequence[Row], path: str | Path) -> list[Path]:
     variants = sorted({v for m in curves.values() for v in m}, key=variant_order)
     colors = plot_colors(variants)
     fig, axes = axes_row(len(curves), (4.0 * len(curves), 3.6))
+    handles: dict[str, Any] = {}
     for ax, (model, by_variant) in zip(axes, curves.items()):
         for variant in sorted(by_variant, key=variant_order):
             c = by_variant[variant]
-            ax.plot(c["batch_size"], c["accuracy"], marker="o", ms=4, color=colors[variant],
-                    label=method_label(variant))
+            (handles[variant],) = ax.plot(c["batch_size"], c["accuracy"], marker="o", ms=4, color=colors[variant])
         ax.set_xscale("log", base=2)
         sizes = sorted({b for c in by_variant.values() for b in c["batch_size"]})
         ax.set_xticks(sizes)
@@ -126,7 +126,7 @@ def plot_batch_sizes(rows: Sequence[Row], path: str | Path) -> list[Path]:
         ax.set_xlabel("batch size")
         ax.set_ylabel("accuracy over the stream (%)")
         ax.grid(alpha=0.3)
-    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _legend(axes[-1], handles)
     fig.tight_layout()
     return save(fig, path, formats=("png", "pdf"), tight=True)
 
@@ -141,13 +141,13 @@ def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, wi
     variants = sorted({r.variant for r in chosen}, key=variant_order)
     colors = plot_colors(variants)
     fig, axes = axes_row(len(by_model), (6.5 * len(by_model), 3.6))
+    handles: dict[str, Any] = {}
     for ax, (model, mrows) in zip(axes, sorted(by_model.items())):
         seed = min(r.seed for r in mrows)
         for row in sorted((r for r in mrows if r.seed == seed), key=lambda r: variant_order(r.variant)):
             size = row.detail["block_size"]
             curve = along_stream(row.detail, max(1, min(window, size)))
-            ax.plot(np.arange(1, len(curve) + 1), curve, lw=0.9, color=colors[row.variant],
-                    label=method_label(row.variant))
+            (handles[row.variant],) = ax.plot(np.arange(1, len(curve) + 1), curve, lw=0.9, color=colors[row.variant])
         detail = mrows[0].detail
         size, names = detail["block_size"], detail["corruptions"]
         for k in range(1, len(names)):
@@ -157,9 +157,16 @@ def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, wi
         ax.set_title(f"{model}, batch size {batch_size} (seed {seed})", fontsize=10)
         ax.set_ylabel(f"accuracy, last {min(window, size)} images (%)")
         ax.grid(axis="y", alpha=0.3)
-    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _legend(axes[-1], handles)
     fig.tight_layout()
     return save(fig, path, formats=("png", "pdf"), tight=True)
+
+
+def _legend(ax: Any, handles: dict[str, Any]) -> None:
+    """One legend entry per method drawn in any panel, in the table order, beside the last panel."""
+    ordered = sorted(handles, key=variant_order)
+    ax.legend([handles[v] for v in ordered], [method_label(v) for v in ordered], fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))
 
 
 def write_stream_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
