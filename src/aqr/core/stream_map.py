@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aqr.backends import Affine
+from aqr.backends import Affine, SubsetCache
 from aqr.backends.build import native_kernels
 from aqr.backends.stream_base import StreamKernels
 from aqr.backends.stream_native import NativeStreamKernels
@@ -63,12 +63,12 @@ def stream_kernels(device: torch.device, native: bool) -> StreamKernels:
 class StreamLayerMap(LayerMap):
     """One layer of a streaming :class:`aqr.AQR`: its running state (per device, made on first use)."""
 
-    def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str, subsets: object,
+    def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str, subsets: SubsetCache,
                  batch: StreamBatch) -> None:
         if tail not in STREAM_TAILS:
             raise ValueError(f"target='stream' maps with the tail strategies {' or '.join(STREAM_TAILS)} (Eq. 1 at "
                              f"the running ends), not {tail!r}")
-        super().__init__(stats, name, config, tail, subsets, logits_checked=True)  # type: ignore[arg-type]
+        super().__init__(stats, name, config, tail, subsets, logits_checked=True)
         self.settings = stream_settings(config, stats)
         self.batch = batch
         self.streams: dict[torch.device, LayerStream] = {}
