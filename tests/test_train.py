@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import aqr.models as models
+from aqr.models.checkpoint import CheckpointError
 from aqr.cli import main
 from aqr.models.train import (TrainConfig, augment_batch, evaluate_accuracy, export_state, load_tensors, lr_factor,
                        resume_path, train)
@@ -145,3 +146,23 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(tmp_path: Path) -> None:
     cfg = TrainConfig(model="resnet20", data=str(data), model_kwargs={"width": 4}, epochs=1, device="cuda")
     with pytest.raises(RuntimeError, match="sees no CUDA GPU"):
         train(cfg)
+
+
+def test_init_starts_from_a_checkpoint_and_records_it(data: tuple[Path, Path], tmp_path: Path) -> None:
+    tiny = dict(model_kwargs={"width": 4}, limit_train=32, out=None)
+    base = train(small_config(data, tmp_path / "a", **{**tiny, "out": str(tmp_path / "base.pt")}))
+    start = {k: v.clone() for k, v in base["model"].state_dict().items()}
+    # lr 0: the fine-tune's weights are the init's (BatchNorm running statistics still move)
+    cfg = small_config(data, tmp_path / "b", **{**tiny, "lr": 0.0, "init": str(base["out"]),
+                                                  "out": str(tmp_path / "tuned.pt")})
+    tuned = train(cfg)
+    for name, value in tuned["model"].state_dict().items():
+        if "running" not in name and "num_batches" not in name:
+            assert torch.equal(value, start[name]), name
+    meta = torch.load(tuned["out"], weights_only=True)["meta"]
+    assert meta["init"]["file"] == "base.pt" and len(meta["init"]["sha256"]) == 64
+    assert meta["init"]["test_acc_by_epoch"] == [h["test_acc"] for h in base["history"]]
+    # another architecture is refused with a one-line error naming the file
+    other = small_config(data, tmp_path / "c", **{**tiny, "model_kwargs": {"width": 8}, "init": str(base["out"])})
+    with pytest.raises(CheckpointError, match="do not fit this model"):
+        train(other)

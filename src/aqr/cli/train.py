@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit-train", type=count(1), default=None, help="use only the first N training images")
     p.add_argument("--stop-after", type=count(1), default=None,
                    help="stop after this many epochs (schedule still planned for --epochs; continue with --resume)")
+    p.add_argument("--init", default=None, metavar="CHECKPOINT",
+                   help="start from this aqr checkpoint's weights (same architecture) with a new optimizer and "
+                        "schedule, e.g. a short low-lr fine-tune; its provenance goes into the new meta['init']")
     p.add_argument("--out", default=None, help="final small checkpoint (aqr format)")
     p.add_argument("--work-dir", default=None, help="folder for the resumable per-epoch state (last.pt)")
     p.add_argument("--resume", action="store_true", help="continue from <work-dir>/last.pt")
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                       label_smoothing=args.label_smoothing, augment=not args.no_augment, threads=args.threads,
                       seed=args.seed, channels_last=args.channels_last, device=args.device,
                       limit_train=args.limit_train,
-                      stop_after=args.stop_after,
+                      stop_after=args.stop_after, init=args.init,
                       out=args.out, work_dir=args.work_dir,
                       command="aqr " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train"] else "")
     train(cfg, resume=args.resume)

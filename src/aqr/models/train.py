@@ -4,6 +4,9 @@ Data is an ``.npz`` with ``x`` (uint8, N x H x W x 3) and ``y`` (int labels). Au
 crop with zero padding 4 and horizontal flip) runs in torch on uint8 batches. Every epoch the full
 training state (model, optimizer, scheduler, RNG, epoch, history) is saved to
 ``<work_dir>/last.pt``; at the end a small weights-only aqr checkpoint is written to ``out``.
+
+``init`` starts from another aqr checkpoint's weights (same architecture) with a new optimizer and
+schedule: a fine-tune. The checkpoint's provenance is kept in the new one's ``meta["init"]``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class TrainConfig:
     work_dir: str | None = None
     limit_train: int | None = None  # use a seeded random subset of N training images (quick checks)
     stop_after: int | None = None  # stop (resumably) once this many epochs are done, schedule unchanged
+    init: str | None = None  # start from this aqr checkpoint's weights (new optimizer and schedule)
     command: str = ""
 
 
@@ -149,6 +153,24 @@ def model_config(cfg: TrainConfig, num_classes: int) -> dict[str, Any]:
     return {"name": cfg.model, "num_classes": num_classes, "norm": cfg.norm, "kwargs": dict(cfg.model_kwargs)}
 
 
+def load_init(model: nn.Module, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load the weights of the aqr checkpoint ``path`` into ``model`` (strictly; weights only) and return
+    its provenance for ``meta["init"]``: file name, sha256, config and the scalar entries of its meta."""
+    from aqr.models.checkpoint import is_aqr_checkpoint
+
+    obj = read_file(path)
+    if not is_aqr_checkpoint(obj):
+        raise CheckpointError(f"--init {path}: not an aqr checkpoint")
+    try:
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in obj["state_dict"].items()})
+    except RuntimeError as err:
+        raise CheckpointError(f"--init {path}: its weights do not fit this model ({str(err).splitlines()[0]})") from None
+    meta = {k: v for k, v in (obj.get("meta") or {}).items() if k not in ("history", "train_config")}
+    history = (obj.get("meta") or {}).get("history") or []
+    return {"file": os.path.basename(str(path)), "sha256": sha256_file(path), "config": obj["config"],
+            "meta": meta, "test_acc_by_epoch": [h.get("test_acc") for h in history]}
+
+
 def resume_path(work_dir: str | os.PathLike[str]) -> Path:
     """Where the resumable state of a run in ``work_dir`` lives."""
     return Path(work_dir) / "last.pt"
@@ -195,6 +217,8 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
         optimizer, lambda s: lr_factor(s, total_steps, warmup, min_ratio))
     gen = torch.Generator().manual_seed(cfg.seed)
     start_epoch, history = 0, []
+    # a resumed run has its weights, and the init's provenance, in its state
+    init = load_init(model, cfg.init) if cfg.init and not resume else None
 
     state_file = resume_path(cfg.work_dir) if cfg.work_dir else None
     if resume:
@@ -211,6 +235,7 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
         gen.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         start_epoch, history = int(state["epoch"]), list(state["history"])
+        init = state.get("init")
         print(f"resumed {state_file} after epoch {start_epoch}", file=log, flush=True)
 
     data_hash = sha256_file(cfg.data)
@@ -266,22 +291,23 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
                          "history": history, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": scheduler.state_dict(), "generator": gen.get_state(),
                          "torch_rng": torch.get_rng_state(), "data_sha256": data_hash,
-                         "num_classes": num_classes}, state_file)
+                         "num_classes": num_classes, "init": init}, state_file)
 
     model.eval().cpu()
     final_acc = history[-1]["test_acc"] if history else None
     out = None
     if cfg.out:
-        out = write_final(cfg.out, model, cfg, num_classes, history, data_hash)
+        out = write_final(cfg.out, model, cfg, num_classes, history, data_hash, init)
         print(f"saved {out} ({out.stat().st_size / 1e6:.2f} MB), clean accuracy {final_acc}", file=log, flush=True)
     return {"model": model, "history": history, "test_acc": final_acc, "out": out}
 
 
 def write_final(out: str | os.PathLike[str], model: nn.Module, cfg: TrainConfig, num_classes: int,
-                history: list[dict[str, Any]], data_hash: str) -> Path:
+                history: list[dict[str, Any]], data_hash: str, init: dict[str, Any] | None = None) -> Path:
     """Write the small aqr checkpoint (weights + config + provenance meta), in fp16 if fp32 exceeds 5 MB.
 
-    ``meta["partial"]`` is True when fewer than ``cfg.epochs`` epochs were trained.
+    ``meta["partial"]`` is True when fewer than ``cfg.epochs`` epochs were trained; ``meta["init"]`` is
+    the provenance of the ``--init`` checkpoint (see :func:`load_init`), when there was one.
     """
     final_acc = history[-1]["test_acc"] if history else None
     meta = {"data": os.path.basename(cfg.data), "data_sha256": data_hash,
@@ -291,6 +317,8 @@ def write_final(out: str | os.PathLike[str], model: nn.Module, cfg: TrainConfig,
             "seed": cfg.seed, "clean_accuracy": final_acc, "command": cfg.command,
             "train_config": asdict(cfg), "history": history,
             "aqr_version": aqr.__version__, "torch_version": str(torch.__version__)}
+    if init is not None:
+        meta["init"] = init
     config = model_config(cfg, num_classes)
     path = save_checkpoint(out, model, config, meta)
     if path.stat().st_size > MAX_ZOO_BYTES:
@@ -313,4 +341,5 @@ def export_state(work_dir: str | os.PathLike[str], out: str | os.PathLike[str]) 
     model = create(cfg.model, num_classes=int(num_classes), norm=cfg.norm, **cfg.model_kwargs)
     model.load_state_dict(state["model"])
     data_hash = state.get("data_sha256") or sha256_file(cfg.data)
-    return write_final(out, model.eval(), cfg, int(num_classes), list(state["history"]), data_hash)
+    return write_final(out, model.eval(), cfg, int(num_classes), list(state["history"]), data_hash,
+                       state.get("init"))
