@@ -70,9 +70,9 @@ def test_every_preset_expands_and_main_matches_the_paper() -> None:
         grid = preset(name, DATA)
         assert len(list(grid.cells())) == len(grid) > 0
     main = preset("main", DATA)
-    assert {m.name for m in main.methods} == {"source", "ttn", "tent", "sar", "aqr"}
+    assert {m.name for m in main.methods} == {"source", "ttn", "tent", "sar", "moments", "aqr"}
     assert main.severities == (1, 3, 5) and main.batch_sizes == (128, 512) and len(main.corruptions) == 19
-    assert len(main) == 3 * 5 * 19 * 3 * 2 * 3
+    assert len(main) == 3 * 6 * 19 * 3 * 2 * 3
     tails = preset("tails", DATA)
     assert sorted(c.variant for c in tails.cells() if c.corruption == "fog" and c.severity == 3
                   and c.batch_size == 128 and c.seed == 0) == sorted(

@@ -115,7 +115,7 @@ MODELS = {"bn": (lambda: conv_net("bn"), images), "gn": (lambda: conv_net("gn"),
 
 # ---------------------------------------------------------------------------- registry
 def test_available_and_create() -> None:
-    assert methods.available() == ["source", "ttn", "tent", "sar", "aqr", "rbn", "bn-ema"]
+    assert methods.available() == ["source", "ttn", "tent", "sar", "aqr", "moments", "rbn", "bn-ema"]
     net = conv_net()
     for name in ["source", "ttn", "tent", "sar", "rbn"]:
         m = create(name, net, protocol="online" if name == "rbn" else "episodic")
@@ -416,7 +416,7 @@ def test_methods_declare_what_a_caller_must_supply() -> None:
     needs = {name: (methods.method_class(name).needs_stats, methods.method_class(name).needs_batch_size)
              for name in methods.available()}
     assert needs == {"source": (False, False), "ttn": (False, False), "tent": (False, True), "sar": (False, True),
-                     "aqr": (True, False), "rbn": (False, False), "bn-ema": (False, False)}
+                     "aqr": (True, False), "moments": (True, False), "rbn": (False, False), "bn-ema": (False, False)}
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         methods.method_class("nope")
 
@@ -435,6 +435,94 @@ def test_aqr_options_are_a_typed_config() -> None:
         create("aqr", net, stats=stats, turbo=True)
     with pytest.raises(ValueError, match="mode"):
         create("aqr", net, stats=stats, mode="turbo")
+
+
+# ---------------------------------------------------------------------------- moments (AQR's control)
+def match_moments(out: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, dim: int) -> torch.Tensor:
+    """The control's map written out: each channel's batch mean/std (population) onto ``mean``/``std``."""
+    dims = [d for d in range(out.ndim) if d != dim % out.ndim]
+    shape = [1] * out.ndim
+    shape[dim] = -1
+    m = out.double().mean(dims, keepdim=True)
+    s = out.double().std(dims, keepdim=True, correction=0)
+    return ((out.double() - m) / s * std.double().reshape(shape) + mean.double().reshape(shape)).float()
+
+
+def direct_moments_forward(net: nn.Module, x: torch.Tensor, stats) -> torch.Tensor:
+    """The moments control on ``conv_net`` or ``TinyViT`` computed layer by layer, without hooks."""
+    def norm(name: str, module: nn.Module, h: torch.Tensor, dim: int) -> torch.Tensor:
+        layer = stats.layers[name]
+        return match_moments(module(h), layer.mean, layer.std, dim)
+
+    if isinstance(net, TinyViT):
+        h = net.embed(x)
+        for i, block in enumerate(net.blocks):
+            a = norm(f"blocks.{i}.norm1", block.norm1, h, -1)
+            h = h + block.attn(a, a, a, need_weights=False)[0]
+            h = h + block.mlp(norm(f"blocks.{i}.norm2", block.norm2, h, -1))
+        return net.head(norm("norm", net.norm, h, -1).mean(1))
+    h = x
+    for name, module in net.named_children():
+        h = norm(name, module, h, 1) if name.startswith("norm") else module(h)
+    return h
+
+
+@pytest.mark.parametrize("kind", ["bn", "gn", "ln"])
+def test_moments_equals_the_direct_computation(kind: str) -> None:
+    import aqr
+
+    build, data = MODELS[kind]
+    net = build().eval()
+    stats = aqr.calibrate(net, [data(n=64, seed=s) for s in range(3)])
+    before = state_of(net)
+    method = create("moments", net, stats=stats)
+    x = data(n=16, seed=7) * 1.7 + 0.4  # shifted and scaled: every layer's moments move
+    with torch.no_grad():
+        want = direct_moments_forward(net, x, stats)
+        plain = net(x)
+    got = method(x)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, plain, atol=1e-2)
+    assert same_state(before, state_of(net))
+    assert torch.equal(create("moments", net, stats=stats, protocol="online")(x), got)
+    assert isinstance(method.config, methods.MomentsConfig) and method.adapter.config.match == "moments"
+
+
+def test_moments_on_batchnorm_is_ttn_with_the_measured_source_moments() -> None:
+    """On a BatchNorm layer the control equals TTN whose beta, |gamma| are the measured source mean, std."""
+    import aqr
+
+    net = conv_net("bn")
+    stats = aqr.calibrate(net, [images(n=64, seed=s) for s in range(3)])
+    twin = conv_net("bn")
+    with torch.no_grad():
+        for name in ("norm1", "norm2"):
+            bn, layer = getattr(twin, name), stats.layers[name]
+            bn.weight.copy_(layer.std * bn.weight.sign())
+            bn.bias.copy_(layer.mean)
+            bn.eps = 1e-12
+    x = images(seed=5, shift=0.7)
+    assert torch.allclose(create("moments", net, stats=stats)(x), create("ttn", twin)(x), atol=1e-4)
+
+
+def test_moments_layers_and_nonfinite_policy() -> None:
+    import aqr
+
+    net = conv_net("gn")
+    stats = aqr.calibrate(net, [images(n=32, seed=s) for s in range(2)])
+    assert create("moments", net, stats=stats, layers=["norm2"]).adapter.layer_names == ["norm2"]
+    with pytest.raises(TypeError, match="'moments' method needs stats"):
+        create("moments", net)
+    with pytest.raises(TypeError):
+        create("moments", net, stats=stats, tail="clip")  # quantile options do not apply
+    x = images()
+    x[0, 0, 0, 0] = float("nan")
+    with pytest.raises(aqr.NonFiniteActivationError, match="norm1"):
+        create("moments", net, stats=stats)(x)
+    out = create("moments", net, stats=stats, on_nonfinite="skip")(x)
+    assert out.shape == (16, NUM_CLASSES)
+    with pytest.raises(ValueError, match="no streaming form"):
+        aqr.AQR(net, stats, match="moments", target="stream")
 
 
 def test_sam_perturbs_by_rho_along_the_gradient_and_steps_from_the_original_point() -> None:

@@ -281,8 +281,9 @@ def _key(config: Mapping[str, Any], method: str, fingerprints: Mapping[str, str]
     }
     if config.get("order") is not None:
         payload["stream_order_version"] = STREAM_ORDER_VERSION
-    if method == "aqr":
+    if method in ("aqr", "moments"):  # both read the source statistics
         payload["aqr_stats_version"] = AQR_STATS_VERSION
+    if method == "aqr":
         payload["aqr_fast_path_version"] = AQR_FAST_PATH_VERSION
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:32]
 
@@ -406,7 +407,7 @@ def default_data(data_dir: str | Path | None = None, cifar_c: str | Path = "cach
                     frost_dir=str(d / "frost"))
 
 
-BASELINES = ("source", "ttn", "tent", "sar", "aqr")
+BASELINES = ("source", "ttn", "tent", "sar", "moments", "aqr")
 # The stream preset's methods: per-batch AQR (the reference at batch 128), streaming AQR, and the
 # methods used on streams, all online.
 STREAM_METHODS = ("source", "ttn", "bn-ema", "tent", "sar", "aqr", "aqr:target=stream")

@@ -1,4 +1,4 @@
-"""``aqr demo``: Source, TTN, TENT, SAR and AQR compared end to end (digits by default, or CIFAR-10-C)."""
+"""``aqr demo``: Source, TTN, TENT, SAR, moments and AQR compared end to end (digits by default, or CIFAR-10-C)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from aqr.cli.common import add_threads, count, counts, names
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``demo`` sub-command."""
     p = subparsers.add_parser(
-        "demo", help="compare Source, TTN, TENT, SAR and AQR end to end in minutes (no data needed)",
+        "demo", help="compare Source, TTN, TENT, SAR, moments and AQR end to end in minutes (no data needed)",
         description="Without --data: train small BN/GN/LN models on scikit-learn's digits (needs "
                     "aqr[demo]), corrupt the test split, run every method and print the table. With "
                     "--data/--cifar-c/--checkpoint: the same comparison for an existing CIFAR model. "

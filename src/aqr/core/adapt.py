@@ -40,6 +40,7 @@ MODES = ("fast", "exact")
 TARGETS = ("batch", "stream")
 MAX_TARGET_SAMPLES = 1 << 24  # the kernels' histograms count in int32
 MAX_GRID = 1 << 16  # cells per table; C * (grid + 2) indexes the tables in int32
+MATCHES = ("quantiles", "moments")
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class AQRConfig:
             are mapped with the state of the images before them; larger ones update first).
         stream_grid: cells of the stream's lookup table between the first and last inner knots
             (rebuilt every ``rebuild_every`` images, hence smaller than ``grid``).
+        match: what of the source distribution each channel is mapped onto: ``"quantiles"`` (AQR,
+            the default) or ``"moments"``, the control: the affine map from the batch's mean and std
+            onto the source's measured mean and std (:class:`MomentMap`; the quantile options
+            ``tail``, ``mode``, ... do not apply to it).
     """
 
     tail: str | None = None
@@ -100,8 +105,11 @@ class AQRConfig:
     tail_window: int = 128
     rebuild_every: int = 8
     stream_grid: int = 512
+    match: str = "quantiles"
 
     def __post_init__(self) -> None:
+        if self.match not in MATCHES:
+            raise ValueError(f"match must be one of {MATCHES}, got {self.match!r}")
         if self.tail is not None and self.tail not in TAILS:
             raise ValueError(f"unknown tail strategy {self.tail!r}; expected one of {', '.join(TAILS)}")
         if self.source_moments not in SOURCE_MOMENTS:
@@ -123,6 +131,8 @@ class AQRConfig:
         StreamSettings(self.estimator, self.horizon, self.tail_window, 100, self.rebuild_every, self.stream_grid)  # checks
         if self.target == "stream" and self.mode != "fast":
             raise ValueError("target='stream' runs the fast path: mode='exact' is not available with it")
+        if self.target == "stream" and self.match != "quantiles":
+            raise ValueError("target='stream' maps running quantiles: match='moments' has no streaming form yet")
 
 
 def host_reads_are_cheap(device: torch.device) -> bool:
@@ -265,6 +275,54 @@ class LayerMap:
         )
 
 
+class MomentMap(LayerMap):
+    """The moment-matching control on one layer: each channel mapped affinely from the batch's mean
+    and std onto the source's measured mean and std (``LayerStats.mean``/``std``, the same statistics
+    file as AQR). AQR's layer selection, hooks and non-finite policy; no quantiles, no folding.
+
+    ``y = m_src + (x - m_batch) * s_src / s_batch`` per channel, with the batch moments over every
+    value of the channel (population std) in float32; a constant channel maps to ``m_src``.
+    """
+
+    def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str,
+                 subsets: SubsetCache | None = None, logits_checked: bool = False) -> None:
+        super().__init__(stats, name, config, tail, subsets, logits_checked)
+        layer = stats.layers[name]
+        self.target_moments = (layer.mean.float(), layer.std.float())
+        self._moments_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def foldable(self, module: nn.Module) -> bool:
+        return False
+
+    def __call__(self, _module: nn.Module, _inputs: object, output: object) -> torch.Tensor:
+        """Forward hook: the layer's output with each channel's mean and std moved onto the source's."""
+        out = check_output(self.info, output)
+        if out.numel() == 0:  # an empty batch: nothing to map
+            return out
+        dim = self.info.channel_dim % out.ndim
+        shape = [1] * out.ndim
+        shape[dim] = out.shape[dim]
+        reduce = [d for d in range(out.ndim) if d != dim]
+        x = out.float()
+        var, mean = torch.var_mean(x, dim=reduce, keepdim=True, correction=0)
+        if not bool(torch.isfinite(mean).all() and torch.isfinite(var).all()):
+            return self._nonfinite(out)
+        src_mean, src_std = self.moments_on(out.device)
+        std = var.sqrt()
+        gain = torch.where(std > 0, src_std.reshape(shape) / std, torch.zeros_like(std))
+        return torch.addcmul(src_mean.reshape(shape), x - mean, gain).to(out.dtype)
+
+    def moments_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The source mean and std on ``device`` (moved once)."""
+        moments = self._moments_on.get(device)
+        if moments is None:  # a race moves them twice and keeps the first (as LayerMap.source_on)
+            moments = self._moments_on.setdefault(device, tuple(t.to(device) for t in self.target_moments))  # type: ignore[arg-type]
+        return moments
+
+
+MAP_CLASSES: dict[str, type[LayerMap]] = {"quantiles": LayerMap, "moments": MomentMap}
+
+
 def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False,
                 batch: StreamBatch | None = None) -> dict[str, LayerMap]:
     """The maps of the selected layers; with ``batch``, streaming ones sharing it (:mod:`aqr.core.stream_map`)."""
@@ -276,7 +334,8 @@ def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = Fa
         from aqr.core.stream_map import StreamLayerMap
 
         return {info.name: StreamLayerMap(stats, info.name, config, tail, subsets, batch) for info in chosen}
-    return {info.name: LayerMap(stats, info.name, config, tail, subsets, logits_checked) for info in chosen}
+    cls = MAP_CLASSES[config.match]
+    return {info.name: cls(stats, info.name, config, tail, subsets, logits_checked) for info in chosen}
 
 
 @contextlib.contextmanager
@@ -404,7 +463,8 @@ class AQR(nn.Module):
             out = self._twin(x)
         if not self._reach_checked:
             self._check_every_layer_called()
-        if self.config.mode == "fast" and self.config.on_nonfinite == "raise" and isinstance(out, torch.Tensor):
+        if (self.config.match == "quantiles" and self.config.mode == "fast" and self.config.on_nonfinite == "raise"
+                and isinstance(out, torch.Tensor)):
             # The fast path checks only the sampled positions of each layer (none on a GPU); NaN/Inf
             # elsewhere reaches the output. Re-run exactly to name the first layer that produced it.
             if not bool(torch.isfinite(out).all()):
@@ -471,6 +531,8 @@ class AQR(nn.Module):
         self._reach_checked = True
 
     def extra_repr(self) -> str:
+        if self.config.match == "moments":
+            return f"layers={len(self._maps)}, match='moments'"
         text = f"layers={len(self._maps)}, tail={self.config.tail or self.stats.tail!r}, K={self.stats.num_quantiles}"
         if self._batch is not None:
             c = self.config

@@ -1,4 +1,4 @@
-"""``aqr demo``: the paper's comparison (Source, TTN, TENT, SAR, AQR) end to end, on CPU, in minutes.
+"""``aqr demo``: the paper's comparison (Source, TTN, TENT, SAR, moments, AQR) end to end, on CPU, in minutes.
 
 With no data at all it runs on scikit-learn's handwritten digits (1,797 real 8x8 images shipped
 inside scikit-learn): upscaled to 32x32 RGB and split (seeded) into train / source / test, it trains
@@ -284,7 +284,7 @@ def _methods() -> tuple[MethodSpec, ...]:
 
 def digits_grid(config: DemoConfig, checkpoints: Mapping[str, Path], source_npz: Path, n_source: int,
                 cifar_c: Path, n_test: int) -> GridSpec:
-    """The digits grid: every trained model x the five methods x corruptions x severities."""
+    """The digits grid: every trained model x the methods (BASELINES) x corruptions x severities."""
     n_images = min(config.n_images or (200 if config.quick else n_test), n_test)
     models = tuple(ModelSpec(name, str(path), None, str(source_npz), f"0:{n_source}")
                    for name, path in checkpoints.items())

@@ -1,16 +1,19 @@
-"""Test-time adaptation methods behind one interface: source, TTN, TENT, SAR, AQR, RBN and bn-ema.
+"""Test-time adaptation methods behind one interface: source, TTN, TENT, SAR, AQR, its control (moments), RBN
+and bn-ema.
 
 >>> method = create("tent", model)              # episodic, the AQR paper's protocol
 >>> logits = method(x)                          # scored logits for batch x
 >>> method = create("sar", model, protocol="online", lr=1e-3)
 >>> method = create("aqr", model, stats=stats)  # stats from aqr.calibrate
+>>> method = create("moments", model, stats=stats)  # AQR's control: mean/std onto the source's
 >>> method = create("rbn", model, protocol="online")  # RoTTA's robust BatchNorm, for streams
 >>> method = create("bn-ema", model, protocol="online")  # BatchNorm on EMA statistics of the stream
 
 ``create`` deep-copies ``model``; the user's model is never modified. Options are the fields of
 :class:`ProtocolConfig` (``protocol``, ``steps``, ``seed``) plus the method's own config dataclass
-(``TentConfig``, ``SARConfig``, ``AQRMethodConfig``, ``RBNConfig``, ``BNEmaConfig``). A method class declares what a caller must
-supply: ``needs_stats`` (AQR) and ``needs_batch_size`` (TENT, SAR); see :func:`method_class`.
+(``TentConfig``, ``SARConfig``, ``AQRMethodConfig``, ``MomentsConfig``, ``RBNConfig``, ``BNEmaConfig``). A method
+class declares what a caller must supply: ``needs_stats`` (AQR, moments) and ``needs_batch_size`` (TENT, SAR);
+see :func:`method_class`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 from .aqr_method import AQRMethod, AQRMethodConfig
 from .base import NotApplicable, ProtocolConfig, TTAMethod, softmax_entropy
 from .bn_ema import BNEma, BNEmaConfig, EmaBatchNorm
+from .moments import Moments, MomentsConfig
 from .rbn import RBN, RBNConfig, RobustBatchNorm
 from .sar import FREEZE_PRESETS, SAR, SARConfig
 from .source import Source
@@ -31,7 +35,7 @@ from .tent import Tent, TentConfig, default_lr, infer_arch
 from .ttn import TTN
 
 METHODS: Mapping[str, type[TTAMethod]] = MappingProxyType(
-    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, RBN, BNEma)}
+    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, Moments, RBN, BNEma)}
 )
 
 _PROTOCOL_KEYS = frozenset(f.name for f in fields(ProtocolConfig))
@@ -71,6 +75,8 @@ __all__ = [
     "EmaBatchNorm",
     "FREEZE_PRESETS",
     "METHODS",
+    "Moments",
+    "MomentsConfig",
     "NotApplicable",
     "ProtocolConfig",
     "RBN",

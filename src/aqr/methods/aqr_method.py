@@ -41,14 +41,14 @@ class AQRMethod(TTAMethod):
     needs_stats = True
 
     @classmethod
-    def from_options(cls, **options: Any) -> AQRMethodConfig:
+    def from_options(cls, **options: Any) -> Any:
         if options.get("stats") is None:
-            raise TypeError("the 'aqr' method needs stats= (from aqr.calibrate)")
-        return AQRMethodConfig(**options)
+            raise TypeError(f"the {cls.name!r} method needs stats= (from aqr.calibrate)")
+        return cls.Config(**options)
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         if self.config.stats is None:
-            raise TypeError("the 'aqr' method needs stats= (from aqr.calibrate)")
+            raise TypeError(f"the {self.name!r} method needs stats= (from aqr.calibrate)")
         model.eval().requires_grad_(False)
         self.adapter = AQR(model, self.config.stats, **self.config.aqr_config())
         return model

@@ -29,8 +29,9 @@ import numpy as np
 from aqr.bench.results import Row
 from aqr.data.corruption_params import CORRUPTIONS
 
-BASE_METHODS = ("source", "ttn", "tent", "sar", "aqr")
-METHOD_LABELS = {"source": "Source (NA)", "ttn": "TTN", "tent": "TENT", "sar": "SAR", "aqr": "AQR"}
+BASE_METHODS = ("source", "ttn", "tent", "sar", "moments", "aqr")
+METHOD_LABELS = {"source": "Source (NA)", "ttn": "TTN", "tent": "TENT", "sar": "SAR", "moments": "Moments",
+                 "aqr": "AQR"}
 DIGITS = 1  # decimals shown in tables (the JSON and CSV keep full precision)
 
 
@@ -128,7 +129,8 @@ def _natural(text: str) -> list:
 
 
 def variant_order(variant: str) -> tuple:
-    """Source, TTN, TENT, SAR, AQR first (the paper's order), then every other variant sorted."""
+    """Source, TTN, TENT, SAR, moments, AQR first (the paper's order, the control before AQR), then every
+    other variant sorted."""
     if variant in BASE_METHODS:
         return (0, BASE_METHODS.index(variant), [])
     return (1, 0, _natural(variant))
