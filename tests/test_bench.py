@@ -19,6 +19,7 @@ import torch
 from aqr import models
 from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
 from aqr.cli import main as cli_main
+from aqr.data.arrays import to_float
 from aqr.bench.grid import (
     PRESETS,
     Cell,
@@ -33,7 +34,7 @@ from aqr.bench.grid import (
     parse_range,
     preset,
 )
-from aqr.bench.results import ResultsDB, ResultsDBError
+from aqr.bench.results import ResultsDB, ResultsDBError, pack_correct, unpack_correct
 from aqr.bench.runner import eval_data, evaluate, fingerprints, run_cell, run_grid, stats_path
 from aqr.data.streams import mean_run_length
 
@@ -169,6 +170,26 @@ def test_results_db_stores_and_filters(tmp_path: Path) -> None:
         assert len(db) == 3 and db.experiments() == ["exp"]
 
 
+def test_results_db_keeps_per_image_correctness(tmp_path: Path) -> None:
+    cell = _cell().to_dict()
+    right = np.random.default_rng(0).random(13) < 0.5
+    with ResultsDB(tmp_path / "r.db") as db:
+        db.add("k1", cell, "ok", 100.0 * right.mean(), 13, 1.0, {}, correct=pack_correct(right))
+        db.add("k2", cell, "ok", 50.0, 10, 1.0, {})
+        found = db.correct(["k1", "k2", "nope"])
+        assert list(found) == ["k1"] and np.array_equal(found["k1"], right)
+        with pytest.raises(ValueError, match="does not hold 20 images"):
+            db.add("k3", cell, "ok", 50.0, 20, 1.0, {}, correct=pack_correct(right))
+        db.add("k1", cell, "error", None, None, 1.0, {}, "boom")  # a failed rerun keeps the result and its images
+        assert np.array_equal(db.correct(["k1"])["k1"], right)
+        db.rekey("k1", "k9")  # the images follow their row to its new key
+        assert list(db.correct(["k1", "k9"])) == ["k9"] and np.array_equal(db.correct(["k9"])["k9"], right)
+        db.rekey("k9", "k1")
+        db.add("k1", cell, "ok", 50.0, 10, 1.0, {})  # a result without images drops the old ones
+        assert db.correct(["k1"]) == {}
+    assert np.array_equal(unpack_correct(pack_correct(right), 13), right)
+
+
 def test_results_db_refuses_other_files(tmp_path: Path) -> None:
     bad = tmp_path / "notes.db"
     bad.write_bytes(b"this is not sqlite" * 100)
@@ -227,6 +248,9 @@ def test_run_grid_fills_the_database_and_resumes(tiny: GridSpec, tmp_path: Path)
         assert by[("tiny_bn", "ttn", "gaussian_noise")].status == "ok"
         ok = [r for r in rows if r.status == "ok"]
         assert all(0.0 <= r.accuracy <= 100.0 and r.n_images == 32 for r in ok)
+        per_image = db.correct(r.key for r in ok)
+        assert set(per_image) == {r.key for r in ok}
+        assert all(100.0 * per_image[r.key].mean() == pytest.approx(r.accuracy) for r in ok)
         prov = ok[0].provenance
         assert prov["torch"] and prov["files"]["eval"] and prov["seed"] == 0 and prov["protocol"] == "episodic"
         assert len({stats_path(c, tmp_path / "cache") for c in tiny.cells() if c.method == "aqr"}) == 2
@@ -249,8 +273,11 @@ def test_run_cell_matches_a_direct_evaluation(tiny: GridSpec, tmp_path: Path) ->
     result = run_cell(cell, tmp_path / "cache")
     idx = eval_indices(cell, parse_range(cell.data.eval_indices))
     ds = load_cifar_c(cell.data.root, cell.corruption, cell.severity, idx)
-    acc, n = evaluate(create("source", models.load(cell.model.model)), ds.images, ds.labels, 16)
+    method = create("source", models.load(cell.model.model))
+    acc, n = evaluate(method, ds.images, ds.labels, 16)
     assert result.status == "ok" and result.accuracy == acc and result.n_images == n == 32
+    right = (method(to_float(ds.images)).argmax(1) == torch.as_tensor(ds.labels)).numpy()
+    assert np.array_equal(unpack_correct(result.correct, 32), right)
 
 
 def test_a_stream_order_reorders_the_same_images(tiny: GridSpec, tmp_path: Path) -> None:

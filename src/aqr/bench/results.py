@@ -4,7 +4,9 @@ SQLite in WAL mode, written only by the process that runs the grid, one short tr
 finished cell. A process killed at any moment (even SIGKILL) leaves a valid file holding every cell
 committed before the kill; rerunning the same grid skips them. Rows are keyed by
 :func:`aqr.bench.grid.cell_key`, which covers the cell's config, its files' content hashes and the code
-version, so a changed config never reuses a stale row.
+version, so a changed config never reuses a stale row. Beside each row, table ``per_image`` keeps
+which of the cell's images were classified right (one bit each, in evaluation order), so methods can
+be compared image by image on the same images (:mod:`aqr.bench.report.paired`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+import numpy as np
 
 from aqr.bench.grid import Cell
 
@@ -51,12 +55,27 @@ CREATE TABLE IF NOT EXISTS details (  -- what an ok cell keeps beyond its accura
     key TEXT PRIMARY KEY,
     detail TEXT NOT NULL             -- JSON
 );
+CREATE TABLE IF NOT EXISTS per_image (
+    key TEXT PRIMARY KEY,            -- the row in results
+    n INTEGER NOT NULL,              -- images
+    correct BLOB NOT NULL            -- bit i: the prediction for the cell's i-th image was right (pack_correct)
+);
 """
 
 TABLES = {"results", "experiment_cells", "meta"}
 
 COLUMNS = ("key", "model", "method", "variant", "dataset", "corruption", "severity", "batch_size", "seed",
            "protocol", "status", "accuracy", "n_images", "wall_s", "message", "config", "provenance", "created")
+
+
+def pack_correct(correct: np.ndarray) -> bytes:
+    """Per-image correctness (bool, in evaluation order) as bytes: ``numpy.packbits``, big bit order."""
+    return np.packbits(np.asarray(correct, dtype=bool)).tobytes()
+
+
+def unpack_correct(blob: bytes, n: int) -> np.ndarray:
+    """The inverse of :func:`pack_correct` for ``n`` images."""
+    return np.unpackbits(np.frombuffer(blob, dtype=np.uint8), count=n).astype(bool)
 
 
 class ResultsDBError(RuntimeError):
@@ -139,12 +158,17 @@ class ResultsDB:
 
     # ---- writing ----------------------------------------------------------------------------
     def add(self, key: str, cell: dict, status: str, accuracy: float | None, n_images: int | None,
-            wall_s: float | None, provenance: dict, message: str | None = None, detail: dict | None = None) -> None:
+            wall_s: float | None, provenance: dict, message: str | None = None, detail: dict | None = None,
+            correct: bytes | None = None) -> None:
         """Store one cell's result in its own transaction: it replaces the cell's stored row, except
         that an ``error`` never replaces an ``ok`` result (a failed rerun keeps the result). ``detail``
-        (JSON-able) is kept beside an ok row."""
+        (JSON-able) is kept beside an ok row. ``correct``: the cell's per-image correctness
+        (:func:`pack_correct` of ``n_images`` values), kept for paired comparisons; it goes and comes
+        with the row."""
         if status not in ("ok", "n/a", "error"):
             raise ValueError(f"status must be 'ok', 'n/a' or 'error', got {status!r}")
+        if correct is not None and (n_images is None or len(correct) != -(-n_images // 8)):
+            raise ValueError(f"per-image correctness of {len(correct)} bytes does not hold {n_images} images")
         values = (key, cell["model"]["name"], cell["method"], Cell.from_dict(cell).variant, cell["data"]["name"],
                   cell["corruption"], cell["severity"], cell["batch_size"], cell["seed"], cell["protocol"],
                   status, accuracy, n_images, wall_s, message,
@@ -152,11 +176,18 @@ class ResultsDB:
         update = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[1:])
         with self._conn:
             self._conn.execute("BEGIN")
-            self._conn.execute(f"INSERT INTO results ({','.join(COLUMNS)}) VALUES ({','.join('?' * len(COLUMNS))}) "
-                               f"ON CONFLICT(key) DO UPDATE SET {update} "
-                               "WHERE NOT (excluded.status = 'error' AND results.status = 'ok')", values)
+            stored = self._conn.execute(
+                f"INSERT INTO results ({','.join(COLUMNS)}) VALUES ({','.join('?' * len(COLUMNS))}) "
+                f"ON CONFLICT(key) DO UPDATE SET {update} "
+                "WHERE NOT (excluded.status = 'error' AND results.status = 'ok')", values).rowcount
+            if not stored:  # an error after an ok result: the result, its detail and its images stay
+                return
             if detail is not None and status == "ok":
                 self._conn.execute("INSERT OR REPLACE INTO details VALUES (?, ?)", (key, json.dumps(detail)))
+            if correct is None:
+                self._conn.execute("DELETE FROM per_image WHERE key = ?", (key,))
+            else:
+                self._conn.execute("INSERT OR REPLACE INTO per_image VALUES (?, ?, ?)", (key, n_images, correct))
 
     def add_membership(self, experiment: str, keys: Iterable[str]) -> None:
         """Record that these cells belong to ``experiment`` (a cell may belong to several)."""
@@ -166,11 +197,13 @@ class ResultsDB:
                                    [(experiment, k) for k in keys])
 
     def rekey(self, old: str, new: str) -> None:
-        """Store the row of key ``old`` (and its experiment memberships) under ``new`` instead, in one transaction."""
+        """Store the row of key ``old`` (its detail, per-image results and experiment memberships) under ``new``
+        instead, in one transaction."""
         with self._conn:
             self._conn.execute("BEGIN")
             self._conn.execute("UPDATE OR REPLACE results SET key = ? WHERE key = ?", (new, old))
             self._conn.execute("UPDATE OR REPLACE details SET key = ? WHERE key = ?", (new, old))
+            self._conn.execute("UPDATE OR REPLACE per_image SET key = ? WHERE key = ?", (new, old))
             self._conn.execute("UPDATE OR IGNORE experiment_cells SET key = ? WHERE key = ?", (new, old))
             self._conn.execute("DELETE FROM experiment_cells WHERE key = ?", (old,))
 
@@ -179,6 +212,16 @@ class ResultsDB:
         """Keys with a stored 'ok' or 'n/a' row (errors are retried), optionally among ``keys``."""
         done = {k for (k,) in self._conn.execute("SELECT key FROM results WHERE status IN ('ok', 'n/a')")}
         return done if keys is None else done & set(keys)
+
+    def correct(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
+        """Per-image correctness (bool arrays, in each cell's evaluation order) of those ``keys`` that have it."""
+        wanted = list(dict.fromkeys(keys))
+        found: dict[str, np.ndarray] = {}
+        for start in range(0, len(wanted), 500):  # SQLite's limit on bound parameters
+            chunk = wanted[start : start + 500]
+            sql = f"SELECT key, n, correct FROM per_image WHERE key IN ({','.join('?' * len(chunk))})"
+            found.update({key: unpack_correct(blob, n) for key, n, blob in self._conn.execute(sql, chunk)})
+        return found
 
     def experiments(self) -> list[str]:
         return [e for (e,) in self._conn.execute("SELECT DISTINCT experiment FROM experiment_cells ORDER BY experiment")]

@@ -23,7 +23,7 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Subset
 from aqr.bench.grid import (STATS_OPTIONS, Cell, DataSpec, GridSpec, ModelSpec, canonical_json, cell_key,
                             data_corruptions, eval_indices, legacy_cell_key, location_free, parse_range,
                             stream_corruptions, stream_positions)
-from aqr.bench.results import ResultsDB
+from aqr.bench.results import ResultsDB, pack_correct
 from aqr.core.calibrate import DEFAULT_TAIL_UNIT
 from aqr.core.stats import StatsError
 from aqr.data.arrays import to_float
@@ -68,6 +68,7 @@ class CellResult:
     threads: int | None = None
     device: str | None = None
     detail: dict[str, Any] | None = None
+    correct: bytes | None = None  # per image, in evaluation order: aqr.bench.results.pack_correct
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -80,18 +81,25 @@ def evaluate(method: nn.Module, images: np.ndarray | torch.Tensor, labels: np.nd
     ``images``: uint8 NHWC array or float NCHW tensor in [0, 1]. The last batch may be smaller.
     Returns ``(accuracy, number of images)``.
     """
+    return evaluate_batches(method, array_batches(images, labels, batch_size), progress, desc,
+                            total=-(-len(labels) // batch_size))
+
+
+def array_batches(images: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor,
+                  batch_size: int) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """``(images, labels)`` batches of arrays in order, images as float NCHW in [0, 1]; the last may be smaller."""
     labels = torch.as_tensor(np.asarray(labels)).long()
     if len(labels) == 0:
         raise ValueError("no images to evaluate")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
 
-    def batches() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # checked above, read lazily
         for start in range(0, len(labels), batch_size):
             x = images[start : start + batch_size]
             yield (to_float(x) if isinstance(x, np.ndarray) else x), labels[start : start + batch_size]
 
-    return evaluate_batches(method, batches(), progress, desc, total=-(-len(labels) // batch_size))
+    return batches()
 
 
 def evaluate_batches(method: nn.Module, batches: Iterable[tuple[torch.Tensor, Any]], progress: bool = False,
@@ -99,19 +107,28 @@ def evaluate_batches(method: nn.Module, batches: Iterable[tuple[torch.Tensor, An
                      device: torch.device | str | None = None) -> tuple[float, int]:
     """Top-1 accuracy (percent) and image count of ``method`` on ``(images, labels)`` batches, in order
     (e.g. a DataLoader). Inputs go to ``device`` (default: where the method's parameters are)."""
+    correct = image_correct(method, batches, progress, desc, total, device)
+    return 100.0 * float(correct.mean()), int(correct.size)
+
+
+def image_correct(method: nn.Module, batches: Iterable[tuple[torch.Tensor, Any]], progress: bool = False,
+                  desc: str = "", total: int | None = None, device: torch.device | str | None = None) -> np.ndarray:
+    """Whether ``method``'s top-1 prediction is right, per image, in the order of ``batches`` (bool array).
+
+    Raises ``ValueError`` when there is no image.
+    """
     from tqdm.auto import tqdm
 
     if device is None:
         param = next(method.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
-    correct = n = 0
+    found = []
     for x, y in tqdm(batches, desc=desc or "batches", leave=False, disable=not progress, unit="batch", total=total):
         logits = method(x.to(device, non_blocking=True))
-        correct += int((logits.argmax(1).cpu() == torch.as_tensor(y).long()).sum())
-        n += len(y)
-    if n == 0:
+        found.append((logits.argmax(1).cpu() == torch.as_tensor(y).long()).numpy())
+    if sum(len(f) for f in found) == 0:
         raise ValueError("no images to evaluate")
-    return 100.0 * correct / n, n
+    return np.concatenate(found).astype(bool)
 
 
 # ----------------------------------------------------------------------------- files and caches
@@ -389,12 +406,15 @@ def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False
                 return _run_continual(cell, method, progress, desc, t0, where)
             if uses_image_folders(cell.data):
                 folder = eval_folder(cell, model_preprocess(cell.model, load_model(cell.model)))
-                loader = data_loader(folder, cell.batch_size, loader_workers, device)
-                acc, n = evaluate_batches(method, loader, progress, desc, total=len(loader))
+                batches: Iterable[tuple[torch.Tensor, Any]] = data_loader(folder, cell.batch_size, loader_workers,
+                                                                          device)
+                total = len(batches)  # type: ignore[arg-type]
             else:
                 images, labels = eval_data(cell)
-                acc, n = evaluate(method, images, labels, cell.batch_size, progress=progress, desc=desc)
-            return CellResult("ok", acc, n, time.perf_counter() - t0, **where)
+                batches, total = array_batches(images, labels, cell.batch_size), -(-len(labels) // cell.batch_size)
+            correct = image_correct(method, batches, progress, desc, total)
+            return CellResult("ok", 100.0 * float(correct.mean()), int(correct.size), time.perf_counter() - t0,
+                              **where, correct=pack_correct(correct))
         except NotApplicable as err:
             return CellResult("n/a", None, None, time.perf_counter() - t0, str(err), **where)
         except Exception as err:  # recorded, so one broken cell doesn't stop a grid
@@ -676,7 +696,7 @@ def _drive(runner: CellExecutor, claims: Claims, todo: Sequence[tuple[str, Cell,
                     key, cell, fp = in_flight.pop(handle)
                     db.add(key, cell.to_dict(), result.status, result.accuracy, result.n_images, result.wall_s,
                            provenance(cell, fp, key, result, runner.name, claims.owner), result.message,
-                           result.detail)
+                           result.detail, result.correct)
                     claims.release(key)
                     _count(summary, cell, result)
                     acc = "n/a" if result.accuracy is None else f"{result.accuracy:.2f}"

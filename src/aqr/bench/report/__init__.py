@@ -2,8 +2,9 @@
 
 :func:`report` writes every table (:mod:`~aqr.bench.report.tables`, rendered by
 :mod:`~aqr.bench.report.render` as Markdown, LaTeX and CSV) and figure
-(:mod:`~aqr.bench.report.figures`, PNG and PDF) the rows support, an ``index.md`` and a
-``report.json`` with every number. Rows are read with :func:`load_rows`: for each condition, the
+(:mod:`~aqr.bench.report.figures`, PNG and PDF) the rows support, the paired comparisons with
+bootstrap intervals and means over seeds (:mod:`~aqr.bench.report.paired`, from the per-image results
+the database keeps), an ``index.md`` and a ``report.json`` with every number. Rows are read with :func:`load_rows`: for each condition, the
 newest row, so reruns under a new code version replace old rows.
 """
 
@@ -17,6 +18,8 @@ from typing import Any
 
 from aqr.bench.report.figures import (architecture_bars, closest_severity, mean_se, plot_architectures,
                                       plot_severity, severity_curves, write_figures)
+from aqr.bench.report.paired import (paired_corruption_table, paired_difference, paired_table, paired_tables,
+                                     seed_table)
 from aqr.bench.report.streams import is_continual, stream_report, stream_tables, write_stream_figures
 from aqr.bench.report.render import FORMATS, latex_escape, to_csv, to_latex, to_markdown, write_tables
 from aqr.bench.report.tables import (BASE_METHODS, METHOD_LABELS, Entry, Table, ablation_tables, bold_best,
@@ -27,9 +30,10 @@ from aqr.bench.results import ResultsDB, Row
 __all__ = ["BASE_METHODS", "FORMATS", "METHOD_LABELS", "Entry", "Table", "ablation_tables", "architecture_bars",
            "bold_best", "build_tables", "condition", "corruption_order", "entry_of", "flag_incomplete",
            "index_markdown", "latest_rows", "latex_escape", "load_rows", "mean_se", "method_label",
-           "per_corruption_table", "plot_architectures", "plot_severity", "provenance_summary", "report",
-           "report_dict", "severity_curves", "stream_report", "stream_tables", "summarize", "summary_table", "to_csv",
-           "to_latex", "to_markdown", "variant_order", "write_figures", "write_stream_figures", "write_tables"]
+           "paired_corruption_table", "paired_difference", "paired_table", "paired_tables", "per_corruption_table",
+           "plot_architectures", "plot_severity", "provenance_summary", "report", "report_dict", "seed_table",
+           "severity_curves", "stream_report", "stream_tables", "summarize", "summary_table", "to_csv", "to_latex",
+           "to_markdown", "variant_order", "write_figures", "write_stream_figures", "write_tables"]
 
 
 def load_rows(db_path: str | Path, experiment: str | None = None, latest: bool = True) -> list[Row]:
@@ -101,7 +105,12 @@ def report(db_path: str | Path, out_dir: str | Path, experiment: str | None = No
     """
     all_rows = load_rows(db_path, experiment, latest=False)
     rows = latest_rows(all_rows)
+    with ResultsDB(db_path) as db:
+        correct = db.correct(r.key for r in rows)
     tables = build_tables(rows)
+    summaries = sum(t.name.startswith("summary_") for t in tables)  # the paired tables follow the summaries
+    paired = paired_tables([r for r in rows if not is_continual(r)], correct)  # continual cells have their own
+    tables = tables[:summaries] + paired + tables[summaries:]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table_files = write_tables(tables, out / "tables", formats)

@@ -51,18 +51,24 @@ def to_latex(table: Table) -> str:
 
 
 def to_csv(table: Table) -> str:
-    """One line per row: the label, then mean, std and n of each column at full precision.
+    """One line per row: the label, then mean, std and n of each column at full precision (and the
+    interval's low and high when the table's entries have intervals).
 
     A mean cell holds the entry's text instead when it has no number ("n/a", "error" or "").
     """
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow([table.header[0], *(f"{h} {part}" for h in table.header[1:] for part in ("mean", "std", "n"))])
+    parts = ["mean", "std", "n"]
+    if any(e.low is not None for row in table.entries for e in row):
+        parts += ["low", "high"]
+    writer.writerow([table.header[0], *(f"{h} {part}" for h in table.header[1:] for part in parts)])
+    number = lambda v: repr(v) if v is not None else ""  # noqa: E731
     for label, row in zip(table.labels, table.entries):
         values: list[Any] = [label]
         for e in row:
-            values += [repr(e.mean) if e.mean is not None else e.text,
-                       repr(e.std) if e.std is not None else "", e.n]
+            values += [repr(e.mean) if e.mean is not None else e.text, number(e.std), e.n]
+            if len(parts) > 3:
+                values += [number(e.low), number(e.high)]
         writer.writerow(values)
     return out.getvalue()
 

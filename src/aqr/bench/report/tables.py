@@ -45,6 +45,8 @@ class Entry:
     n: int = 0  # how many values the mean is over
     bold: bool = False
     rankable: bool = True  # False for means over incomplete data, which must not win a column
+    low: float | None = None  # a confidence interval's bounds, when the entry has one
+    high: float | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,10 @@ class Table:
 
 
 def _entry_dict(e: Entry) -> dict[str, Any]:
-    return {"text": e.text, "mean": e.mean, "std": e.std, "n": e.n, "bold": e.bold}
+    d = {"text": e.text, "mean": e.mean, "std": e.std, "n": e.n, "bold": e.bold}
+    if e.low is not None or e.high is not None:
+        d.update(low=e.low, high=e.high)
+    return d
 
 
 def summarize(values: Sequence[float], with_std: bool) -> Entry:
