@@ -162,3 +162,21 @@ def test_native_backend_hands_what_it_cannot_take_to_torch():
     torch.testing.assert_close(y64, native.fallback.recalibrate(x.double())[0])
     with pytest.raises(ValueError, match="CPU"):
         NativeBackend(source.to("meta"), subsets, LIB, native.fallback)
+
+
+def test_the_sample_grows_with_the_batch() -> None:
+    grow, fixed = SubsetCache(8192, 64), SubsetCache(8192)
+    # ResNet-20's first layers at batch 128 and 512 (32 x 32 positions), its last at batch 512 (8 x 8)
+    assert grow.count(128, 128 * 1024) == fixed.count(128, 128 * 1024) == 8192
+    assert grow.count(512, 512 * 1024) == 32768 and fixed.count(512, 512 * 1024) == 8192
+    assert grow.count(512, 512 * 64) == 512 * 64  # every position, as at batch 128
+    assert grow.count(4, 10) == 10
+    x = torch.randn(512, 3, 256)
+    assert grow.positions(x).shape == (32768,) and fixed.positions(x).shape == (8192,)
+    assert torch.equal(grow.positions(x), torch.unique(grow.positions(x)))  # sorted, no repeats
+    # within one shape the draw is fixed, and at or below the floor both rules draw the same positions
+    assert torch.equal(grow.positions(x), SubsetCache(8192, 64).positions(x))
+    small = torch.randn(128, 3, 256)
+    assert torch.equal(grow.positions(small), fixed.positions(small))
+    with pytest.raises(ValueError, match="per_row"):
+        SubsetCache(8192, -1)

@@ -40,8 +40,9 @@ AQR_STATS_VERSION = 2
 # Part of AQR cells' keys only: bump when the default fast path changes its results.
 # 1: p0/p100 and inner knots from the sample (numpy sort); 2: p0/p100 from every value, inner knots
 # from the sample's histogram (aqr.backends.native), 2026-11-26; 3: the tie rule in fast mode (marked
-# table cells map exactly) and ranges in float64 (issue 14).
-AQR_FAST_PATH_VERSION = 3
+# table cells map exactly) and ranges in float64 (issue 14); 4: the sample grows with the batch
+# (samples_per_row=64 beyond target_samples; unchanged up to 128 images of 32 x 32), issue 18.
+AQR_FAST_PATH_VERSION = 4
 # Part of the keys of cells with a stream order only: bump when aqr.data.streams orders images differently.
 STREAM_ORDER_VERSION = 1
 

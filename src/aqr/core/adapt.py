@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from aqr.backends import Affine, LayerBackend, LayerSource, SubsetCache, choose_backend
+from aqr.backends.subsets import MAX_SAMPLES as MAX_TARGET_SAMPLES
 from aqr.core.hooks import instrumented
 from aqr.core.layers import LayerError, NonFiniteActivationError, as_acb, check_named_layers, check_output, select_layers
 from aqr.core.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, quantile_map
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 NONFINITE_POLICIES = ("raise", "skip")
 MODES = ("fast", "exact")
 TARGETS = ("batch", "stream")
-MAX_TARGET_SAMPLES = 1 << 24  # the kernels' histograms count in int32
 MAX_GRID = 1 << 16  # cells per table; C * (grid + 2) indexes the tables in int32
 MATCHES = ("quantiles", "moments")
 
@@ -56,10 +56,16 @@ class AQRConfig:
         gaussian_p: level standing in for p0 (and 1 - p for p100) in the ``"gaussian"`` tail.
         on_nonfinite: ``"raise"`` (default) stops with an error naming the layer when a batch has
             NaN/Inf activations; ``"skip"`` leaves that layer's output untouched for that batch.
-        mode: ``"fast"`` (default): target quantiles from at most ``target_samples`` positions and a
-            fused lookup-table map on a ``grid``-cell table (see :mod:`aqr.backends`); ``"exact"``:
-            quantiles of every value and the exact piecewise-linear map of Eq. 1.
-        target_samples: positions per layer used for the target quantiles in fast mode.
+        mode: ``"fast"`` (default): inner target quantiles from a sample of the positions (see
+            ``target_samples``) and a fused lookup-table map on a ``grid``-cell table (see
+            :mod:`aqr.backends`); ``"exact"``: quantiles of every value and the exact piecewise-linear
+            map of Eq. 1.
+        target_samples: the fewest positions per layer sampled for the target quantiles in fast mode
+            (every position when the layer has fewer).
+        samples_per_row: beyond ``target_samples``, positions sampled per image of an ``(N, C, H, W)``
+            output (per token of an ``(N, L, C)`` one), so the sample grows with the batch and the
+            knots keep the batch size's precision (:class:`aqr.backends.SubsetCache`); 0 fixes the
+            sample at ``target_samples``.
         grid: cells of the lookup table between the first and last inner knots in fast mode.
         compile: fuse the fast kernel with ``torch.compile`` (falls back to eager with a warning).
         native: on CPU, run the fast path in aqr's C kernels (:mod:`aqr.backends.native`, built with the
@@ -95,6 +101,7 @@ class AQRConfig:
     on_nonfinite: str = "raise"
     mode: str = "fast"
     target_samples: int = 8_192
+    samples_per_row: int = 64
     grid: int = 1024
     compile: bool = True
     native: bool = True
@@ -118,7 +125,8 @@ class AQRConfig:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name, low, high in (("target_samples", 16, MAX_TARGET_SAMPLES), ("grid", 1, MAX_GRID)):
+        for name, low, high in (("target_samples", 16, MAX_TARGET_SAMPLES), ("samples_per_row", 0, MAX_TARGET_SAMPLES),
+                                ("grid", 1, MAX_GRID)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
@@ -160,7 +168,7 @@ class LayerMap:
         self._sources: dict[torch.device, LayerSource] = {}
         self._backends: dict[torch.device, LayerBackend] = {}
         self.config = config
-        self.subsets = subsets or SubsetCache(config.target_samples)
+        self.subsets = subsets or SubsetCache(config.target_samples, config.samples_per_row)
         self.logits_checked = logits_checked  # AQR's forward checks the logits for NaN/Inf
         self._fold_cache: dict[torch.device, tuple[tuple[object, ...], Affine]] = {}
 
@@ -329,7 +337,7 @@ def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = Fa
     tail = config.tail or stats.tail
     infos = [layer.info for layer in stats.layers.values()]
     chosen = select_layers(infos, "all" if config.layers is None else config.layers, stats.layer_names)
-    subsets = SubsetCache(config.target_samples)  # shared: layers of one shape share one index
+    subsets = SubsetCache(config.target_samples, config.samples_per_row)  # shared: layers of one shape share one index
     if batch is not None:
         from aqr.core.stream_map import StreamLayerMap
 
