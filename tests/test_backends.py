@@ -150,6 +150,22 @@ def test_choose_backend_once_per_layer_and_device():
     assert isinstance(backend, NativeBackend if LIB is not None else TorchBackend)
 
 
+def test_a_tail_the_triton_kernels_lack_runs_in_torch(monkeypatch):
+    from aqr.backends import TRITON_TAILS, triton_backend
+    from aqr.backends.base import TAIL_CODES
+
+    class FakeTriton:  # stands in for the kernels, which need triton and a GPU
+        def __init__(self, source, subsets, fallback) -> None:
+            self.source = source
+
+    monkeypatch.setattr(triton_backend, "available", lambda device: True)
+    monkeypatch.setattr(triton_backend, "TritonBackend", FakeTriton)
+    assert max(TAIL_CODES[t] for t in TRITON_TAILS) == 4 and set(TAILS) - set(TRITON_TAILS) == {"clip-source"}
+    for tail in TAILS:
+        backend = choose_backend(_source(tail), SubsetCache(64), native=False, triton=True, compile=False)
+        assert isinstance(backend, FakeTriton if tail in TRITON_TAILS else TorchBackend), tail
+
+
 @needs_kernels
 def test_native_backend_hands_what_it_cannot_take_to_torch():
     source = _source("standard")

@@ -77,7 +77,7 @@ def test_every_preset_expands_and_main_matches_the_paper() -> None:
     tails = preset("tails", DATA)
     assert sorted(c.variant for c in tails.cells() if c.corruption == "fog" and c.severity == 3
                   and c.batch_size == 128 and c.seed == 0) == sorted(
-        [f"aqr[tail={t}]" for t in ("standard", "average", "none", "clip", "interval", "gaussian")]
+        [f"aqr[tail={t}]" for t in ("standard", "average", "none", "clip", "clip-source", "interval", "gaussian")]
         + ["aqr[tail=average,tail_unit=values]"])
     with pytest.raises(KeyError, match="unknown preset"):
         preset("nope", DATA)

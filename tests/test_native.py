@@ -263,3 +263,22 @@ def test_missing_tail_inputs_are_named_not_dereferenced():
         native.table_map(LIB, x, _targets(sq), LayerSource(sq, "interval", None, torch.ones(3), None, 32))
     with pytest.raises(ValueError, match="unknown tail"):
         native.recalibrate(LIB, x, pos, LayerSource(sq, "median", None, None, None, 32))
+
+
+@needs_kernels
+def test_the_kernels_refuse_tail_codes_they_do_not_know(monkeypatch):
+    """The C entry points check the code themselves (past the last one, clip-source's 5, or negative)."""
+    x = torch.randn(4, 3, 64)
+    pos = SubsetCache(256).positions(x)
+    sq = torch.randn(3, 11).sort(1).values
+    clip_source = LayerSource(sq, "clip-source", None, None, None, 32)  # reads no moments: NULLs are fine
+    y, finite = native.recalibrate(LIB, x, pos, clip_source)
+    assert finite and torch.equal(y, native.table_map(LIB, x, _targets(native.subset_quantiles(LIB, x, pos, 11)[0]),
+                                                      clip_source))
+    for code in (6, -1):
+        monkeypatch.setitem(native.TAIL_CODES, "bogus", code)
+        bogus = LayerSource(sq, "bogus", None, None, None, 32)
+        with pytest.raises(native.NativeKernelError):
+            native.recalibrate(LIB, x, pos, bogus)
+        with pytest.raises(native.NativeKernelError):
+            native.table_map(LIB, x, _targets(sq), bogus)

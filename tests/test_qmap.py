@@ -169,6 +169,11 @@ def test_clip_tail_sets_edges_to_target_p1_p99():
     torch.testing.assert_close(y, torch.tensor([[-2.0, -2.0, -1.0, -0.5, 0.0, 0.5, 2.0, 2.0, 2.0]]))
 
 
+def test_clip_source_tail_sets_edges_to_source_p1_p99_and_stays_continuous():
+    y = aqr.quantile_map(X, SQ, TQ, tail="clip-source")
+    torch.testing.assert_close(y, torch.tensor([[-1.0, -1.0, -1.0, -0.5, 0.0, 0.5, 1.0, 1.0, 1.0]]))
+
+
 def test_interval_tail_rescales_by_batch_std_and_gamma():
     std = float(X.std(correction=0))
     y = aqr.quantile_map(X, SQ, TQ, tail="interval", source_scale=SCALE)

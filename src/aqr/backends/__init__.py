@@ -16,6 +16,9 @@ from aqr.backends.native import NativeBackend
 from aqr.backends.subsets import SubsetCache
 from aqr.backends.torch_backend import TorchBackend
 
+# The tails aqr's Triton kernels implement (their codes 0-4 in TAIL_CODES); "clip-source" runs in torch there.
+TRITON_TAILS = ("standard", "average", "none", "clip", "interval", "gaussian")
+
 
 def choose_backend(source: LayerSource, subsets: SubsetCache, *, native: bool = True, triton: bool = False,
                    compile: bool = True) -> LayerBackend:
@@ -23,15 +26,17 @@ def choose_backend(source: LayerSource, subsets: SubsetCache, *, native: bool = 
 
     With ``native``, on CPU: aqr's C kernels (built on first use; where they cannot be built, a
     warning once and torch). With ``triton``, on a CUDA GPU: aqr's Triton kernels (where triton is
-    missing, a warning once and torch). Both hand inputs they do not take (float64, autograd) to
-    torch. Otherwise: torch, compiled with ``torch.compile`` when ``compile``.
+    missing, a warning once and torch; a tail the Triton kernels lack, torch). Both hand inputs they
+    do not take (float64, autograd) to torch. Otherwise: torch, compiled with ``torch.compile`` when
+    ``compile``.
     """
     torch_backend = TorchBackend(source, subsets, compile)
     if native and source.device.type == "cpu":
         lib = native_kernels()
         if lib is not None:
             return NativeBackend(source, subsets, lib, torch_backend)
-    if triton and (source.device.type == "cuda" or (source.device.type == "cpu" and not native)):
+    if triton and source.tail in TRITON_TAILS and (
+            source.device.type == "cuda" or (source.device.type == "cpu" and not native)):
         from aqr.backends import triton_backend  # imports triton: only where a GPU is used
 
         if triton_backend.available(source.device):

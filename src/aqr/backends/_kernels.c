@@ -53,12 +53,13 @@ static int sample_ok(int64_t A, int64_t C, int64_t B, const int64_t *pos, int64_
     return 1;
 }
 
-/* Tail codes (aqr.backends.native.TAIL_CODES); the parametric tails read arrays that must be given. */
-enum { TAIL_EQ1 = 0, TAIL_NONE = 1, TAIL_CLIP = 2, TAIL_INTERVAL = 3, TAIL_GAUSSIAN = 4 };
+/* Tail codes (aqr.backends.base.TAIL_CODES); the parametric tails (interval, gaussian) read arrays
+   that must be given. Clip-source came after the others, so its code is last. */
+enum { TAIL_EQ1 = 0, TAIL_NONE = 1, TAIL_CLIP = 2, TAIL_INTERVAL = 3, TAIL_GAUSSIAN = 4, TAIL_CLIP_SOURCE = 5 };
 
 static int tail_ok(int tail, const void *mean, const void *std, const void *loc, const void *scale, const void *z) {
-    if (tail < TAIL_EQ1 || tail > TAIL_GAUSSIAN) return 0;
-    if (tail >= TAIL_INTERVAL && (!std || !scale)) return 0;
+    if (tail < TAIL_EQ1 || tail > TAIL_CLIP_SOURCE) return 0;
+    if ((tail == TAIL_INTERVAL || tail == TAIL_GAUSSIAN) && (!std || !scale)) return 0;
     return tail != TAIL_GAUSSIAN || (mean && loc && z);
 }
 
@@ -555,6 +556,9 @@ static void tail_lines(const map_args *a, int64_t c, float lines[4]) {
         return;
     case TAIL_CLIP:
         lines[0] = 0.0f, lines[1] = t1, lines[2] = 0.0f, lines[3] = t98;
+        return;
+    case TAIL_CLIP_SOURCE:
+        lines[0] = 0.0f, lines[1] = s1, lines[2] = 0.0f, lines[3] = s98;
         return;
     case TAIL_INTERVAL: {
         float s = scale / std;

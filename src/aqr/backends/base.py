@@ -30,7 +30,7 @@ import torch
 from aqr.backends.subsets import SubsetCache
 from aqr.core.qmap import PARAMETRIC_TAILS, TAILS, gaussian_z
 
-TAIL_CODES = {"standard": 0, "average": 0, "none": 1, "clip": 2, "interval": 3, "gaussian": 4}  # as the kernels read them
+TAIL_CODES = {"standard": 0, "average": 0, "none": 1, "clip": 2, "interval": 3, "gaussian": 4, "clip-source": 5}  # as the kernels read them
 Affine = tuple[torch.Tensor, torch.Tensor]  # per-channel (scale, shift), float32 (C,): read scale * x + shift
 
 

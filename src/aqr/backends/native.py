@@ -39,7 +39,7 @@ def _check(status: int, kernel: str, what: str) -> None:
     if status == -1:
         raise NativeKernelError(f"{kernel} could not allocate scratch memory for {what}")
     if status != 0:
-        raise NativeKernelError(f"{kernel} refused its arguments ({what}): sizes, positions or ranks out of bounds")
+        raise NativeKernelError(f"{kernel} refused its arguments ({what}): sizes, positions, ranks or tail code out of bounds")
 
 
 @functools.lru_cache(maxsize=64)

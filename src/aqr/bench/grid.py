@@ -55,7 +55,7 @@ CONTINUAL_ORDER: tuple[str, ...] = CORRUPTIONS[:15]
 OPTIONAL_MODEL_FIELDS = ("image_size", "resize")
 # Cell fields added after results were recorded: absent from a cell's dict while None
 OPTIONAL_CELL_FIELDS = ("order",)
-TAIL_NAMES = ("standard", "average", "none", "clip", "interval", "gaussian")
+TAIL_NAMES = ("standard", "average", "none", "clip", "clip-source", "interval", "gaussian")
 # Method options that change the source statistics (not the adaptation): they key the stats cache.
 STATS_OPTIONS = ("K", "max_samples", "tail_unit")
 

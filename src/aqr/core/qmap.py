@@ -26,8 +26,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-Tail = Literal["standard", "average", "none", "clip", "interval", "gaussian"]
-TAILS: tuple[str, ...] = ("standard", "average", "none", "clip", "interval", "gaussian")
+Tail = Literal["standard", "average", "none", "clip", "clip-source", "interval", "gaussian"]
+TAILS: tuple[str, ...] = ("standard", "average", "none", "clip", "clip-source", "interval", "gaussian")
 PARAMETRIC_TAILS: tuple[str, ...] = ("interval", "gaussian")  # the tails that read the batch's mean and std
 
 # Default probability that stands in for p0 / p100 in the Gaussian tail (the probit of 0 and 1 is
@@ -174,6 +174,8 @@ def quantile_map(
               ``p_{K-2}^T`` are returned unchanged.
             * ``"clip"`` (paper Eq. 6, literally): such values are set to ``p1^T`` / ``p_{K-2}^T``
               (the *target* knots, as printed in the paper).
+            * ``"clip-source"`` (the other reading of Eq. 6): set to the *source* knots ``p1^S`` /
+              ``p_{K-2}^S``, where the map sends ``p1^T`` and ``p_{K-2}^T``, so the map stays continuous.
             * ``"interval"`` (paper Eq. 7): ``(x - p0^T) / std(X) * gamma + p0^S`` below ``p1^T`` and
               ``(x - p_{K-2}^T) / std(X) * gamma + p_{K-2}^S`` above, ``X`` the channel's values in
               this batch and ``gamma = source_scale``.
@@ -227,7 +229,7 @@ def map_rows(
 ) -> torch.Tensor:
     """:func:`quantile_map` on ``(C, M)`` rows with ``(C, K)`` knots, all of one float dtype and device."""
     lines = None
-    if tail in ("none", "clip", "interval", "gaussian"):
+    if tail in ("none", "clip", "clip-source", "interval", "gaussian"):
         mean = std = None
         if tail in PARAMETRIC_TAILS:  # in float64: squares of float32 values above 1.8e19 overflow
             var, mean = torch.var_mean(rows.double(), dim=1, correction=0, keepdim=True)
@@ -285,6 +287,9 @@ def tail_lines(
     if tail == "clip":
         zero = torch.zeros_like(t0)
         return zero, t1, zero, t98
+    if tail == "clip-source":
+        zero = torch.zeros_like(t0)
+        return zero, s1, zero, s98
     if mean is None or std is None:
         raise ValueError(f'tail="{tail}" needs the batch mean and std of each channel')
     std = torch.where(std > 0, std, torch.ones_like(std))  # constant channel: no spread to rescale
