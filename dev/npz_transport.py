@@ -14,7 +14,7 @@ bit for bit and checks it against the SHA-256 of the original arrays, stored in 
 from the original's, since zip members carry timestamps) to the original file's hash, after checking
 that the original's arrays hash to what the pack promised; the rebuilt file's hash is kept beside it.
 
-Needs Pillow. Decoders other than the packing machine's may round differently; ``unpack`` then
+``pack`` and ``unpack`` need Pillow (``restamp`` does not). Decoders other than the packing machine's may round differently; ``unpack`` then
 fails loudly unless ``--allow-mismatch`` is given (and reports how far off the pixels are).
 """
 
@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 QUALITY = 75
 SOS = b"\xff\xda"
@@ -41,6 +40,8 @@ def array_sha256(a: np.ndarray) -> str:
 
 
 def _encode(img: np.ndarray) -> bytes:
+    from PIL import Image
+
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, format="JPEG", quality=QUALITY, subsampling=2)
     return buf.getvalue()
@@ -53,6 +54,8 @@ def _split_header(data: bytes) -> int:
 
 
 def _decode(data: bytes) -> np.ndarray:
+    from PIL import Image
+
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
@@ -109,7 +112,7 @@ def restamp(checkpoint: str, original: str, pack_file: str) -> None:
     meta["data_rebuilt_sha256"] = meta["data_sha256"]
     meta["data_sha256"] = hashlib.sha256(Path(original).read_bytes()).hexdigest()
     meta["data_images_sha256"] = promised
-    meta["data_note"] = ("trained on a bit-exact rebuild of the data file (tools/npz_transport.py; the rebuild "
+    meta["data_note"] = ("trained on a bit-exact rebuild of the data file (dev/npz_transport.py; the rebuild "
                          "checked its images against data_images_sha256)")
     atomic_save(obj, checkpoint)
     print(f"{checkpoint}: data_sha256 {meta['data_rebuilt_sha256'][:12]}... -> {meta['data_sha256'][:12]}...")
