@@ -43,4 +43,4 @@ def test_a_plain_install_loads_a_zoo_model_from_outside_the_repository(tmp_path:
     run([*pip, f"torch=={torch.__version__.split('+')[0]}"])  # the same CPU build as here
     run([*pip, "numpy", "safetensors", "tqdm"])
     run([*pip, "--no-deps", str(REPO)])
-    assert run([python, "-c", SCRIPT]).stdout.split() == ["ok", "['resnet20_gn',", "'vit_ln']"]
+    assert run([python, "-c", SCRIPT]).stdout.split() == ["ok", "['resnet20_bn',", "'resnet20_gn',", "'vit_ln']"]

@@ -197,7 +197,7 @@ def test_default_zoo_is_the_package_folder(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.delenv("AQR_ZOO", raising=False)  # (aqr.models.zoo, the attribute, is the listing function)
     assert models.zoo_dir() == Path(importlib.import_module("aqr.models.zoo").__file__).parent
-    assert set(models.zoo()) == {"resnet20_gn", "vit_ln"}
+    assert set(models.zoo()) == {"resnet20_bn", "resnet20_gn", "vit_ln"}
     for name, path in models.zoo().items():  # committed checkpoints must load and stay small
         assert path.stat().st_size <= 5 * 1024 * 1024
         assert isinstance(models.load(name), NormalizedModel)
