@@ -28,6 +28,7 @@ from aqr.bench.grid import (
     MethodSpec,
     ModelSpec,
     cell_key,
+    default_models,
     eval_indices,
     grid_from_mapping,
     load_grid,
@@ -73,7 +74,8 @@ def test_every_preset_expands_and_main_matches_the_paper() -> None:
     main = preset("main", DATA)
     assert {m.name for m in main.methods} == {"source", "ttn", "tent", "sar", "moments", "aqr"}
     assert main.severities == (1, 3, 5) and main.batch_sizes == (128, 512) and len(main.corruptions) == 19
-    assert len(main) == 3 * 6 * 19 * 3 * 2 * 3
+    assert [m.name for m in main.models] == ["resnet20", "resnet20_bn", "resnet20_gn", "vit_ln"]
+    assert len(main) == 4 * 6 * 19 * 3 * 2 * 3
     tails = preset("tails", DATA)
     assert sorted(c.variant for c in tails.cells() if c.corruption == "fog" and c.severity == 3
                   and c.batch_size == 128 and c.seed == 0) == sorted(
@@ -82,6 +84,9 @@ def test_every_preset_expands_and_main_matches_the_paper() -> None:
     with pytest.raises(KeyError, match="unknown preset"):
         preset("nope", DATA)
     assert preset("smoke", DATA).models[0].source_data == str(Path(DATA) / "cifar10_test.npz")
+    both = default_models(DATA)  # the third-party ResNet-20 with either statistics
+    assert both["resnet20_trainstats"].checkpoint == both["resnet20"].checkpoint
+    assert both["resnet20_trainstats"].source_data == both["resnet20_bn"].source_data
 
 
 def test_grid_rejects_bad_values() -> None:
