@@ -532,3 +532,27 @@ def test_aqr_cell_keys_follow_the_fast_path_version(monkeypatch) -> None:
     monkeypatch.setattr(grid, "AQR_FAST_PATH_VERSION", grid.AQR_FAST_PATH_VERSION + 1)
     assert cell_key(aqr_cell, files, "1.0") != before[0]
     assert cell_key(other, files, "1.0") == before[1]
+
+
+def test_git_commit_is_dirty_only_for_changes_to_the_package(tmp_path: Path) -> None:
+    from aqr.bench import runner
+
+    _git_commit = runner._git_commit.__wrapped__  # uncached (a run asks once)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "pkg" / "code.py").write_text("a = 1\n")
+    (tmp_path / "docs" / "results.db").write_bytes(b"rows")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "first")
+    head = git("rev-parse", "HEAD")
+    assert _git_commit(tmp_path / "pkg") == head
+    (tmp_path / "docs" / "results.db").write_bytes(b"more rows")  # the run's own database: still clean
+    assert _git_commit(tmp_path / "pkg") == head
+    (tmp_path / "pkg" / "code.py").write_text("a = 22\n")  # another size: git's stat check sees it within the second
+    assert _git_commit(tmp_path / "pkg") == head + "-dirty"

@@ -441,12 +441,15 @@ def _run_continual(cell: Cell, method: nn.Module, progress: bool, desc: str, t0:
 
 
 @functools.lru_cache(maxsize=1)
-def _git_commit() -> str | None:
-    repo = Path(__file__).resolve().parent  # git finds the checkout from any folder inside it
+def _git_commit(package: Path | None = None) -> str | None:
+    """The checkout's commit, with ``-dirty`` when the files of ``package`` (default: aqr's own folder)
+    differ from it; other tracked files, such as a results database committed beside the docs and
+    updated by the run itself, do not count."""
+    package = package or Path(__file__).resolve().parents[1]  # git finds the checkout from any folder inside it
     try:
-        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+        commit = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(package), "status", "--porcelain", "--untracked-files=no", "--", "."],
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
