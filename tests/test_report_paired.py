@@ -126,3 +126,26 @@ def test_best_baseline_needs_every_cell() -> None:
     assert best_baseline(complete + [row("tent", 90.0, "fog")]) == "ttn"  # TENT has one cell of two
     assert best_baseline(complete + [row("source", 70.0, c) for c in CORRUPTIONS]) == "source"
     assert best_baseline([row("aqr", 90.0, "fog")]) is None
+
+
+def test_every_aqr_variant_is_compared_with_the_control_and_the_baselines(tmp_path: Path) -> None:
+    """A rerun in exact mode names its AQR cells aqr[mode=exact]; they are paired like plain AQR."""
+    path = tmp_path / "r.db"
+    rng = np.random.default_rng(5)
+    truth = {}
+    with ResultsDB(path) as d:
+        for corruption in CORRUPTIONS:
+            for method, options, skill in (("ttn", (), 0.6), ("moments", (), 0.7), ("aqr", (("mode", "exact"),), 0.8)):
+                cell = Cell(ModelSpec("bn", "bn"), DataSpec(eval_indices=POOL), method, options, corruption, 5, 128, 0, N)
+                right = rng.random(N) < skill
+                truth[(cell.variant, corruption)] = right
+                d.add(f"{cell.variant}-{corruption}", cell.to_dict(), "ok", 100 * right.mean(), N, 1.0, {},
+                      correct=pack_correct(right))
+    tables = {t["name"]: t for t in report.report(path, tmp_path / "out", figures=False)["tables"]}
+    rows = {r["label"]: r["cells"][0] for r in tables["paired_bn"]["rows"]}
+    assert {"AQR[mode=exact] − best baseline", "AQR[mode=exact] − Moments", "AQR[mode=exact] − TTN",
+            "Moments − TTN"} <= set(rows)
+    want = 100 * np.mean([truth[("aqr[mode=exact]", c)].mean() - truth[("moments", c)].mean() for c in CORRUPTIONS])
+    assert rows["AQR[mode=exact] − Moments"]["mean"] == pytest.approx(want)
+    per_corruption = tables["paired_corruptions_bn_sev5_bs128"]
+    assert per_corruption["header"][1:] == ["AQR[mode=exact] − Moments", "AQR[mode=exact] − TTN", "Moments − TTN"]

@@ -10,7 +10,8 @@ image by image:
   replacement, and every cell, whatever its corruption or seed, reweights its images by how often
   that replicate drew them. Cells that share an image (the corruptions of one seed; seeds whose
   draws overlap) therefore move together, as they should.
-* :func:`paired_table` -- per model, rows "A − B" (AQR − moments, AQR − the best baseline, ...),
+* :func:`paired_table` -- per model, rows "A − B" (AQR − moments, AQR − the best baseline, ...; each
+  AQR variant the rows hold, e.g. ``aqr[mode=exact]``, gets its own),
   columns batch size x severity; :func:`paired_corruption_table` -- the same per corruption.
 * :func:`seed_table` -- per model, each method's mean over corruptions for every seed, as
   "mean ± std over seeds".
@@ -131,17 +132,28 @@ def best_baseline(rows: Sequence[Row]) -> str | None:
     return max((m for m, (n, _) in means.items() if n == most), key=lambda m: means[m][1])
 
 
+def aqr_variants(rows: Sequence[Row]) -> list[str]:
+    """The AQR variants among ``rows`` (``aqr``, ``aqr[mode=exact]``, ...), in table order."""
+    return variants_in(r for r in rows if r.method == "aqr")
+
+
 def comparisons(rows: Sequence[Row]) -> list[tuple[str, str]]:
-    """The ``(a, b)`` variant pairs a model's rows support: AQR against the control and each baseline,
-    the control against each baseline, and TENT/SAR against TTN and the unadapted model."""
+    """The ``(a, b)`` variant pairs a model's rows support: each AQR variant against the control and
+    each baseline, the control against each baseline, and TENT/SAR against TTN and the unadapted model."""
     present = {r.variant for r in rows if r.status == "ok"}
-    wanted = [("aqr", CONTROL), *(("aqr", b) for b in BASELINES), *((CONTROL, b) for b in BASELINES),
+    wanted = [*((a, b) for a in aqr_variants(rows) for b in (CONTROL, *BASELINES)), *((CONTROL, b) for b in BASELINES),
               ("tent", "ttn"), ("tent", "source"), ("sar", "ttn"), ("sar", "source")]
     return [(a, b) for a, b in wanted if a in present and b in present]
 
 
+def _short(variant: str) -> str:
+    """``Source (NA)`` -> ``Source``; an option list stays: ``AQR[mode=exact]``."""
+    label = method_label(variant)
+    return label if "[" in label else label.split(" ")[0]
+
+
 def _label(a: str, b: str) -> str:
-    return f"{method_label(a).split(' ')[0]} − {method_label(b).split(' ')[0]}"
+    return f"{_short(a)} − {_short(b)}"
 
 
 def _entry(diff: Difference | None, note: str = "") -> Entry:
@@ -170,7 +182,7 @@ def paired_table(rows: Sequence[Row], correct: Mapping[str, np.ndarray], model: 
     settings = sorted({(r.batch_size, r.severity) for r in chosen})
     by_setting = group_by(chosen, lambda r: (r.batch_size, r.severity))
     labels, entries = [], []
-    for a in ("aqr", CONTROL):
+    for a in (*aqr_variants(chosen), CONTROL):
         if not any(r.variant == a for r in chosen):
             continue
         row = []
@@ -178,7 +190,7 @@ def paired_table(rows: Sequence[Row], correct: Mapping[str, np.ndarray], model: 
             best = best_baseline(by_setting[setting])
             cells = list(_pairs(by_setting[setting], correct, a, best).values()) if best else []
             row.append(_entry(paired_difference(cells) if cells else None, f" ({method_label(best)})" if best else ""))
-        labels.append(f"{method_label(a).split(' ')[0]} − best baseline")
+        labels.append(f"{_short(a)} − best baseline")
         entries.append(row)
     for a, b in pairs:
         row = []
@@ -194,11 +206,12 @@ def paired_table(rows: Sequence[Row], correct: Mapping[str, np.ndarray], model: 
 
 def paired_corruption_table(rows: Sequence[Row], correct: Mapping[str, np.ndarray], model: str, severity: int,
                             batch_size: int) -> Table | None:
-    """Per corruption (over seeds): AQR − moments and AQR − the best baseline of the setting; None
-    without AQR and a partner."""
+    """Per corruption (over seeds): each AQR variant − moments and − the best baseline of the setting,
+    and moments − the best baseline; None without AQR or moments and a partner."""
     chosen = [r for r in rows if r.model == model and r.severity == severity and r.batch_size == batch_size]
     best = best_baseline(chosen)
-    pairs = [(a, b) for a, b in (("aqr", CONTROL), ("aqr", best), (CONTROL, best)) if b is not None]
+    wanted = [*((a, b) for a in aqr_variants(chosen) for b in (CONTROL, best)), (CONTROL, best)]
+    pairs = [(a, b) for a, b in wanted if b is not None]
     pairs = [p for p in pairs if p in comparisons(chosen)]
     if not pairs:
         return None
