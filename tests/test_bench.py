@@ -138,11 +138,60 @@ def test_stream_order_enters_the_cell_and_its_key_only_when_set() -> None:
     keys = {cell_key(c, files, "1.0") for c in (cell, ordered, replace(cell, order="delta=1"),
                                                  replace(ordered, seed=1), replace(cell, order="iid"))}
     assert len(keys) == 5
-    grid = replace(preset("smoke", DATA), order="delta=0.10")
-    assert grid.order == "delta=0.1" and {c.order for c in grid.cells()} == {"delta=0.1"}
-    assert grid_from_mapping({"preset": "smoke", "order": "mixed"}, DATA).order == "mixed"
+    grid = replace(preset("smoke", DATA), orders=("delta=0.10",))
+    assert grid.orders == ("delta=0.1",) and {c.order for c in grid.cells()} == {"delta=0.1"}
+    assert grid_from_mapping({"preset": "smoke", "order": "mixed"}, DATA).orders == ("mixed",)
     with pytest.raises(ValueError, match="stream order"):
-        replace(preset("smoke", DATA), order="sorted")
+        replace(preset("smoke", DATA), orders=("sorted",))
+
+
+def test_stream_orders_are_a_grid_dimension() -> None:
+    smoke = preset("smoke", DATA)
+    assert smoke.orders == (None,)
+    grid = replace(smoke, orders=(None, "delta=inf", "delta=0.10"))
+    assert grid.orders == (None, "iid", "delta=0.1") and len(grid) == 3 * len(smoke)
+    cells = list(grid.cells())
+    assert len(cells) == len(grid) and len(set(cells)) == len(cells)
+    by_order = {o: [replace(c, order=None) for c in cells if c.order == o] for o in grid.orders}
+    assert all(by_order[o] == list(smoke.cells()) for o in grid.orders)  # the same cells in each order
+    spec = grid_from_mapping({"preset": "smoke", "orders": ["iid", None, "delta=1"]}, DATA)
+    assert spec.orders == ("iid", None, "delta=1")
+    for bad, match in (((), "non-empty"), ("iid", "non-empty"), (("iid", "delta=inf"), "distinct")):
+        with pytest.raises(ValueError, match=match):
+            replace(smoke, orders=bad)
+    with pytest.raises(ValueError, match="not both"):
+        grid_from_mapping({"preset": "smoke", "order": "iid", "orders": ["iid"]}, DATA)
+    with pytest.raises(ValueError, match="list of stream orders"):
+        grid_from_mapping({"preset": "smoke", "orders": "iid"}, DATA)
+
+
+# sha256 of each preset's cell keys in expansion order (one per line), computed before stream orders became a
+# grid dimension, with the files and version below: the keys (and so every recorded row) must not move.
+KEYS_BEFORE_ORDERS = {
+    "main": (8208, "2eaa14d3295e40b015dcecaf4533248811d87a2342904d736e03e2372e24aef0"),
+    "tails": (1824, "949e6cec7f64658f736c37eb3cf2034b1b3fa85af952e039e18aaff325401475"),
+    "granularity": (456, "8e3c02089c7d91b9f600b6fefa9b1f9b3f9b661ad6fa9fe3d9b297659057c2c0"),
+    "vit-blocks": (684, "6a8d8b9b33fcd69f886ff19e1b7bc835a5c8de90d2486d3ba9a65e78a9044544"),
+    "smoke": (12, "41f7332363a2f69c9ef46bbab08babc837c9b92b6e894038f42b5111feab8a02"),
+    "imagenet": (1026, "9e13b078de27ff70ee214d50c3844c5ca5f80b1252b17dc20bf99772d6556a3a"),
+    "stream": (105, "6e771031f2d07249c2ded8440000c5a66d6e89508de34573598ddbf795c1ccc8"),
+    # grids that set one order (then GridSpec.order, now orders=(order,))
+    "smoke/delta=0.1": (12, "4d52be5762016f13ea8adcee39c7c8a881b96f0070512392e43a2aadb2f6fee9"),
+    "stream/mixed": (105, "9d259103822de1c34aa505652004a19a0540f4331e6341836f33567e9ad30e50"),
+}
+
+
+def test_the_keys_of_the_existing_presets_are_unchanged() -> None:
+    import hashlib
+
+    files = {"weights": "0" * 64, "source": "1" * 64, "eval": "2" * 64}
+    for name, (count, digest) in KEYS_BEFORE_ORDERS.items():
+        base, _, order = name.partition("/")
+        grid = preset(base, DATA, imagenet_dir="imagenet")
+        if order:
+            grid = replace(grid, orders=(order,))
+        keys = [cell_key(c, files, "1.0") for c in grid.cells()]
+        assert (len(keys), hashlib.sha256("\n".join(keys).encode()).hexdigest()) == (count, digest), name
 
 
 def test_eval_indices_are_a_seeded_subset_of_the_pool() -> None:
@@ -298,7 +347,7 @@ def test_a_stream_order_reorders_the_same_images(tiny: GridSpec, tmp_path: Path)
     mixed = run_cell(replace(cell, order="mixed"), tmp_path / "cache")
     assert mixed.status == "error" and "mixes corruptions" in mixed.message
     with ResultsDB(tmp_path / "r.db") as db:
-        run_grid(replace(tiny, methods=(MethodSpec("rbn"),), order="delta=0.1", protocol="online"), db, tmp_path / "cache",
+        run_grid(replace(tiny, methods=(MethodSpec("rbn"),), orders=("delta=0.1",), protocol="online"), db, tmp_path / "cache",
                  progress=False, log=lambda m: None)
         rows = db.rows("tiny")
         assert {r.status for r in rows} == {"ok", "n/a"}  # rbn needs BatchNorm: n/a on the GN model
@@ -352,8 +401,8 @@ def test_cli_order_flag_names_the_order_in_the_grid(tiny: GridSpec, tmp_path: Pa
     add_grid_arguments(parser)
     config = str(_grid_file(tiny, tmp_path / "grid.json"))
     grid = grid_from_args(parser.parse_args(["--config", config, "--order", "delta=0.10"]))
-    assert (grid.name, grid.order) == ("tiny-delta=0.1", "delta=0.1")
-    assert grid_from_args(parser.parse_args(["--config", config])).order is None
+    assert (grid.name, grid.orders) == ("tiny-delta=0.1", ("delta=0.1",))
+    assert grid_from_args(parser.parse_args(["--config", config])).orders == (None,)
     assert cli_main(["bench", "--config", config, "--order", "sideways", "--dry-run"]) == 2
 
 

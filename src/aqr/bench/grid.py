@@ -6,7 +6,7 @@ cell is a pure function of it (:func:`aqr.bench.runner.run_cell`), so cells can 
 process or on any machine; :func:`cell_key` names a cell's result in the results database.
 
 A :class:`GridSpec` is the cross product models x methods x corruptions x severities x batch sizes x
-seeds, from a preset (:func:`preset`), a YAML/JSON file (:func:`load_grid`) or Python.
+stream orders x seeds, from a preset (:func:`preset`), a YAML/JSON file (:func:`load_grid`) or Python.
 
 A cell's images come in a seeded random order unless it names a stream order (``Cell.order``, the
 text of a :class:`aqr.data.streams.StreamOrder`, e.g. ``"delta=0.1"``): then the same images are put
@@ -46,7 +46,7 @@ AQR_FAST_PATH_VERSION = 4
 # Part of the keys of cells with a stream order only: bump when aqr.data.streams orders images differently.
 STREAM_ORDER_VERSION = 1
 
-PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet", "stream")
+PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet", "stream", "stream-noniid")
 # A continual cell's corruption: the 15 benchmark corruptions in the order of the test-time-adaptation
 # benchmark repository (gaussian noise first), or "continual:<name>+<name>+..." for another sequence.
 CONTINUAL = "continual"
@@ -338,10 +338,15 @@ class GridSpec:
     seeds: tuple[int, ...] = (0, 1, 2)
     n_images: int | None = 2000
     protocol: str = "episodic"
-    order: str | None = None
+    orders: tuple[str | None, ...] = (None,)  # stream orders (None: the drawn images' seeded random order)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "order", canonical_order(self.order))
+        if isinstance(self.orders, (str, StreamOrder)) or not self.orders:
+            raise ValueError(f"orders must be a non-empty sequence of stream orders (None for none), got {self.orders!r}")
+        orders = tuple(canonical_order(o) for o in self.orders)
+        if len(set(orders)) != len(orders):
+            raise ValueError(f"stream orders must be distinct, got {list(self.orders)}")
+        object.__setattr__(self, "orders", orders)
         unknown = [c for c in data_corruptions(self.corruptions) if c not in CORRUPTIONS]
         if unknown:
             raise ValueError(f"unknown corruptions {unknown}; expected names from {', '.join(CORRUPTIONS)} "
@@ -363,15 +368,16 @@ class GridSpec:
             for corruption in self.corruptions:
                 for severity in self.severities:
                     for batch_size in self.batch_sizes:
-                        for seed in self.seeds:
-                            for method in self.methods:
-                                yield Cell(model, self.data, method.name, _freeze_options(method.options),
-                                           corruption, int(severity), int(batch_size), int(seed),
-                                           self.n_images, self.protocol, self.order)
+                        for order in self.orders:
+                            for seed in self.seeds:
+                                for method in self.methods:
+                                    yield Cell(model, self.data, method.name, _freeze_options(method.options),
+                                               corruption, int(severity), int(batch_size), int(seed),
+                                               self.n_images, self.protocol, order)
 
     def __len__(self) -> int:
         return (len(self.models) * len(self.methods) * len(self.corruptions) * len(self.severities)
-                * len(self.batch_sizes) * len(self.seeds))
+                * len(self.batch_sizes) * len(self.orders) * len(self.seeds))
 
     def override(self, **changes: Any) -> "GridSpec":
         """A copy with some fields replaced (``None`` values are ignored)."""
@@ -416,6 +422,10 @@ BASELINES = ("source", "ttn", "tent", "sar", "moments", "aqr")
 # The stream preset's methods: per-batch AQR (the reference at batch 128), streaming AQR, and the
 # methods used on streams, all online.
 STREAM_METHODS = ("source", "ttn", "bn-ema", "tent", "sar", "aqr", "aqr:target=stream")
+# The stream-noniid preset (issue 16): the stream preset's stream in these orders, i.i.d. first, then ever
+# longer runs of one class, then all corruptions mixed; its methods add rbn and AQR's robust variant.
+NONIID_ORDERS = ("iid", "delta=1", "delta=0.1", "delta=0.01", "mixed")
+NONIID_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "aqr", "aqr:target=stream", "aqr:target=robust")
 
 
 def imagenet_models(imagenet_dir: str | Path) -> dict[str, ModelSpec]:
@@ -454,7 +464,9 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
     1, 3, 5; batch 64; 5,000 of the 50,000 images per cell; see docs/imagenet.md for its cost);
     ``stream``: continual CIFAR-10-C (issue 15): each cell one stream of the 15 corruptions at severity 5
     in the continual order, blocks of ``n_images`` (2,000) test images, online (no reset), batch sizes
-    1, 4, 16, 64 and 128, for :data:`STREAM_METHODS` (see docs/results/stream for its cost).
+    1, 4, 16, 64 and 128, for :data:`STREAM_METHODS` (see docs/results/stream for its cost);
+    ``stream-noniid``: that stream in each of :data:`NONIID_ORDERS` (issue 16), blocks of 1,000 images,
+    batch sizes 16 and 64, seed 0, for :data:`NONIID_METHODS` (see docs/benchmark.md for its cost).
     """
     methods = tuple(MethodSpec(m) for m in BASELINES)
     if name == "imagenet":
@@ -482,6 +494,10 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
         return GridSpec("stream", tuple(models[n] for n in ("resnet20", "resnet20_gn", "vit_ln")), data, tuple(MethodSpec.parse(m) for m in STREAM_METHODS),
                         corruptions=(CONTINUAL,), severities=(5,), batch_sizes=(1, 4, 16, 64, 128), seeds=(0,),
                         n_images=2000, protocol="online")
+    if name == "stream-noniid":
+        return GridSpec("stream-noniid", tuple(models[n] for n in ("resnet20", "resnet20_gn", "vit_ln")), data,
+                        tuple(MethodSpec.parse(m) for m in NONIID_METHODS), corruptions=(CONTINUAL,), severities=(5,),
+                        batch_sizes=(16, 64), seeds=(0,), n_images=1000, protocol="online", orders=NONIID_ORDERS)
     if name == "smoke":
         smoke_data = replace(data, root=str(Path(cifar_c).parent / "cifar10c-smoke"))
         return GridSpec("smoke", (models["resnet20"],), smoke_data, methods,
@@ -498,7 +514,8 @@ def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path | None = Non
     :func:`default_models` or mappings with :class:`ModelSpec` fields), ``data`` (a mapping with
     :class:`DataSpec` fields), ``methods`` (``"tent"``, ``"aqr:tail=clip"`` or mappings with a
     ``method`` key), ``corruptions`` (``"all"`` or a list), ``severities``, ``batch_sizes``,
-    ``seeds``, ``n_images``, ``protocol``, ``order`` (a stream order such as ``"delta=0.1"``).
+    ``seeds``, ``n_images``, ``protocol``, ``orders`` (a list of stream orders such as ``"delta=0.1"``,
+    ``null`` for none) or ``order`` (one of them).
 
     Defaults come from the preset (``main`` when none is named), which reads the data folder
     (``data_dir`` or ``$AQR_DATA_DIR``). A grid that names no preset and lists only its own models
@@ -506,10 +523,12 @@ def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path | None = Non
     source to generate from.
     """
     allowed = {"name", "preset", "models", "data", "methods", "corruptions", "severities", "batch_sizes",
-               "seeds", "n_images", "protocol", "order"}
+               "seeds", "n_images", "protocol", "order", "orders"}
     unknown = set(spec) - allowed
     if unknown:
         raise ValueError(f"unknown grid keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    if "order" in spec and "orders" in spec:
+        raise ValueError("give a grid either 'order' (one stream order) or 'orders' (a list), not both")
     own_models = "models" in spec and all(isinstance(m, Mapping) for m in spec["models"])
     try:
         resolve_data_dir(data_dir)
@@ -545,9 +564,14 @@ def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path | None = Non
             changes[key] = tuple(int(v) for v in spec[key])
     if "n_images" in spec:
         changes["n_images"] = None if spec["n_images"] in (None, "all") else int(spec["n_images"])
-    for key in ("protocol", "order"):
-        if key in spec:
-            changes[key] = spec[key]
+    if "protocol" in spec:
+        changes["protocol"] = spec["protocol"]
+    if "order" in spec:
+        changes["orders"] = (spec["order"],)
+    if "orders" in spec:
+        if isinstance(spec["orders"], str) or not isinstance(spec["orders"], Sequence):
+            raise ValueError(f"grid key 'orders' must be a list of stream orders, got {spec['orders']!r}")
+        changes["orders"] = tuple(spec["orders"])
     return replace(base, **changes)
 
 

@@ -15,7 +15,8 @@ DEFAULT_CACHE = "cache"
 def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose and shape a grid."""
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, help="main, tails, granularity, vit-blocks, smoke, imagenet or stream")
+    src.add_argument("--preset", default=None,
+                     help="main, tails, granularity, vit-blocks, smoke, imagenet, stream or stream-noniid")
     src.add_argument("--config", default=None, help="grid file (.yaml needs aqr[bench], or .json)")
     p.add_argument("--data-dir", default=None,
                    help="folder with cifar10_test.npz, cifar10_train_jpeg75.npz, checkpoints/, frost/ "
@@ -35,9 +36,10 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-images", type=count(1), default=None,
                    help="evaluated images per cell (per corruption block in a continual cell)")
     p.add_argument("--order", default=None,
-                   help="stream order of each cell's images: 'iid' or 'delta=D' (class-correlated, Dirichlet "
-                        "concentration D as in RoTTA; small D: long runs of one class); the grid's name, under "
-                        "which its cells are recorded, gets '-<order>' appended")
+                   help="stream order of each cell's images, replacing the grid's orders: 'iid' or 'delta=D' "
+                        "(class-correlated, Dirichlet concentration D as in RoTTA; small D: long runs of one class), "
+                        "'mixed' for continual cells; the grid's name, under which its cells are recorded, gets "
+                        "'-<order>' appended")
     add_image_arguments(p, workers=False)
 
 
@@ -68,12 +70,12 @@ def grid_from_args(args: argparse.Namespace):
     if args.order:  # the report reads an experiment's rows by its name: keep orders apart
         from aqr.bench.grid import canonical_order, stream_corruptions
 
-        changes["order"] = canonical_order(args.order)
+        order = canonical_order(args.order)
         single = [c for c in changes.get("corruptions", grid.corruptions) if stream_corruptions(c) is None]
-        if changes["order"].startswith("mixed") and single:  # those cells would fail: they hold one corruption
+        if order.startswith("mixed") and single:  # those cells would fail: they hold one corruption
             raise UsageError(f"--order {args.order!r} mixes corruptions; a bench cell of one corruption cannot "
                              "(use 'iid' or 'delta=D', or continual cells)")
-        changes["name"] = f"{grid.name}-{changes['order']}"
+        changes.update(orders=(order,), name=f"{grid.name}-{order}")
     changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
                    n_images=args.n_images)
     return grid.override(**changes)
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
     grid = grid_from_args(args)
     if args.dry_run:
-        print("model\tmethod\tcorruption\tseverity\tbatch_size\tseed\tn_images")
+        print("model\tmethod\tcorruption\tseverity\tbatch_size\tseed\tn_images\torder")
         for line in describe_cells(grid):
             print(line)
         print(f"{len(grid)} cells", file=sys.stderr)
