@@ -20,7 +20,8 @@ from aqr.bench.report.figures import (architecture_bars, closest_severity, mean_
                                       plot_severity, severity_curves, write_figures)
 from aqr.bench.report.paired import (paired_corruption_table, paired_difference, paired_table, paired_tables,
                                      seed_table)
-from aqr.bench.report.streams import is_continual, stream_report, stream_tables, write_stream_figures
+from aqr.bench.report.orders import order_curves, order_table, order_tables, plot_orders, write_order_figures
+from aqr.bench.report.streams import is_continual, row_order, stream_report, stream_tables, write_stream_figures
 from aqr.bench.report.render import FORMATS, latex_escape, to_csv, to_latex, to_markdown, write_tables
 from aqr.bench.report.tables import (BASE_METHODS, METHOD_LABELS, Entry, Table, ablation_tables, bold_best,
                                      build_tables, corruption_order, entry_of, flag_incomplete, method_label,
@@ -30,10 +31,12 @@ from aqr.bench.results import ResultsDB, Row
 __all__ = ["BASE_METHODS", "FORMATS", "METHOD_LABELS", "Entry", "Table", "ablation_tables", "architecture_bars",
            "bold_best", "build_tables", "condition", "corruption_order", "entry_of", "flag_incomplete",
            "index_markdown", "latest_rows", "latex_escape", "load_rows", "mean_se", "method_label",
-           "paired_corruption_table", "paired_difference", "paired_table", "paired_tables", "per_corruption_table",
-           "plot_architectures", "plot_severity", "provenance_summary", "report", "report_dict", "seed_table",
+           "order_curves", "order_table", "order_tables", "paired_corruption_table", "paired_difference", "paired_table", "paired_tables", "per_corruption_table",
+           "plot_architectures", "plot_orders", "plot_severity", "provenance_summary", "report", "report_dict",
+           "row_order", "seed_table",
            "severity_curves", "stream_report", "stream_tables", "summarize", "summary_table", "to_csv", "to_latex",
-           "to_markdown", "variant_order", "write_figures", "write_stream_figures", "write_tables"]
+           "to_markdown", "variant_order", "write_figures", "write_order_figures", "write_stream_figures",
+           "write_tables"]
 
 
 def load_rows(db_path: str | Path, experiment: str | None = None, latest: bool = True) -> list[Row]:
@@ -55,9 +58,10 @@ def load_rows(db_path: str | Path, experiment: str | None = None, latest: bool =
 
 
 def condition(row: Row) -> tuple:
-    """What a row measures, without its code version or file hashes (which are in its key)."""
+    """What a row measures, without its code version or file hashes (which are in its key): rows of two
+    stream orders are two conditions."""
     return (row.model, row.variant, row.dataset, row.protocol, row.corruption, row.severity,
-            row.batch_size, row.seed)
+            row.batch_size, row.seed, row_order(row))
 
 
 def latest_rows(rows: Iterable[Row]) -> list[Row]:

@@ -6,6 +6,11 @@ accuracy along the stream.
 * :func:`block_table` / :func:`plot_along_stream`: per model and batch size, each method's accuracy
   on each corruption block in stream order (the table), and its moving average over the images of
   the stream (the figure, block boundaries marked).
+
+Rows of different stream orders (``Cell.order``, e.g. the ``stream-noniid`` preset's) are never pooled:
+each order has its own tables and figures, named with the order appended (none for rows without an
+order). A mixed order has no blocks in stream order, so it has no block table nor along-the-stream
+figure; :mod:`aqr.bench.report.orders` compares the orders.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from aqr.bench.grid import stream_corruptions
 from aqr.bench.report.tables import (Table, _row_mean, _slug, bold_best, entry_of, flag_incomplete, group_by, has_ok,
                                      method_label, summarize, variant_order, variants_in)
 from aqr.bench.results import Row
+from aqr.data.streams import StreamOrder
 from aqr.util.plots import axes_row, save
 from aqr.util.plots import colors as plot_colors
 
@@ -35,6 +41,38 @@ def is_continual(row: Row) -> bool:
         return False
 
 
+def row_order(row: Row) -> str | None:
+    """The row's stream order (canonical text, e.g. ``"delta=0.1"``), ``None`` when its cell named none."""
+    return row.config.get("order")
+
+
+def _mixed(order: str | None) -> bool:
+    return order is not None and StreamOrder.parse(order).mixed
+
+
+def _orders(rows: Sequence[Row]) -> list[str | None]:
+    """The stream orders of ``rows``: ``None`` first, then as the order tables list them."""
+    from aqr.bench.report.orders import order_key
+
+    found = {row_order(r) for r in rows}
+    return ([None] if None in found else []) + sorted((o for o in found if o is not None), key=order_key)
+
+
+def _named(stem: str, order: str | None) -> str:
+    """A table's or figure's name for the rows of one stream order (unchanged for rows without one)."""
+    return stem if order is None else f"{stem}_{_slug(order)}"
+
+
+def _titled(title: str, order: str | None) -> str:
+    return title if order is None else f"{title}, order {order}"
+
+
+def _order_field(row: Row) -> dict[str, str]:
+    """``{"order": ...}`` for a row with a stream order, else nothing (the JSON of unordered rows is unchanged)."""
+    order = row_order(row)
+    return {} if order is None else {"order": order}
+
+
 def _setting(rows: Sequence[Row]) -> str:
     ok = [r for r in rows if r.status == "ok"]
     blocks = sorted({r.detail["block_size"] for r in ok if r.detail})
@@ -43,9 +81,9 @@ def _setting(rows: Sequence[Row]) -> str:
             f"blocks of {', '.join(map(str, blocks))} images, protocol {', '.join(sorted({r.protocol for r in ok}))}")
 
 
-def batch_size_table(rows: Sequence[Row], model: str) -> Table | None:
-    """Accuracy (%) over the whole stream per method and batch size, for one model."""
-    chosen = [r for r in rows if r.model == model and is_continual(r)]
+def batch_size_table(rows: Sequence[Row], model: str, order: str | None = None) -> Table | None:
+    """Accuracy (%) over the whole stream per method and batch size, for one model and stream order."""
+    chosen = [r for r in rows if r.model == model and is_continual(r) and row_order(r) == order]
     if not has_ok(chosen):
         return None
     sizes = sorted({r.batch_size for r in chosen})
@@ -53,14 +91,19 @@ def batch_size_table(rows: Sequence[Row], model: str) -> Table | None:
     variants = variants_in(chosen)
     entries = flag_incomplete([[entry_of(cells.get((v, b), []), with_std=False) for b in sizes] for v in variants])
     note = f"Accuracy (%) over the whole continual stream ({_setting(chosen)}), mean over seeds."
-    return Table(f"stream_{_slug(model)}_batch_sizes", f"{model}: continual stream, accuracy by batch size",
+    return Table(_named(f"stream_{_slug(model)}_batch_sizes", order),
+                 _titled(f"{model}: continual stream, accuracy by batch size", order),
                  ("Method", *(f"bs {b}" for b in sizes)), tuple(method_label(v) for v in variants),
                  bold_best(entries), note)
 
 
-def block_table(rows: Sequence[Row], model: str, batch_size: int) -> Table | None:
-    """Accuracy (%) on each corruption block, in stream order, per method, for one model and batch size."""
-    chosen = [r for r in rows if r.model == model and r.batch_size == batch_size and is_continual(r)]
+def block_table(rows: Sequence[Row], model: str, batch_size: int, order: str | None = None) -> Table | None:
+    """Accuracy (%) on each corruption block, in stream order, per method, for one model, batch size and
+    stream order; None for a mixed order (its blocks are shuffled together)."""
+    if _mixed(order):
+        return None
+    chosen = [r for r in rows if r.model == model and r.batch_size == batch_size and is_continual(r)
+              and row_order(r) == order]
     with_detail = [r for r in chosen if r.status == "ok" and r.detail]
     if not with_detail:
         return None
@@ -77,27 +120,31 @@ def block_table(rows: Sequence[Row], model: str, batch_size: int) -> Table | Non
     for row in entries:
         row.append(_row_mean(row, [e.mean for e in row if e.mean is not None], len(names)))
     note = f"Accuracy (%) on each block of the stream, in stream order ({_setting(chosen)}), mean over seeds."
-    return Table(f"stream_{_slug(model)}_bs{batch_size}_blocks",
-                 f"{model}: continual stream at batch size {batch_size}, accuracy per block",
+    return Table(_named(f"stream_{_slug(model)}_bs{batch_size}_blocks", order),
+                 _titled(f"{model}: continual stream at batch size {batch_size}, accuracy per block", order),
                  ("Method", *names, "mean"), tuple(method_label(v) for v in variants), bold_best(entries), note)
 
 
 def stream_tables(rows: Sequence[Row]) -> list[Table]:
-    """Every stream table the rows support: by batch size, then per block for each batch size."""
+    """Every stream table the rows support: per stream order, by batch size, then per block for each batch
+    size; then the stream orders compared (:func:`aqr.bench.report.orders.order_tables`)."""
+    from aqr.bench.report.orders import order_tables
+
     continual = [r for r in rows if is_continual(r)]
     tables = []
-    for model in sorted({r.model for r in continual}):
-        tables.append(batch_size_table(continual, model))
-        for size in sorted({r.batch_size for r in continual if r.model == model}):
-            tables.append(block_table(continual, model, size))
-    return [t for t in tables if t is not None]
+    for order in _orders(continual):
+        for model in sorted({r.model for r in continual}):
+            tables.append(batch_size_table(continual, model, order))
+            for size in sorted({r.batch_size for r in continual if r.model == model}):
+                tables.append(block_table(continual, model, size, order))
+    return [t for t in tables if t is not None] + order_tables(continual)
 
 
-def batch_size_curves(rows: Sequence[Row]) -> dict[str, dict[str, dict[str, list]]]:
-    """model -> variant -> batch sizes and mean accuracies over seeds (ok continual rows)."""
+def batch_size_curves(rows: Sequence[Row], order: str | None = None) -> dict[str, dict[str, dict[str, list]]]:
+    """model -> variant -> batch sizes and mean accuracies over seeds (ok continual rows of one stream order)."""
     out: dict[str, dict[str, dict[str, list]]] = {}
-    for (model, variant), group in sorted(group_by([r for r in rows if is_continual(r) and r.status == "ok"],
-                                                   lambda r: (r.model, r.variant)).items()):
+    ok = [r for r in rows if is_continual(r) and r.status == "ok" and row_order(r) == order]
+    for (model, variant), group in sorted(group_by(ok, lambda r: (r.model, r.variant)).items()):
         by_size = group_by(group, lambda r: r.batch_size)
         sizes = sorted(by_size)
         out.setdefault(model, {})[variant] = {
@@ -105,9 +152,10 @@ def batch_size_curves(rows: Sequence[Row]) -> dict[str, dict[str, dict[str, list
     return out
 
 
-def plot_batch_sizes(rows: Sequence[Row], path: str | Path) -> list[Path]:
-    """Accuracy over the stream against batch size (log scale), one panel per model; PNG and PDF."""
-    curves = batch_size_curves(rows)
+def plot_batch_sizes(rows: Sequence[Row], path: str | Path, order: str | None = None) -> list[Path]:
+    """Accuracy over the stream against batch size (log scale), one panel per model, for one stream order;
+    PNG and PDF."""
+    curves = batch_size_curves(rows, order)
     if not curves:
         raise ValueError("no ok continual rows to plot")
     variants = sorted({v for m in curves.values() for v in m}, key=variant_order)
@@ -122,7 +170,7 @@ def plot_batch_sizes(rows: Sequence[Row], path: str | Path) -> list[Path]:
         sizes = sorted({b for c in by_variant.values() for b in c["batch_size"]})
         ax.set_xticks(sizes)
         ax.set_xticklabels([str(b) for b in sizes])
-        ax.set_title(model, fontsize=10)
+        ax.set_title(_titled(model, order), fontsize=10)
         ax.set_xlabel("batch size")
         ax.set_ylabel("accuracy over the stream (%)")
         ax.grid(alpha=0.3)
@@ -131,10 +179,14 @@ def plot_batch_sizes(rows: Sequence[Row], path: str | Path) -> list[Path]:
     return save(fig, path, formats=("png", "pdf"), tight=True)
 
 
-def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, window: int = WINDOW) -> list[Path]:
+def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, window: int = WINDOW,
+                      order: str | None = None) -> list[Path]:
     """Accuracy along the stream (moving average over ``window`` images, one seed's rows: the first) at
-    ``batch_size``, one panel per model, block boundaries marked; PNG and PDF."""
-    chosen = [r for r in rows if is_continual(r) and r.status == "ok" and r.detail and r.batch_size == batch_size]
+    ``batch_size`` in one (unmixed) stream order, one panel per model, block boundaries marked; PNG and PDF."""
+    if _mixed(order):
+        raise ValueError(f"stream order {order!r} mixes the blocks: there is no block boundary to mark")
+    chosen = [r for r in rows if is_continual(r) and r.status == "ok" and r.detail and r.batch_size == batch_size
+              and row_order(r) == order]
     if not chosen:
         raise ValueError(f"no ok continual rows at batch size {batch_size} to plot")
     by_model = group_by(chosen, lambda r: r.model)
@@ -154,7 +206,7 @@ def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, wi
             ax.axvline(k * size, color="0.8", lw=0.6)
         ax.set_xticks([(k + 0.5) * size for k in range(len(names))])
         ax.set_xticklabels([n.replace("_", " ") for n in names], rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"{model}, batch size {batch_size} (seed {seed})", fontsize=10)
+        ax.set_title(_titled(f"{model}, batch size {batch_size} (seed {seed})", order), fontsize=10)
         ax.set_ylabel(f"accuracy, last {min(window, size)} images (%)")
         ax.grid(axis="y", alpha=0.3)
     _legend(axes[-1], handles)
@@ -170,20 +222,38 @@ def _legend(ax: Any, handles: dict[str, Any]) -> None:
 
 
 def write_stream_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
-    """The batch-size figure and one along-the-stream figure per batch size, when the rows support them."""
+    """Per stream order, the batch-size figure and one along-the-stream figure per batch size (none for a
+    mixed order), when the rows support them; then the orders compared, one figure per batch size."""
+    from aqr.bench.report.orders import write_order_figures
+
     continual = [r for r in rows if is_continual(r)]
-    if not has_ok(continual):
-        return {}
     out = Path(out_dir)
-    figures = {"stream_batch_sizes": plot_batch_sizes(continual, out / "stream_batch_sizes")}
-    for size in sorted({r.batch_size for r in continual if r.status == "ok" and r.detail}):
-        figures[f"stream_along_bs{size}"] = plot_along_stream(continual, out / f"stream_along_bs{size}", size)
+    figures: dict[str, list[Path]] = {}
+    for order in _orders(continual):
+        ok = [r for r in continual if r.status == "ok" and row_order(r) == order]
+        if not ok:
+            continue
+        name = _named("stream_batch_sizes", order)
+        figures[name] = plot_batch_sizes(ok, out / name, order)
+        for size in sorted({r.batch_size for r in ok if r.detail}) if not _mixed(order) else ():
+            name = _named(f"stream_along_bs{size}", order)
+            figures[name] = plot_along_stream(ok, out / name, size, order=order)
+    figures.update(write_order_figures(continual, out))
     return figures
 
 
 def stream_report(rows: Sequence[Row]) -> dict[str, Any]:
-    """The JSON-able numbers of the stream figures: accuracy by batch size, and per block."""
-    continual = [r for r in rows if is_continual(r) and r.status == "ok" and r.detail]
-    return {"batch_sizes": batch_size_curves(rows),
-            "blocks": [{"model": r.model, "variant": r.variant, "batch_size": r.batch_size, "seed": r.seed,
-                        "accuracy": block_accuracies(r.detail)} for r in continual]}
+    """The JSON-able numbers of the stream figures: accuracy by batch size (rows without a stream order; those
+    of each order under ``batch_sizes_by_order``), per block (unmixed orders) and by stream order."""
+    from aqr.bench.report.orders import order_curves
+
+    continual = [r for r in rows if is_continual(r) and r.status == "ok" and r.detail and not _mixed(row_order(r))]
+    orders = [o for o in _orders([r for r in rows if is_continual(r)]) if o is not None]
+    report: dict[str, Any] = {
+        "batch_sizes": batch_size_curves(rows),
+        "blocks": [{"model": r.model, "variant": r.variant, "batch_size": r.batch_size, "seed": r.seed,
+                    "accuracy": block_accuracies(r.detail), **_order_field(r)} for r in continual]}
+    if orders:
+        report["batch_sizes_by_order"] = {o: batch_size_curves(rows, o) for o in orders}
+        report["orders"] = order_curves(rows)
+    return report
