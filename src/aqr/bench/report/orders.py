@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from aqr.bench.report.streams import _legend, _setting, is_continual, row_order
+from aqr.bench.report.streams import _finish, _setting, is_continual, row_order
 from aqr.bench.report.tables import (Table, _slug, bold_best, entry_of, flag_incomplete, group_by, method_label,
                                      variant_order, variants_in)
 from aqr.bench.results import Row
 from aqr.data.streams import StreamOrder
-from aqr.util.plots import axes_row, save
+from aqr.util.plots import axes_row
 from aqr.util.plots import colors as plot_colors
 
 
@@ -131,9 +131,7 @@ def plot_orders(rows: Sequence[Row], path: str | Path, batch_size: int) -> list[
         ax.set_xlabel("stream order (Dirichlet delta, log scale)")
         ax.set_ylabel("accuracy over the stream (%)")
         ax.grid(alpha=0.3)
-    _legend(axes[-1], handles)
-    fig.tight_layout()
-    return save(fig, path, formats=("png", "pdf"), tight=True)
+    return _finish(fig, axes, handles, path)
 
 
 def _tick(order: str) -> str:

@@ -174,9 +174,7 @@ def plot_batch_sizes(rows: Sequence[Row], path: str | Path, order: str | None = 
         ax.set_xlabel("batch size")
         ax.set_ylabel("accuracy over the stream (%)")
         ax.grid(alpha=0.3)
-    _legend(axes[-1], handles)
-    fig.tight_layout()
-    return save(fig, path, formats=("png", "pdf"), tight=True)
+    return _finish(fig, axes, handles, path)
 
 
 def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, window: int = WINDOW,
@@ -209,16 +207,17 @@ def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, wi
         ax.set_title(_titled(f"{model}, batch size {batch_size} (seed {seed})", order), fontsize=10)
         ax.set_ylabel(f"accuracy, last {min(window, size)} images (%)")
         ax.grid(axis="y", alpha=0.3)
-    _legend(axes[-1], handles)
+    return _finish(fig, axes, handles, path)
+
+
+def _finish(fig: Any, axes: Sequence[Any], handles: dict[str, Any], path: str | Path) -> list[Path]:
+    """One legend entry per method drawn in any panel, in the table order, beside the last panel; the
+    figure saved as PNG and PDF."""
+    ordered = sorted(handles, key=variant_order)
+    axes[-1].legend([handles[v] for v in ordered], [method_label(v) for v in ordered], fontsize=8,
+                    loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return save(fig, path, formats=("png", "pdf"), tight=True)
-
-
-def _legend(ax: Any, handles: dict[str, Any]) -> None:
-    """One legend entry per method drawn in any panel, in the table order, beside the last panel."""
-    ordered = sorted(handles, key=variant_order)
-    ax.legend([handles[v] for v in ordered], [method_label(v) for v in ordered], fontsize=8, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0))
 
 
 def write_stream_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
