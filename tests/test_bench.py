@@ -390,6 +390,9 @@ def test_cli_dry_run_lists_cells(tiny: GridSpec, tmp_path: Path, capsys: pytest.
     assert cli_main(["bench", "--config", str(config), "--dry-run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 + len(tiny)
+    assert lines[0].split("\t")[5] == "order" and {line.split("\t")[5] for line in lines[1:]} == {"-"}
+    assert cli_main(["bench", "--config", str(config), "--order", "delta=1", "--dry-run"]) == 0
+    assert {line.split("\t")[5] for line in capsys.readouterr().out.strip().splitlines()[1:]} == {"delta=1"}
 
 
 def test_cli_order_flag_names_the_order_in_the_grid(tiny: GridSpec, tmp_path: Path) -> None:

@@ -733,7 +733,7 @@ def describe_cells(grid: GridSpec) -> Iterable[str]:
     """One line per cell (for ``--dry-run``)."""
     for cell in grid.cells():
         yield (f"{cell.model.name}\t{cell.variant}\t{cell.corruption}\t{cell.severity}\t{cell.batch_size}\t"
-               f"{cell.seed}\t{cell.n_images}\t{cell.order or '-'}")
+               f"{cell.order or '-'}\t{cell.seed}\t{cell.n_images}")
 
 
 def result_json(summary: GridSummary) -> str:

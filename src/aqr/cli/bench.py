@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
     grid = grid_from_args(args)
     if args.dry_run:
-        print("model\tmethod\tcorruption\tseverity\tbatch_size\tseed\tn_images\torder")
+        print("model\tmethod\tcorruption\tseverity\tbatch_size\torder\tseed\tn_images")
         for line in describe_cells(grid):
             print(line)
         print(f"{len(grid)} cells", file=sys.stderr)
