@@ -59,15 +59,20 @@ def cdf_at(z: torch.Tensor, h: torch.Tensor, v: torch.Tensor) -> tuple[torch.Ten
     return left, right
 
 
-def mix_quantiles(za: torch.Tensor, ha: torch.Tensor, zb: torch.Tensor, hb: torch.Tensor, w: float,
-                  k: int) -> torch.Tensor:
+def mix_quantiles(za: torch.Tensor, ha: torch.Tensor, zb: torch.Tensor, hb: torch.Tensor,
+                  w: "float | torch.Tensor", k: int) -> torch.Tensor:
     """``(C, K - 2)``: the quantiles at levels ``j / (K - 1)``, ``j = 1..K-2``, of ``(1 - w) F_a + w F_b``
-    (float64 points ``(C, n)``; ``stream_mix_quantiles``). The quantile curve runs through
-    ``(z, H(z-))`` and ``(z, H(z))`` at every breakpoint ``z``, linearly in between."""
+    (float64 points ``(C, n)``; ``w`` a number or a ``(C, 1)`` tensor; ``stream_mix_quantiles``)."""
     z = torch.sort(torch.cat([za, zb], dim=1), dim=1).values
     fal, far = cdf_at(za, ha, z)
     fbl, fbr = cdf_at(zb, hb, z)
-    hl, hr = (1 - w) * fal + w * fbl, (1 - w) * far + w * fbr
+    return curve_quantiles(z, (1 - w) * fal + w * fbl, (1 - w) * far + w * fbr, k)
+
+
+def curve_quantiles(z: torch.Tensor, hl: torch.Tensor, hr: torch.Tensor, k: int) -> torch.Tensor:
+    """``(C, K - 2)``: the inner quantiles (levels ``j / (K - 1)``) of the CDF that is ``hl`` just left of and
+    ``hr`` at each sorted breakpoint ``z`` ``(C, M)`` (float64). The quantile curve runs through
+    ``(z, H(z-))`` and ``(z, H(z))`` at every breakpoint, linearly in between."""
     c = z.shape[0]
     points = torch.cat([z[:, :1], torch.stack([z, z], dim=2).flatten(1)], dim=1)
     levels = torch.cat([torch.zeros(c, 1, dtype=z.dtype, device=z.device), torch.stack([hl, hr], dim=2).flatten(1)],
@@ -83,6 +88,27 @@ def mix_quantiles(za: torch.Tensor, ha: torch.Tensor, zb: torch.Tensor, hb: torc
     q = z0 + f.clamp(0, 1) * (z1 - z0)
     q = torch.minimum(torch.maximum(q, z0), z1)
     return saturate(torch.where(past, points[:, -1:].expand_as(q), q))
+
+
+def histogram_points(knots: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
+                     gmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The piecewise-linear CDF of a histogram ``counts`` ``(C, cells + 4)`` taken on the bins of ``knots``
+    ``(C, K)`` (:meth:`~aqr.backends.stream_base.StreamKernels.scan`), whose values span ``gmin``/``gmax``
+    ``(C,)``: its points ``(z, h)`` ``(C, cells + 5)`` (float64) and each row's total count ``(C, 1)``."""
+    k = knots.shape[1]
+    cells = counts.shape[1] - EDGE_BINS
+    counts = counts.double().clamp(min=0)
+    total = counts.sum(dim=1, keepdim=True)
+    kd = knots.double()
+    k0, k1, kb, kl = (kd[:, j : j + 1] for j in (0, 1, k - 2, k - 1))
+    lo = torch.minimum(gmin.double()[:, None], k0)
+    hi = torch.maximum(gmax.double()[:, None], kl)
+    inner = k1 + (kb - k1) * torch.arange(1, cells + 1, dtype=torch.float64, device=kd.device) / cells
+    inner[:, -1:] = kb
+    zb = torch.cat([lo, k0, k1, inner, kl, hi], dim=1)
+    cum = counts.cumsum(dim=1)[:, : cells + 3] / torch.where(total > 0, total, torch.ones_like(total))
+    hb = torch.cat([torch.zeros_like(lo), cum, torch.ones_like(lo)], dim=1)
+    return zb, hb, total
 
 
 class TorchStreamKernels(StreamKernels):
@@ -169,20 +195,9 @@ class TorchStreamKernels(StreamKernels):
               p100: torch.Tensor) -> None:
         c, k = knots.shape
         if group is not None and weight > 0:
-            cells = group.cells
-            counts = group.counts.double().clamp(min=0)
-            total = counts.sum(dim=1, keepdim=True)
-            kd = knots.double()
-            k0, k1, kb, kl = (kd[:, j : j + 1] for j in (0, 1, k - 2, k - 1))
-            lo = torch.minimum(group.gmin.double()[:, None], k0)
-            hi = torch.maximum(group.gmax.double()[:, None], kl)
-            inner = k1 + (kb - k1) * torch.arange(1, cells + 1, dtype=torch.float64, device=kd.device) / cells
-            inner[:, -1:] = kb
-            zb = torch.cat([lo, k0, k1, inner, kl, hi], dim=1)
-            cum = counts.cumsum(dim=1)[:, : cells + 3] / torch.where(total > 0, total, torch.ones_like(total))
-            hb = torch.cat([torch.zeros_like(lo), cum, torch.ones_like(lo)], dim=1)
-            levels = (torch.arange(k, dtype=torch.float64, device=kd.device) / (k - 1)).expand(c, -1).contiguous()
-            fresh = mix_quantiles(kd, levels, zb, hb, float(weight), k)
+            zb, hb, total = histogram_points(knots, group.counts, group.gmin, group.gmax)
+            levels = (torch.arange(k, dtype=torch.float64, device=knots.device) / (k - 1)).expand(c, -1).contiguous()
+            fresh = mix_quantiles(knots.double(), levels, zb, hb, float(weight), k)
             has = (total > 0).expand(-1, k - 2)
             knots[:, 1 : k - 1] = torch.where(has, fresh, knots[:, 1 : k - 1])
         knots[:, 0] = torch.minimum(p0.to(knots), knots[:, 1])
