@@ -4,7 +4,9 @@ On every forward pass, each selected normalization layer's output is mapped, cha
 from this batch's quantiles onto the stored source quantiles (:func:`aqr.quantile_map`). Nothing is
 learned and nothing persists between batches. With ``target="stream"``, :class:`AQR` instead keeps
 a running estimate of each layer's target distribution across batches and maps every batch with it
-(:mod:`aqr.core.stream`), for batches down to one image.
+(:mod:`aqr.core.stream`), for batches down to one image; with ``target="robust"``, the running
+estimate is an equal mixture of per-class ones (:mod:`aqr.core.robust`), for streams whose classes
+come in runs.
 
 :class:`AQR` never changes the user's model: it runs a structural twin of it (:mod:`aqr.core.twin`)
 whose selected norm layers map their outputs, so several threads may call one ``AQR`` at once and
@@ -38,7 +40,8 @@ if TYPE_CHECKING:
 
 NONFINITE_POLICIES = ("raise", "skip")
 MODES = ("fast", "exact")
-TARGETS = ("batch", "stream")
+TARGETS = ("batch", "stream", "robust")
+STREAM_TARGETS = ("stream", "robust")  # the targets that keep a running state
 MAX_GRID = 1 << 16  # cells per table; C * (grid + 2) indexes the tables in int32
 MATCHES = ("quantiles", "moments")
 
@@ -78,7 +81,9 @@ class AQRConfig:
         target: ``"batch"`` (default): each batch's target quantiles are its own (per-batch AQR);
             ``"stream"``: a running estimate per layer across batches (:mod:`aqr.core.stream`; fast
             mode, tails ``"standard"``/``"average"``), for small batches; :class:`AQR` then has a
-            ``reset()`` and serializes its calls.
+            ``reset()`` and serializes its calls; ``"robust"``: the same, class-balanced (the equal
+            mixture of running estimates per group of predicted classes, :mod:`aqr.core.robust`), for
+            streams whose classes come in runs; the model must return logits ``(N, classes)``.
         estimator: the stream's estimate, ``"cdf-ema"`` (EMA of the per-channel CDFs; default) or
             ``"knot-ema"`` (EMA of the batches' knots; biased at small batches).
         horizon: the stream's EMA horizon in images (per-image weight ``1 / horizon``; effective
@@ -92,6 +97,9 @@ class AQRConfig:
             the default) or ``"moments"``, the control: the affine map from the batch's mean and std
             onto the source's measured mean and std (:class:`MomentMap`; the quantile options
             ``tail``, ``mode``, ... do not apply to it).
+        groups: ``target="robust"``: the most groups of predicted classes (class ``y`` in group
+            ``y % groups``), each with a running CDF; memory grows with it.
+        class_horizon: ``target="robust"``: each group's EMA horizon, in images of that group.
     """
 
     tail: str | None = None
@@ -113,6 +121,9 @@ class AQRConfig:
     rebuild_every: int = 8
     stream_grid: int = 512
     match: str = "quantiles"
+    groups: int = 16
+    class_horizon: float = 16.0
+    passes: int = 1
 
     def __post_init__(self) -> None:
         if self.match not in MATCHES:
@@ -137,10 +148,17 @@ class AQRConfig:
         from aqr.core.stream import StreamSettings
 
         StreamSettings(self.estimator, self.horizon, self.tail_window, 100, self.rebuild_every, self.stream_grid)  # checks
-        if self.target == "stream" and self.mode != "fast":
-            raise ValueError("target='stream' runs the fast path: mode='exact' is not available with it")
-        if self.target == "stream" and self.match != "quantiles":
-            raise ValueError("target='stream' maps running quantiles: match='moments' has no streaming form yet")
+        from aqr.core.robust import RobustSettings
+
+        RobustSettings(self.groups, self.class_horizon)  # checks
+        if self.passes not in (1, 2) or isinstance(self.passes, bool):
+            raise ValueError(f"passes must be 1 or 2, got {self.passes!r}")
+        if self.passes == 2 and self.target != "robust":
+            raise ValueError("passes=2 is an option of target='robust'")
+        if self.target in STREAM_TARGETS and self.mode != "fast":
+            raise ValueError(f"target={self.target!r} runs the fast path: mode='exact' is not available with it")
+        if self.target in STREAM_TARGETS and self.match != "quantiles":
+            raise ValueError(f"target={self.target!r} maps running quantiles: match='moments' has no streaming form yet")
 
 
 def host_reads_are_cheap(device: torch.device) -> bool:
@@ -357,9 +375,9 @@ def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> It
     """
     stats.check_model(model)
     config = AQRConfig(**options)  # type: ignore[arg-type]
-    if config.target == "stream":
-        raise ValueError("target='stream' keeps a state across batches, which a context manager cannot: use "
-                         "aqr.AQR(model, stats, target='stream')")
+    if config.target in STREAM_TARGETS:
+        raise ValueError(f"target={config.target!r} keeps a state across batches, which a context manager cannot: "
+                         f"use aqr.AQR(model, stats, target={config.target!r})")
     check_named_layers(model, config.layers)
     maps = _layer_maps(stats, config)
     with instrumented(model) as tools:
@@ -432,7 +450,9 @@ class AQR(nn.Module):
     of two. The layers' forward hooks run and see the recalibrated output.
 
     With ``target="stream"`` each layer keeps a running estimate of its target distribution
-    (:mod:`aqr.core.stream`; options ``estimator``, ``horizon``, ``tail_window``, ``rebuild_every``):
+    (:mod:`aqr.core.stream`; options ``estimator``, ``horizon``, ``tail_window``, ``rebuild_every``);
+    with ``target="robust"`` a class-balanced one (:mod:`aqr.core.robust`; options ``groups``,
+    ``class_horizon``, ``tail_window``, ``rebuild_every``; the logits' argmax assigns each image its class):
     every batch updates it and is mapped with it. The state's memory is fixed (:meth:`memory_bytes`),
     :meth:`reset` returns to the initial state, and a batch enters the state only if every layer
     and the logits were finite (with NaN/Inf, ``on_nonfinite="raise"`` raises and ``"skip"`` returns
@@ -448,7 +468,7 @@ class AQR(nn.Module):
         self.config = AQRConfig(**options)  # type: ignore[arg-type]
         check_named_layers(model, self.config.layers)
         self._batch: StreamBatch | None = None
-        if self.config.target == "stream":
+        if self.config.target in STREAM_TARGETS:
             from aqr.core.stream_map import StreamBatch
 
             self._batch = StreamBatch()
@@ -496,7 +516,12 @@ class AQR(nn.Module):
                     self._check_every_layer_called()
                 finite = not batch.nonfinite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
                 if finite:
-                    batch.commit()
+                    batch.commit(self._predicted(out, batch.images) if self.config.target == "robust" else None)
+                    if self.config.passes == 2:  # the batch again, mapped with the state it just updated
+                        batch.begin(int(x.shape[0]))
+                        with torch.no_grad():
+                            out = self._twin(x)
+                        batch.staged = []
                 elif self.config.on_nonfinite == "raise":
                     raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
                                                    "unchanged (on_nonfinite='skip' returns them)")
@@ -504,6 +529,14 @@ class AQR(nn.Module):
             finally:
                 batch.begin(0)
                 self._owner = None
+
+    def _predicted(self, out: object, images: int) -> torch.Tensor:
+        """Each image's predicted class from the logits (``target="robust"``)."""
+        if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != images or out.shape[1] < 1:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"target='robust' needs the model to return logits (N, classes) for N = {images} "
+                             f"images, got {shape}; the stream's state is unchanged")
+        return out.argmax(dim=1)
 
     def reset(self) -> None:
         """Forget the stream (``target="stream"``): every layer back to its state before the first batch."""
@@ -544,5 +577,8 @@ class AQR(nn.Module):
         text = f"layers={len(self._maps)}, tail={self.config.tail or self.stats.tail!r}, K={self.stats.num_quantiles}"
         if self._batch is not None:
             c = self.config
-            text += f", target='stream', estimator={c.estimator!r}, horizon={c.horizon:g}"
+            if c.target == "robust":
+                text += f", target='robust', groups={c.groups}, class_horizon={c.class_horizon:g}"
+            else:
+                text += f", target='stream', estimator={c.estimator!r}, horizon={c.horizon:g}"
         return text

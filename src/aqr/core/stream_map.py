@@ -22,6 +22,7 @@ from aqr.backends.stream_torch import TorchStreamKernels
 from aqr.core.adapt import AQRConfig, LayerMap
 from aqr.core.layers import as_acb
 from aqr.core.stats import SourceStats
+from aqr.core.robust import RobustLayerStream, RobustSettings
 from aqr.core.stream import LayerStream, Staged, StreamSettings
 
 STREAM_TAILS = ("standard", "average")  # the tails whose edge lines the stream's table holds (Eq. 1)
@@ -38,10 +39,14 @@ class StreamBatch:
     def begin(self, images: int) -> None:
         self.images, self.staged, self.nonfinite = images, [], False
 
-    def commit(self) -> None:
-        """Apply every staged update (the batch was finite everywhere)."""
+    def commit(self, labels: torch.Tensor | None = None) -> None:
+        """Apply every staged update (the batch was finite everywhere); ``labels``: each image's predicted
+        class, which class-balanced layers (``target="robust"``) need."""
         for stream, staged in self.staged:
-            stream.commit(staged)
+            if isinstance(stream, RobustLayerStream):
+                stream.commit(staged, labels)
+            else:
+                stream.commit(staged)
         self.staged = []
 
 
@@ -66,7 +71,7 @@ class StreamLayerMap(LayerMap):
     def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str, subsets: SubsetCache,
                  batch: StreamBatch) -> None:
         if tail not in STREAM_TAILS:
-            raise ValueError(f"target='stream' maps with the tail strategies {' or '.join(STREAM_TAILS)} (Eq. 1 at "
+            raise ValueError(f"target={config.target!r} maps with the tail strategies {' or '.join(STREAM_TAILS)} (Eq. 1 at "
                              f"the running ends), not {tail!r}")
         super().__init__(stats, name, config, tail, subsets, logits_checked=True)
         self.settings = stream_settings(config, stats)
@@ -77,8 +82,12 @@ class StreamLayerMap(LayerMap):
         """The layer's running state on ``device``."""
         if device not in self.streams:
             backend = self.backend(device)
-            self.streams[device] = LayerStream(self.source_on(device).knots, self.settings,
-                                               stream_kernels(device, self.config.native), backend.target_knots)
+            source, kernels = self.source_on(device).knots, stream_kernels(device, self.config.native)
+            if self.config.target == "robust":
+                robust = RobustSettings(self.config.groups, self.config.class_horizon)
+                self.streams[device] = RobustLayerStream(source, self.settings, robust, kernels, backend.target_knots)
+            else:
+                self.streams[device] = LayerStream(source, self.settings, kernels, backend.target_knots)
         return self.streams[device]
 
     def reset(self) -> None:
@@ -105,7 +114,7 @@ class StreamLayerMap(LayerMap):
 
 def _with_torch_kernels(stream: LayerStream) -> LayerStream:
     """``stream``'s state stepped by the torch kernels (a shallow view sharing every buffer)."""
-    view = object.__new__(LayerStream)
+    view = object.__new__(type(stream))
     view.__dict__.update(stream.__dict__)
     view.kernels = TorchStreamKernels()
     return view

@@ -1,0 +1,212 @@
+"""Class-balanced streaming AQR (``target="robust"``): its estimate, its kernels' pieces, and the wrapper."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import aqr
+from aqr.backends import Targets
+from aqr.backends.stream_base import COUNT
+from aqr.backends.stream_torch import TorchStreamKernels, cdf_at, curve_quantiles
+from aqr.core.layers import NonFiniteActivationError
+from aqr.core.robust import MAX_GROUP_STEP, RobustLayerStream, RobustSettings, group_step, image_counts, mixture_quantiles
+from aqr.core.stream import LayerStream, StreamSettings
+from aqr.core.stream_map import stream_kernels
+from aqr.methods import create
+from tests.models_tiny import bn_cnn, images
+from tests.test_stream_aqr import calibrated, same, shifted, state
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+KERNELS = [TorchStreamKernels(), stream_kernels(torch.device("cpu"), True)]
+
+
+def test_per_image_counts_are_each_images_own_histogram() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * 3, 5, 7, generator=g)  # 4 images of 3 rows each
+    knots = torch.sort(torch.randn(5, 11, generator=g) * 2, dim=1).values
+    pre = (torch.rand(5, generator=g) + 0.5, torch.randn(5, generator=g))
+    counts = image_counts(x, 4, pre, knots, 5, 16)
+    kern = TorchStreamKernels()
+    table = aqr.backends.stream_base.StreamTable.empty(5, 8)
+    for i in range(4):
+        own = kern.scan(x[3 * i : 3 * i + 3], 1, pre, knots, knots, table, COUNT, 5, 16).counts
+        assert torch.equal(counts[i], own)
+    assert int(counts.sum()) == 4 * 5 * len(range(0, 3 * 7, 5))
+
+
+def _exact_mixture(knots: torch.Tensor, k: int) -> torch.Tensor:
+    c = knots.shape[1]
+    z = torch.sort(knots.permute(1, 0, 2).reshape(c, -1), dim=1).values
+    levels = (torch.arange(k, dtype=torch.float64) / (k - 1)).expand(c, -1).contiguous()
+    parts = [cdf_at(g.contiguous(), levels, z) for g in knots]
+    return curve_quantiles(z, sum(p[0] for p in parts) / len(parts), sum(p[1] for p in parts) / len(parts), k)
+
+
+@pytest.mark.parametrize("groups", [1, 3, 10])
+def test_the_mixture_of_group_cdfs_matches_its_exact_quantiles(groups: int) -> None:
+    g = torch.Generator().manual_seed(groups)
+    k = 41
+    values = torch.randn(groups, 6, 4000, generator=g, dtype=torch.float64) * (torch.rand(groups, 6, 1, generator=g,
+                                                                                        dtype=torch.float64) + 0.2)
+    values = values + 3 * torch.randn(groups, 6, 1, generator=g, dtype=torch.float64)
+    values[:, :2] = values[:, :2].clamp(min=0)  # atoms at 0 in two channels
+    knots = torch.quantile(values, torch.linspace(0, 1, k, dtype=torch.float64), dim=-1).permute(1, 2, 0).contiguous()
+    got, exact = mixture_quantiles(knots, k).double(), _exact_mixture(knots, k).double()
+    span = knots[:, :, k - 2].amax(0) - knots[:, :, 1].amin(0)
+    assert float(((got - exact).abs().amax(1) / span).max()) < 3e-3
+    if groups == 1:  # one group: its own inner knots
+        assert float(((got - knots[0, :, 1 : k - 1]).abs().amax(1) / span).max()) < 3e-3
+
+
+def test_a_groups_step_is_capped_once_it_has_a_state() -> None:
+    assert group_step(64, 0, 16.0) == 1.0
+    assert group_step(64, 10, 16.0) == MAX_GROUP_STEP
+    assert group_step(1, 100, 16.0) == pytest.approx(1 / 16)
+
+
+def _quantile_knots(k: int):
+    levels = torch.linspace(0, 1, k)
+
+    def batch_knots(x: torch.Tensor, pre: object) -> Targets:
+        v = x.permute(1, 0, 2).reshape(x.shape[1], -1)
+        return Targets(torch.quantile(v, levels, dim=1).t().contiguous(), None, None, torch.tensor(True))
+
+    return batch_knots
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=lambda k: k.name)
+def test_runs_of_one_class_leave_the_target_balanced_where_the_stream_follows_the_run(kernels) -> None:
+    """Two classes, one at -2, one at +2: after runs of 160 images of each, the balanced target's median
+    stays near 0 (the 50/50 mixture) while streaming AQR's follows the class of the current run."""
+    k, c = 21, 2
+    g = torch.Generator().manual_seed(3)
+    source = torch.quantile(torch.randn(20000, generator=g), torch.linspace(0, 1, k))[None].repeat(c, 1).contiguous()
+    robust = RobustLayerStream(source, StreamSettings(), RobustSettings(groups=2), kernels, _quantile_knots(k))
+    stream = LayerStream(source, StreamSettings(horizon=32.0), kernels, _quantile_knots(k))
+    medians: list[tuple[float, ...]] = []
+    for cls in (0, 1, 0):
+        for _ in range(20):
+            x = torch.randn(8, c, 30, generator=g) * 0.5 + (4 * cls - 2)
+            for layer in (robust, stream):
+                _, staged = layer.step(x, 8)
+                if layer is robust:
+                    layer.commit(staged, torch.full((8,), cls))
+                else:
+                    layer.commit(staged)
+        quartiles = (robust.knots[:, k // 4], robust.knots[:, 3 * k // 4], stream.knots[:, k // 4], stream.knots[:, 3 * k // 4])
+        medians.append(tuple(float(q.mean()) for q in quartiles))
+    for i, (r25, r75, s25, s75) in enumerate(medians):
+        run = -2 if i != 1 else 2
+        assert abs(s25 - run) < 0.7 and abs(s75 - run) < 0.7  # the stream is the current run
+        if i > 0:  # both classes seen: a quarter below -1.5, a quarter above 1.5, whichever the run
+            assert r25 < -1.5 and r75 > 1.5
+    assert robust.memory_bytes() == stream.memory_bytes() + 2 * c * k * 4
+
+
+def test_each_image_joins_the_group_of_its_predicted_class() -> None:
+    k, c = 11, 3
+    g = torch.Generator().manual_seed(5)
+    source = torch.sort(torch.randn(c, k, generator=g), dim=1).values
+    layer = RobustLayerStream(source, StreamSettings(), RobustSettings(groups=4), TorchStreamKernels(), _quantile_knots(k))
+    x = torch.randn(5, c, 9, generator=g)
+    _, staged = layer.step(x, 5)
+    layer.commit(staged, torch.tensor([0, 1, 7, 7, 9]))  # classes 7 and 9 fold into groups 3 and 1
+    assert layer.group_seen == [1, 2, 0, 2]
+    assert torch.equal(layer.group_knots[2], torch.zeros(c, k))
+    with pytest.raises(ValueError, match="predicted classes"):
+        layer.commit(layer.step(x, 5)[1])
+
+
+def test_reset_restores_the_initial_state_bit_for_bit_and_the_model_is_untouched() -> None:
+    model, stats = calibrated("bn")
+    before = copy.deepcopy(model.state_dict())
+    adapter, fresh = aqr.AQR(model, stats, target="robust"), aqr.AQR(model, stats, target="robust")
+    x = shifted(40, seed=4)
+    fresh(x[:1])
+    fresh.reset()
+    initial = state(fresh)
+    first = torch.cat([adapter(x[i : i + 4]) for i in range(0, 40, 4)])
+    assert not same(state(adapter), initial)
+    size = adapter.memory_bytes()
+    adapter.reset()
+    assert same(state(adapter), initial)
+    assert torch.equal(first, torch.cat([adapter(x[i : i + 4]) for i in range(0, 40, 4)]))
+    fewer = aqr.AQR(model, stats, target="robust", groups=2)
+    fewer(x[:4])
+    assert adapter.memory_bytes() == size > fewer.memory_bytes() > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_batch_with_nan_leaves_the_state_unchanged(policy: str) -> None:
+    model, stats = calibrated("bn")
+    adapter = aqr.AQR(model, stats, target="robust", on_nonfinite=policy)
+    for i in range(4):
+        adapter(shifted(4, seed=10 + i))
+    saved = state(adapter)
+    bad = shifted(4, seed=20)
+    bad[1, 0, 3, 3] = float("nan")
+    if policy == "raise":
+        with pytest.raises(NonFiniteActivationError, match="layer"):
+            adapter(bad)
+    else:
+        assert not torch.isfinite(adapter(bad)).all()
+    assert same(state(adapter), saved)
+
+
+def test_a_model_without_logits_is_refused_and_the_state_is_unchanged() -> None:
+    model = nn.Sequential(bn_cnn(), nn.Unflatten(1, (5, 1))).eval()
+    stats = aqr.calibrate(model, [images(64, seed=s) for s in range(2)], num_quantiles=21, compile=False)
+    adapter = aqr.AQR(model, stats, target="robust")
+    with pytest.raises(ValueError, match=r"logits \(N, classes\)"):
+        adapter(shifted(4, seed=1))
+    after = state(adapter)
+    adapter.reset()
+    assert after and same(state(adapter), after)  # the refused batch left the initial state
+
+
+def test_two_passes_map_the_batch_with_the_state_it_updated() -> None:
+    model, stats = calibrated("bn")
+    one, two = aqr.AQR(model, stats, target="robust"), aqr.AQR(model, stats, target="robust", passes=2)
+    x = shifted(16, seed=2)
+    for batch in (x[:8], x[8:]):
+        once = one(batch)
+        twice = two(batch)
+        assert same(state(one), state(two))  # the second pass stages nothing
+        assert torch.equal(twice, one(batch))  # mapped with the state the batch left
+        assert not torch.equal(twice, once)
+        two(batch)  # the two streams in step again
+
+
+def test_options_are_checked() -> None:
+    model, stats = calibrated("bn")
+    for bad in ({"target": "robust", "mode": "exact"}, {"target": "robust", "groups": 0},
+                {"target": "robust", "groups": 2.5}, {"target": "robust", "class_horizon": 0},
+                {"target": "robust", "passes": 3}, {"target": "stream", "passes": 2},
+                {"target": "robust", "match": "moments"}):
+        with pytest.raises(ValueError):
+            aqr.AQR(model, stats, **bad)
+    with pytest.raises(ValueError, match="tail"):
+        aqr.AQR(model, stats, target="robust", tail="gaussian")
+    with pytest.raises(ValueError, match="aqr.AQR"):
+        with aqr.recalibrating(model, stats, target="robust"):
+            pass
+    assert "target='robust'" in repr(aqr.AQR(model, stats, target="robust"))
+
+
+def test_the_method_keeps_its_state_online_and_restarts_it_episodically() -> None:
+    model, stats = calibrated("bn")
+    x = shifted(8, seed=6)
+    online = create("aqr", model, stats=stats, target="robust", protocol="online")
+    episodic = create("aqr", model, stats=stats, target="robust")
+    first = episodic(x[:4])
+    assert torch.equal(online(x[:4]), first)
+    second = episodic(x[4:])
+    assert torch.equal(second, aqr.AQR(model, stats, target="robust")(x[4:]))
+    assert not torch.equal(online(x[4:]), second)
+    online.reset()
+    assert torch.equal(online(x[:4]), first)
