@@ -9,9 +9,10 @@ with ``--table`` writes a markdown table of accuracy against order.
 
     python benchmarks/noniid_stream.py --cifar-c cache/cifar10c --out runs/noniid.jsonl --table runs/noniid.md
 
-``--checkpoint`` defaults to the data folder's akamaster ResNet-20 (``--data-dir`` or ``$AQR_DATA_DIR``).
-Methods that need source statistics are not offered here; the ``stream-noniid`` bench preset is
-meant to supersede this script.
+``--model`` is a zoo name or ``resnet20``, whose ``--checkpoint`` defaults to the data folder's akamaster
+ResNet-20 (``--data-dir`` or ``$AQR_DATA_DIR``). Methods are names with options, as in ``aqr bench``
+(``aqr:target=robust,groups=10``); those that need source statistics read ``--stats`` (``aqr calibrate``).
+The ``stream-noniid`` bench preset runs the same streams as cells of a results database.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aqr import methods, models
+from aqr import SourceStats, methods, models
+from aqr.bench.grid import MethodSpec
 from aqr.data import DataDirError, load_cifar_c, resolve_data_dir, to_float
 from aqr.data.streams import StreamOrder, mean_run_length, take
 
@@ -38,6 +40,18 @@ def run_stream(method: torch.nn.Module, images: np.ndarray, labels: np.ndarray, 
         logits = method(to_float(images[start : start + batch]))
         correct[start : start + batch] = logits.argmax(1).numpy() == labels[start : start + batch]
     return correct
+
+
+def method_list(text: str) -> list[str]:
+    """``"source,aqr:target=robust,groups=10"`` -> ``["source", "aqr:target=robust,groups=10"]``: a comma
+    starts a new method unless what follows is another ``key=value`` option of the one before."""
+    entries: list[str] = []
+    for token in text.split(","):
+        if entries and "=" in token and ":" not in token:
+            entries[-1] += "," + token
+        else:
+            entries.append(token)
+    return entries
 
 
 def table(rows: list[dict]) -> str:
@@ -58,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cifar-c", required=True, help="CIFAR-10-C folder (aqr corrupt layout)")
     p.add_argument("--data-dir", default=None, help="data folder (default: $AQR_DATA_DIR)")
-    p.add_argument("--checkpoint", default=None, help="default: the data folder's akamaster ResNet-20")
+    p.add_argument("--model", default="resnet20", help="zoo name, or resnet20 (with --checkpoint)")
+    p.add_argument("--checkpoint", default=None, help="resnet20's weights; default: the data folder's akamaster ResNet-20")
+    p.add_argument("--stats", default=None, help="source statistics (aqr calibrate) for methods that need them")
     p.add_argument("--corruptions", default=FOUR, help="comma list, in stream order")
     p.add_argument("--severity", type=int, default=5)
     p.add_argument("--orders", default="iid,delta=1,delta=0.1,delta=0.01,mixed")
@@ -70,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="JSON lines, one per (order, method); resumable")
     p.add_argument("--table", default=None, help="also write a markdown table here")
     args = p.parse_args(argv)
-    if args.checkpoint is None:
+    if args.checkpoint is None and args.model == "resnet20":
         try:
             args.checkpoint = str(resolve_data_dir(args.data_dir) / "checkpoints/akamaster/resnet20-12fca82f.th")
         except DataDirError as err:
@@ -81,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     drawn = pool[np.random.default_rng(args.seed).permutation(len(pool))[: args.n]]
     blocks = [load_cifar_c(args.cifar_c, c, args.severity, drawn) for c in corruptions]
     block_images, block_labels = [np.asarray(b.images) for b in blocks], [b.labels for b in blocks]
-    model = models.load("resnet20", checkpoint=args.checkpoint)
+    model = models.load(args.model, checkpoint=args.checkpoint)
+    stats = SourceStats.load(args.stats) if args.stats else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     setting = {"corruptions": corruptions, "severity": args.severity, "n_images": args.n * len(corruptions),
-               "batch": args.batch, "seed": args.seed}
+               "batch": args.batch, "seed": args.seed, "model": args.model}
     rows = [r for r in map(json.loads, out.read_text().splitlines())] if out.is_file() else []
     rows = [r for r in rows if all(r.get(k) == v for k, v in setting.items())]
     done = {(r["order"], r["method"]) for r in rows}
@@ -93,10 +110,23 @@ def main(argv: list[str] | None = None) -> int:
         order = StreamOrder.parse(text)
         stream = order.stream(block_labels, args.seed)
         images, labels = take(block_images, stream), take(block_labels, stream)
-        for name in args.methods.split(","):
+        for name in method_list(args.methods):
             if (str(order), name) in done:
                 continue
-            method = methods.create(name, model, protocol="online", seed=args.seed)
+            spec = MethodSpec.parse(name)
+            cls = methods.method_class(spec.name)
+            options = dict(spec.options)
+            if cls.needs_stats:
+                if stats is None:
+                    p.error(f"method {name!r} needs --stats")
+                options["stats"] = stats
+            if cls.needs_batch_size:
+                options["batch_size"] = args.batch
+            try:
+                method = methods.create(spec.name, model, protocol="online", seed=args.seed, **options)
+            except methods.NotApplicable as err:  # e.g. a BatchNorm method on a GroupNorm model
+                print(f"{name}: not applicable ({err})", flush=True)
+                continue
             t0 = time.perf_counter()
             correct = run_stream(method, images, labels, args.batch)
             row = {"order": str(order), "method": name, "accuracy": round(100 * float(correct.mean()), 2),
