@@ -51,23 +51,10 @@ def test_the_noniid_stream_preset() -> None:
     assert {c.order for c in cells if c.variant == "aqr[target=robust]" and c.model.name == "vit_ln"} == set(NONIID_ORDERS)
 
 
-def _accepts_robust() -> bool:
-    from aqr import AQRConfig
-
-    try:
-        AQRConfig(target="robust")
-    except ValueError:
-        return False
-    return True
-
-
 def test_the_noniid_preset_runs_every_method_in_every_order(tiny_stream, tmp_path: Path) -> None:
     """The preset's methods, online, on a continual stream in each of its orders: ok, or n/a where a method
     needs BatchNorm; aqr report then compares the orders."""
     methods = preset("stream-noniid", "data").methods
-    if not _accepts_robust():  # another change adds it; until then its cells would be error rows
-        methods = tuple(m for m in methods if m.options.get("target") != "robust")
-        assert len(methods) == len(NONIID_METHODS) - 1
     grid = replace(tiny_stream, methods=methods, orders=NONIID_ORDERS, n_images=8)
     db_path = tmp_path / "r.db"
     with ResultsDB(db_path) as db:
