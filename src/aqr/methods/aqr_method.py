@@ -3,7 +3,7 @@
 A thin wrapper: :class:`aqr.AQR` does the work (it never changes the model's parameters or buffers
 and runs under ``no_grad``); this module only gives it the same construction, ``reset()`` and
 protocol handling as the baselines. Per-batch AQR is stateless, so both protocols give the same
-logits; streaming AQR (``target="stream"``) keeps its running estimate under ``protocol="online"``
+logits; streaming AQR (``target="stream"`` or ``"robust"``) keeps its running estimate under ``protocol="online"``
 and restarts it before every batch under the episodic protocol.
 """
 
