@@ -36,6 +36,10 @@ def test_per_image_counts_are_each_images_own_histogram() -> None:
         own = kern.scan(x[3 * i : 3 * i + 3], 1, pre, knots, knots, table, COUNT, 5, 16).counts
         assert torch.equal(counts[i], own)
     assert int(counts.sum()) == 4 * 5 * len(range(0, 3 * 7, 5))
+    native = stream_kernels(torch.device("cpu"), True)
+    if native.name != "torch":  # the C kernels count each image in its own scan
+        layer = RobustLayerStream(knots, StreamSettings(), RobustSettings(), native, _quantile_knots(11))
+        assert torch.equal(layer._image_counts(x, 4, pre, knots), image_counts(x, 4, pre, knots, 5, 64))
 
 
 def _exact_mixture(knots: torch.Tensor, k: int) -> torch.Tensor:

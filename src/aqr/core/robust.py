@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from aqr.backends import Affine
-from aqr.backends.stream_base import EDGE_BINS, MAP, StreamKernels
+from aqr.backends.stream_base import COUNT, EDGE_BINS, MAP, StreamKernels
+from aqr.backends.stream_native import NativeStreamKernels
 from aqr.backends.stream_torch import cdf_at, curve_quantiles, histogram_points, index_of, mix_quantiles, saturate
 from aqr.core.stream import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings, _First, batch_weight
 
@@ -163,8 +164,16 @@ class RobustLayerStream(LayerStream):
             if not r.finite:
                 return None, None
             y, ref, lo, hi = r.y, self.knots, r.lo, r.hi
-        counts = image_counts(x, images, pre, ref, COUNT_STRIDE, COUNT_CELLS)
-        return y, _RobustStaged(first, ref, counts, lo, hi)
+        return y, _RobustStaged(first, ref, self._image_counts(x, images, pre, ref), lo, hi)
+
+    def _image_counts(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor) -> torch.Tensor:
+        """:func:`image_counts`; with the C kernels, one counting scan per image (their rows are contiguous)."""
+        if not isinstance(self.kernels, NativeStreamKernels) or not self.kernels.takes(x):
+            return image_counts(x, images, pre, knots, COUNT_STRIDE, COUNT_CELLS)
+        rows = x.shape[0] // images
+        x = x.contiguous()
+        return torch.stack([self.kernels.scan(x[i * rows : (i + 1) * rows], 1, pre, knots, self.source, self.table, COUNT,
+                                              COUNT_STRIDE, COUNT_CELLS).counts for i in range(images)])
 
     def commit(self, staged: _RobustStaged, labels: torch.Tensor | None = None) -> None:  # type: ignore[override]
         """Apply a finite batch's update; ``labels`` ``(N,)``: each image's predicted class."""
