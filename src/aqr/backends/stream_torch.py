@@ -111,6 +111,19 @@ def histogram_points(knots: torch.Tensor, counts: torch.Tensor, gmin: torch.Tens
     return zb, hb, total
 
 
+def count_bins(values: torch.Tensor, knots: torch.Tensor, cells: int) -> torch.Tensor:
+    """Each value's bin (int64) of :meth:`~aqr.backends.stream_base.StreamKernels.scan`'s histogram on the
+    knots ``(C, K)``: ``values`` ``(..., C, M)``, channel ``c``'s values in row ``c`` of the last two dims."""
+    k = knots.shape[1]
+    k0, k1, kb, kl = (knots[:, j : j + 1] for j in (0, 1, k - 2, k - 1))
+    span = kb.double() - k1.double()
+    cinv = torch.where(span > 0, saturate(cells / torch.where(span > 0, span, torch.ones_like(span))),
+                       torch.zeros_like(k1))
+    inner = 2 + index_of((values - k1) * cinv, cells - 1)
+    edge_hi = torch.where(values >= kl, cells + 3, cells + 2)
+    return torch.where(values < k1, (values >= k0).long(), torch.where(values >= kb, edge_hi, inner))
+
+
 class TorchStreamKernels(StreamKernels):
     """:class:`~aqr.backends.stream_base.StreamKernels` in torch (any device, float32 state)."""
 
@@ -151,15 +164,7 @@ class TorchStreamKernels(StreamKernels):
             y = torch.where(low, col(al) * v + col(bl), y)
             y = torch.where(high, col(ah) * v + col(bh), y)
         if mode & COUNT:
-            values = v.permute(1, 0, 2).reshape(c, a * b)[:, ::stride]
-            k = knots.shape[1]
-            k0, k1, kb, kl = (knots[:, j : j + 1] for j in (0, 1, k - 2, k - 1))
-            span = kb.double() - k1.double()
-            cinv = torch.where(span > 0, saturate(cells / torch.where(span > 0, span, torch.ones_like(span))),
-                               torch.zeros_like(k1))
-            inner = 2 + index_of((values - k1) * cinv, cells - 1)
-            edge_hi = torch.where(values >= kl, cells + 3, cells + 2)
-            bins = torch.where(values < k1, (values >= k0).long(), torch.where(values >= kb, edge_hi, inner))
+            bins = count_bins(v.permute(1, 0, 2).reshape(c, a * b)[:, ::stride], knots, cells)
             counts = torch.zeros(c, cells + EDGE_BINS, dtype=torch.int32, device=v.device)
             counts.scatter_add_(1, bins, torch.ones_like(bins, dtype=torch.int32))
         return ScanResult(None if y is None else y.to(x.dtype), lo, hi, counts, True)

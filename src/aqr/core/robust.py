@@ -33,7 +33,7 @@ import torch
 from aqr.backends import Affine
 from aqr.backends.stream_base import COUNT, EDGE_BINS, MAP, StreamKernels
 from aqr.backends.stream_native import NativeStreamKernels
-from aqr.backends.stream_torch import cdf_at, curve_quantiles, histogram_points, index_of, mix_quantiles, saturate
+from aqr.backends.stream_torch import cdf_at, count_bins, curve_quantiles, histogram_points, mix_quantiles
 from aqr.core.stream import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings, _First, batch_weight
 
 MAX_GROUPS = 4096
@@ -78,14 +78,7 @@ def image_counts(x: torch.Tensor, images: int, pre: Affine | None, knots: torch.
     if pre is not None:
         v = v * pre[0].view(1, c, 1) + pre[1].view(1, c, 1)
     values = v.reshape(images, a // images, c, b).permute(0, 2, 1, 3).reshape(images, c, -1)[:, :, ::stride]
-    k = knots.shape[1]
-    k0, k1, kb, kl = (knots[:, j : j + 1].unsqueeze(0) for j in (0, 1, k - 2, k - 1))
-    span = kb.double() - k1.double()
-    cinv = torch.where(span > 0, saturate(cells / torch.where(span > 0, span, torch.ones_like(span))),
-                       torch.zeros_like(k1))
-    inner = 2 + index_of((values - k1) * cinv, cells - 1)
-    edge_hi = torch.where(values >= kl, cells + 3, cells + 2)
-    bins = torch.where(values < k1, (values >= k0).long(), torch.where(values >= kb, edge_hi, inner))
+    bins = count_bins(values, knots, cells)
     counts = torch.zeros(images, c, cells + EDGE_BINS, dtype=torch.int32, device=v.device)
     return counts.scatter_add_(2, bins, torch.ones_like(bins, dtype=torch.int32))
 
