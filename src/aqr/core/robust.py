@@ -13,7 +13,8 @@ the balanced knots and takes each image's extremes (the C kernels on CPU, as for
 a second pass counts every ``COUNT_STRIDE``-th value of each image on the bins of those knots. After
 the forward pass (:meth:`RobustLayerStream.commit`) the logits' argmax assigns each image to its
 group; each group present merges its images' histograms into its CDF (an EMA of CDFs with
-``class_horizon`` images of that group: ``1 - (1 - 1/H_c)^n`` for ``n`` new images), and every
+``class_horizon`` images of that group: ``1 - (1 - 1/H_c)^n`` for ``n`` new images, at most
+:data:`MAX_GROUP_STEP` once the group has a state), and every
 ``rebuild_every`` images the balanced knots become the inner quantiles of the mean of the groups' CDFs
 seen so far, with the Average Sample Tails of the recent window as their ends (as ``"stream"``), and the
 table is rebuilt. A batch is mapped with the state its predecessors left (its classes are known only
