@@ -108,7 +108,30 @@ def test_runs_of_one_class_leave_the_target_balanced_where_the_stream_follows_th
         assert abs(s25 - run) < 0.7 and abs(s75 - run) < 0.7  # the stream is the current run
         if i > 0:  # both classes seen: a quarter below -1.5, a quarter above 1.5, whichever the run
             assert r25 < -1.5 and r75 > 1.5
-    assert robust.memory_bytes() == stream.memory_bytes() + 2 * c * k * 4
+    # per group and channel: its knots, and its pending histogram (64 + 4 counts) and two extremes
+    assert robust.memory_bytes() == stream.memory_bytes() + 2 * c * (k + 68 + 2) * 4
+
+
+def test_small_batches_pool_until_the_rebuild_as_one_batch_would() -> None:
+    """Batches of fewer than rebuild_every images wait in their groups' pending histograms: two batches of
+    4 after the first leave the state one batch of the same 8 images leaves."""
+    k, c = 11, 3
+    g = torch.Generator().manual_seed(8)
+    source = torch.sort(torch.randn(c, k, generator=g), dim=1).values
+    x = [torch.randn(8, c, 9, generator=g) for _ in range(2)]
+    labels = [torch.tensor([0, 1, 1, 2, 0, 0, 3, 1]), torch.tensor([2, 2, 1, 0, 3, 3, 1, 0])]
+    layers = [RobustLayerStream(source, StreamSettings(), RobustSettings(groups=4), TorchStreamKernels(),
+                                _quantile_knots(k)) for _ in range(2)]
+    for layer, split in zip(layers, (8, 4)):
+        layer.commit(layer.step(x[0], 8)[1], labels[0])
+        for i in range(0, 8, split):
+            _, staged = layer.step(x[1][i : i + split], split)
+            layer.commit(staged, labels[1][i : i + split])
+            if i + split < 8:
+                assert layer.pending == split and sum(layer.group_pending) == split
+    assert layers[1].pending == 0 and layers[0].group_seen == layers[1].group_seen == [5, 5, 3, 3]
+    assert torch.equal(layers[0].group_knots, layers[1].group_knots)
+    assert torch.equal(layers[0].knots, layers[1].knots)
 
 
 def test_each_image_joins_the_group_of_its_predicted_class() -> None:

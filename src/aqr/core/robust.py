@@ -12,16 +12,17 @@ Per batch and layer (:meth:`RobustLayerStream.step`): one pass maps the batch th
 the balanced knots and takes each image's extremes (the C kernels on CPU, as for ``"stream"``), and
 a second pass counts every ``COUNT_STRIDE``-th value of each image on the bins of those knots. After
 the forward pass (:meth:`RobustLayerStream.commit`) the logits' argmax assigns each image to its
-group; each group present merges its images' histograms into its CDF (an EMA of CDFs with
-``class_horizon`` images of that group: ``1 - (1 - 1/H_c)^n`` for ``n`` new images, at most
-:data:`MAX_GROUP_STEP` once the group has a state), and every
-``rebuild_every`` images the balanced knots become the inner quantiles of the mean of the groups' CDFs
-seen so far, with the Average Sample Tails of the recent window as their ends (as ``"stream"``), and the
+group and its histogram joins the group's pending one. Every ``rebuild_every`` images each group with
+pending images merges them into its CDF (an EMA of CDFs with ``class_horizon`` images of that group:
+``1 - (1 - 1/H_c)^n`` for ``n`` new images, at most :data:`MAX_GROUP_STEP` once the group has a
+state), the balanced knots become the inner quantiles of the mean of the groups' CDFs seen so far,
+with the Average Sample Tails of the recent window as their ends (as ``"stream"``), and the
 table is rebuilt. A batch is mapped with the state its predecessors left (its classes are known only
 after its forward pass); the first batch after a reset is mapped with its own knots.
 
-Memory per recalibrated channel: the ``"stream"`` state plus ``groups`` x K float32 knots
-(:meth:`RobustLayerStream.memory_bytes`; 16 groups at K = 101: 6.5 kB more per channel). Measured, with
+Memory per recalibrated channel: the ``"stream"`` state plus, per group, K float32 knots and a pending
+histogram of ``COUNT_CELLS + 4`` counts and two extremes (:meth:`RobustLayerStream.memory_bytes`; 16
+groups at K = 101: 10.9 kB more per channel). Measured, with
 the designs compared and the cost: ``docs/method.md`` and ``docs/results/noniid``.
 """
 
@@ -130,20 +131,35 @@ class RobustLayerStream(LayerStream):
         c, k = source.shape
         self.group_knots = torch.zeros(robust.groups, c, k, device=source.device)
         self.group_seen = [0] * robust.groups
+        # images committed since the last rebuild, per group: histograms on the balanced knots' bins
+        # (which do not change until the rebuild), extremes, counts
+        self.group_counts = torch.zeros(robust.groups, c, COUNT_CELLS + EDGE_BINS, dtype=torch.int32,
+                                        device=source.device)
+        self.group_min = torch.empty(robust.groups, c, device=source.device)
+        self.group_max = torch.empty(robust.groups, c, device=source.device)
         super().__init__(source, settings, kernels, batch_knots)
 
     def reset(self) -> None:
         super().reset()
         self.group_knots.zero_()
         self.group_seen = [0] * self.robust.groups
+        self._clear_pending()
+
+    def _clear_pending(self) -> None:
+        self.group_counts.zero_()
+        self.group_min.fill_(float("inf"))
+        self.group_max.fill_(float("-inf"))
+        self.group_pending = [0] * self.robust.groups
         self.pending = 0  # images committed since the balanced knots were last rebuilt
 
     def snapshot(self) -> dict[str, object]:
         return {**super().snapshot(), "group_knots": self.group_knots.clone(), "group_seen": list(self.group_seen),
-                "pending": self.pending}
+                "group_counts": self.group_counts.clone(), "group_min": self.group_min.clone(),
+                "group_max": self.group_max.clone(), "group_pending": list(self.group_pending), "pending": self.pending}
 
     def memory_bytes(self) -> int:
-        return super().memory_bytes() + self.group_knots.numel() * self.group_knots.element_size()
+        mine = (self.group_knots, self.group_counts, self.group_min, self.group_max)
+        return super().memory_bytes() + sum(t.numel() * t.element_size() for t in mine)
 
     def step(self, x: torch.Tensor, images: int, pre: Affine | None = None) -> tuple[torch.Tensor | None, _RobustStaged | None]:
         """Map ``x`` (A, C, B) with the balanced knots; stage its per-image histograms and extremes."""
@@ -177,30 +193,33 @@ class RobustLayerStream(LayerStream):
             self.knots.copy_(staged.first.knots)
             self.started, self.seen = True, 0
         self.kernels.push(self.window, None, None, staged.lo, staged.hi)
-        self._merge_groups(staged, labels.to(staged.counts.device).long() % self.robust.groups)
+        group_of = labels.to(staged.counts.device).long() % self.robust.groups
+        self.group_counts.index_add_(0, group_of, staged.counts)
+        idx = group_of[:, None].expand(-1, staged.lo.shape[1])
+        self.group_min.scatter_reduce_(0, idx, staged.lo, "amin")
+        self.group_max.scatter_reduce_(0, idx, staged.hi, "amax")
+        for g, size in enumerate(torch.bincount(group_of, minlength=self.robust.groups).tolist()):
+            self.group_pending[g] += size
         n = staged.lo.shape[0]
         self.seen += n
         self.pending += n
         if staged.first is not None or self.pending >= self.settings.rebuild_every:
+            self._merge_groups(staged.ref)
             self._rebuild_balanced()
+            self._clear_pending()
 
-    def _merge_groups(self, staged: _RobustStaged, group_of: torch.Tensor) -> None:
-        """Each group present in the batch: its images' histogram into its CDF."""
-        g_count, (n, c, bins) = self.robust.groups, staged.counts.shape
+    def _merge_groups(self, ref: torch.Tensor) -> None:
+        """Each group with images since the last rebuild: their histogram (on the bins of ``ref``) into its CDF."""
+        counts, gmin, gmax, sizes = self.group_counts, self.group_min, self.group_max, self.group_pending
+        c, bins = counts.shape[1:]
         k = self.knots.shape[1]
-        present = torch.unique(group_of).tolist()
-        sizes = torch.bincount(group_of, minlength=g_count).tolist()
-        counts = torch.zeros(g_count, c, bins, dtype=torch.int32, device=staged.counts.device)
-        counts.index_add_(0, group_of, staged.counts)
-        idx = group_of[:, None].expand(-1, c)
-        gmin = torch.full((g_count, c), float("inf"), device=staged.lo.device).scatter_reduce(0, idx, staged.lo, "amin")
-        gmax = torch.full((g_count, c), float("-inf"), device=staged.hi.device).scatter_reduce(0, idx, staged.hi, "amax")
+        present = [g for g in range(self.robust.groups) if sizes[g] > 0]
         sel = torch.tensor(present, device=counts.device)
         p = len(present)
         weights = torch.tensor([group_step(sizes[g], self.group_seen[g], self.robust.class_horizon) for g in present],
                                dtype=torch.float64, device=counts.device)
         w = weights.repeat_interleave(c)[:, None]
-        ref = staged.ref.repeat(p, 1)
+        ref = ref.repeat(p, 1)
         zb, hb, total = histogram_points(ref, counts[sel].reshape(p * c, bins), gmin[sel].reshape(-1),
                                          gmax[sel].reshape(-1))
         old = self.group_knots[sel].reshape(p * c, k).double()
@@ -225,4 +244,3 @@ class RobustLayerStream(LayerStream):
         p0, p100 = self.kernels.tails(self.window, self._weights(self.window.filled))
         self.kernels.merge(self.knots, None, 0.0, p0, p100)  # the ends only
         self.kernels.tables(self.knots, self.source, self.table)
-        self.pending = 0
