@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .base import NotApplicable, SerializedCalls, TTAMethod
-from .norms import batchnorm_layers
+from .norms import replace_batchnorms
 
 
 @dataclass(frozen=True)
@@ -114,14 +114,8 @@ class BNEma(SerializedCalls, TTAMethod):
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model.eval().requires_grad_(False)
-        self.layers = []
-        for name, bn in batchnorm_layers(model):
-            if not name:
-                raise NotApplicable("bn-ema wraps a model containing BatchNorm layers, not a bare BatchNorm layer")
-            parent, _, child = name.rpartition(".")
-            layer = EmaBatchNorm(bn, self.config.momentum, self.config.pooled)
-            setattr(model.get_submodule(parent), child, layer)
-            self.layers.append(layer)
+        self.layers = replace_batchnorms(model, lambda bn: EmaBatchNorm(bn, self.config.momentum, self.config.pooled),
+                                         "bn-ema")
         if not self.layers:
             raise NotApplicable("bn-ema needs BatchNorm layers; this model has none")
         self.make_lock()

@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from aqr.core.layers import NORM_TYPES
 
+from .base import NotApplicable
+
 
 
 def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
     """All BatchNorm layers (1d/2d/3d/sync) of ``model`` with their qualified names."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def replace_batchnorms(model: nn.Module, make: Callable[[_BatchNorm], nn.Module], method: str) -> list[nn.Module]:
+    """Replace every BatchNorm layer of ``model`` in place (meant for a private copy) by ``make(layer)``;
+    returns the new layers. The model itself must not be a BatchNorm layer (``method`` names the refusal)."""
+    layers = []
+    for name, bn in batchnorm_layers(model):
+        if not name:
+            raise NotApplicable(f"{method} wraps a model containing BatchNorm layers, not a bare BatchNorm layer")
+        parent, _, child = name.rpartition(".")
+        layer = make(bn)
+        setattr(model.get_submodule(parent), child, layer)
+        layers.append(layer)
+    return layers
 
 
 def use_batch_statistics(model: nn.Module) -> int:

@@ -36,7 +36,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from aqr.core.memory import ClassBalancedMemory
 
 from .base import NotApplicable, SerializedCalls, TTAMethod, softmax_entropy
-from .norms import batchnorm_layers
+from .norms import replace_batchnorms
 
 
 @dataclass(frozen=True)
@@ -121,15 +121,7 @@ class RobustBatchNorm(nn.Module):
 def use_robust_batchnorm(model: nn.Module, momentum: float) -> list[RobustBatchNorm]:
     """Replace every BatchNorm layer of ``model`` (in place; meant for a private copy) by a
     :class:`RobustBatchNorm`; returns the new layers. The model itself must not be a BatchNorm layer."""
-    layers = []
-    for name, bn in batchnorm_layers(model):
-        if not name:
-            raise NotApplicable("rbn wraps a model containing BatchNorm layers, not a bare BatchNorm layer")
-        parent_name, _, child = name.rpartition(".")
-        robust = RobustBatchNorm(bn, momentum)
-        setattr(model.get_submodule(parent_name), child, robust)
-        layers.append(robust)
-    return layers
+    return replace_batchnorms(model, lambda bn: RobustBatchNorm(bn, momentum), "rbn")  # type: ignore[return-value]
 
 
 class RBN(SerializedCalls, TTAMethod):
