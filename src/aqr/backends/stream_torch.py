@@ -111,6 +111,12 @@ def histogram_points(knots: torch.Tensor, counts: torch.Tensor, gmin: torch.Tens
     return zb, hb, total
 
 
+def knot_levels(k: int, rows: int, device: torch.device | str) -> torch.Tensor:
+    """``(rows, K)`` float64: the levels ``j / (K - 1)`` of K knots, one row per channel (contiguous, as
+    :func:`cdf_at` reads them)."""
+    return (torch.arange(k, dtype=torch.float64, device=device) / (k - 1)).expand(rows, -1).contiguous()
+
+
 def count_bins(values: torch.Tensor, knots: torch.Tensor, cells: int) -> torch.Tensor:
     """Each value's bin (int64) of :meth:`~aqr.backends.stream_base.StreamKernels.scan`'s histogram on the
     knots ``(C, K)``: ``values`` ``(..., C, M)``, channel ``c``'s values in row ``c`` of the last two dims."""
@@ -201,8 +207,7 @@ class TorchStreamKernels(StreamKernels):
         c, k = knots.shape
         if group is not None and weight > 0:
             zb, hb, total = histogram_points(knots, group.counts, group.gmin, group.gmax)
-            levels = (torch.arange(k, dtype=torch.float64, device=knots.device) / (k - 1)).expand(c, -1).contiguous()
-            fresh = mix_quantiles(knots.double(), levels, zb, hb, float(weight), k)
+            fresh = mix_quantiles(knots.double(), knot_levels(k, c, knots.device), zb, hb, float(weight), k)
             has = (total > 0).expand(-1, k - 2)
             knots[:, 1 : k - 1] = torch.where(has, fresh, knots[:, 1 : k - 1])
         knots[:, 0] = torch.minimum(p0.to(knots), knots[:, 1])

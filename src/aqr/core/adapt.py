@@ -518,7 +518,7 @@ class AQR(nn.Module):
                 if finite:
                     batch.commit(self._predicted(out, batch.images) if self.config.target == "robust" else None)
                     if self.config.passes == 2:  # the batch again, mapped with the state it just updated
-                        batch.begin(int(x.shape[0]))
+                        batch.begin(batch.images)
                         with torch.no_grad():
                             out = self._twin(x)
                         batch.staged = []

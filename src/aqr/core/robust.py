@@ -35,7 +35,7 @@ import torch
 from aqr.backends import Affine
 from aqr.backends.stream_base import COUNT, EDGE_BINS, MAP, StreamKernels
 from aqr.backends.stream_native import NativeStreamKernels
-from aqr.backends.stream_torch import cdf_at, count_bins, curve_quantiles, histogram_points, mix_quantiles
+from aqr.backends.stream_torch import cdf_at, count_bins, curve_quantiles, histogram_points, knot_levels, mix_quantiles
 from aqr.core.stream import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings, _First, batch_weight
 
 MAX_GROUPS = 4096
@@ -99,7 +99,7 @@ def mixture_quantiles(knots: torch.Tensor, k: int, grid: int = MIXTURE_GRID) -> 
     spread = lo[:, None] + (hi - lo)[:, None] * steps
     ends = knots[:, :, [0, 1, k - 2, k - 1]].permute(1, 0, 2).reshape(c, -1)
     z = torch.sort(torch.cat([spread, ends], dim=1), dim=1).values
-    levels = (torch.arange(k, dtype=knots.dtype, device=knots.device) / (k - 1)).expand(c, -1).contiguous()
+    levels = knot_levels(k, c, knots.device)
     hl = torch.zeros_like(z)
     hr = torch.zeros_like(z)
     for g in range(m):  # one group at a time: memory C * (grid + 4 M), not M times that
@@ -111,11 +111,10 @@ def mixture_quantiles(knots: torch.Tensor, k: int, grid: int = MIXTURE_GRID) -> 
 
 @dataclass
 class _RobustStaged:
-    """What a batch leaves to commit: the first batch's state (or ``None``), the knots its histograms
-    were counted on, the per-image histograms and extremes."""
+    """What a batch leaves to commit: the first batch's state (or ``None``), the per-image histograms (on
+    the bins of the knots the batch was mapped with, the layer's knots once committed) and extremes."""
 
     first: _First | None
-    ref: torch.Tensor
     counts: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
@@ -150,12 +149,16 @@ class RobustLayerStream(LayerStream):
         self.group_min.fill_(float("inf"))
         self.group_max.fill_(float("-inf"))
         self.group_pending = [0] * self.robust.groups
-        self.pending = 0  # images committed since the balanced knots were last rebuilt
+
+    @property
+    def pending(self) -> int:
+        """Images committed since the balanced knots were last rebuilt."""
+        return sum(self.group_pending)
 
     def snapshot(self) -> dict[str, object]:
         return {**super().snapshot(), "group_knots": self.group_knots.clone(), "group_seen": list(self.group_seen),
                 "group_counts": self.group_counts.clone(), "group_min": self.group_min.clone(),
-                "group_max": self.group_max.clone(), "group_pending": list(self.group_pending), "pending": self.pending}
+                "group_max": self.group_max.clone(), "group_pending": list(self.group_pending)}
 
     def memory_bytes(self) -> int:
         mine = (self.group_knots, self.group_counts, self.group_min, self.group_max)
@@ -174,7 +177,7 @@ class RobustLayerStream(LayerStream):
             if not r.finite:
                 return None, None
             y, ref, lo, hi = r.y, self.knots, r.lo, r.hi
-        return y, _RobustStaged(first, ref, self._image_counts(x, images, pre, ref), lo, hi)
+        return y, _RobustStaged(first, self._image_counts(x, images, pre, ref), lo, hi)
 
     def _image_counts(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor) -> torch.Tensor:
         """:func:`image_counts`; with the C kernels, one counting scan per image (their rows are contiguous)."""
@@ -200,16 +203,15 @@ class RobustLayerStream(LayerStream):
         self.group_max.scatter_reduce_(0, idx, staged.hi, "amax")
         for g, size in enumerate(torch.bincount(group_of, minlength=self.robust.groups).tolist()):
             self.group_pending[g] += size
-        n = staged.lo.shape[0]
-        self.seen += n
-        self.pending += n
+        self.seen += staged.lo.shape[0]
         if staged.first is not None or self.pending >= self.settings.rebuild_every:
-            self._merge_groups(staged.ref)
+            self._merge_groups()
             self._rebuild_balanced()
             self._clear_pending()
 
-    def _merge_groups(self, ref: torch.Tensor) -> None:
-        """Each group with images since the last rebuild: their histogram (on the bins of ``ref``) into its CDF."""
+    def _merge_groups(self) -> None:
+        """Each group with images since the last rebuild: their histogram (on the bins of the layer's knots,
+        unchanged since) into its CDF."""
         counts, gmin, gmax, sizes = self.group_counts, self.group_min, self.group_max, self.group_pending
         c, bins = counts.shape[1:]
         k = self.knots.shape[1]
@@ -219,17 +221,15 @@ class RobustLayerStream(LayerStream):
         weights = torch.tensor([group_step(sizes[g], self.group_seen[g], self.robust.class_horizon) for g in present],
                                dtype=torch.float64, device=counts.device)
         w = weights.repeat_interleave(c)[:, None]
-        ref = ref.repeat(p, 1)
-        zb, hb, total = histogram_points(ref, counts[sel].reshape(p * c, bins), gmin[sel].reshape(-1),
-                                         gmax[sel].reshape(-1))
+        lo, hi = gmin[sel].reshape(-1), gmax[sel].reshape(-1)
+        zb, hb, total = histogram_points(self.knots.repeat(p, 1), counts[sel].reshape(p * c, bins), lo, hi)
         old = self.group_knots[sel].reshape(p * c, k).double()
-        levels = (torch.arange(k, dtype=torch.float64, device=old.device) / (k - 1)).expand(p * c, -1).contiguous()
-        fresh = mix_quantiles(old, levels, zb, hb, w, k)
+        fresh = mix_quantiles(old, knot_levels(k, p * c, old.device), zb, hb, w, k)
         new = old.float().clone()
         new[:, 1 : k - 1] = torch.where((total > 0).expand(-1, k - 2), fresh, new[:, 1 : k - 1])
         # a group's ends: its images' extremes, averaged like its CDF (each end outside the inner knots)
-        lo_end = torch.lerp(old[:, 0], gmin[sel].reshape(-1).double(), w[:, 0]).float()
-        hi_end = torch.lerp(old[:, -1], gmax[sel].reshape(-1).double(), w[:, 0]).float()
+        lo_end = torch.lerp(old[:, 0], lo.double(), w[:, 0]).float()
+        hi_end = torch.lerp(old[:, -1], hi.double(), w[:, 0]).float()
         new[:, 0] = torch.minimum(lo_end, new[:, 1])
         new[:, -1] = torch.maximum(hi_end, new[:, -2])
         self.group_knots[sel] = new.reshape(p, c, k)
