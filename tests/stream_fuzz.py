@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from aqr.backends.stream_base import COUNT, MAP, PendingGroup, StreamTable, TailWindow
+from aqr.backends.stream_base import COUNT, IMAGE_COUNT, MAP, PendingGroup, StreamTable, TailWindow
 from aqr.backends.stream_native import NativeStreamKernels
 from aqr.backends.stream_torch import TorchStreamKernels
 from aqr.core.stream import extreme_weights
@@ -98,6 +98,11 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
         assert torch.equal(got.lo, want.lo) and torch.equal(got.hi, want.hi), "per-image extremes differ"
         _close(got.y, want.y, "map")
         assert torch.equal(got.counts, want.counts), "histograms differ"
+        per_image = [k.scan(x, case["images"], pre, knots, source, t, IMAGE_COUNT, case["stride"], cells)
+                     for k, t in ((native, tables[0]), (ref, tables[1]))]
+        assert torch.equal(per_image[0].counts, per_image[1].counts), "per-image histograms differ"
+        if case["stride"] == 1:  # every value counted: the images' histograms add up to the batch's
+            assert torch.equal(per_image[0].counts.sum(0), want.counts), "per-image histograms do not add up"
     windows = [TailWindow.empty(c, case["window"]) for _ in range(2)]
     groups = [PendingGroup.empty(c, cells) for _ in range(2)]
     counts = want.counts if want.finite else torch.zeros(c, cells + 4, dtype=torch.int32)

@@ -8,10 +8,10 @@ from torch import nn
 
 import aqr
 from aqr.backends import Targets
-from aqr.backends.stream_base import COUNT
+from aqr.backends.stream_base import COUNT, IMAGE_COUNT, MAP, StreamTable
 from aqr.backends.stream_torch import TorchStreamKernels, cdf_at, curve_quantiles
 from aqr.core.layers import NonFiniteActivationError
-from aqr.core.robust import MAX_GROUP_STEP, RobustLayerStream, RobustSettings, group_step, image_counts, mixture_quantiles
+from aqr.core.robust import MAX_GROUP_STEP, RobustLayerStream, RobustSettings, group_step, mixture_quantiles
 from aqr.core.stream import LayerStream, StreamSettings
 from aqr.core.stream_map import stream_kernels
 from aqr.methods import create
@@ -22,22 +22,25 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 KERNELS = [TorchStreamKernels(), stream_kernels(torch.device("cpu"), True)]
 
 
-def test_per_image_counts_are_each_images_own_histogram() -> None:
+@pytest.mark.parametrize("kern", KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("mode", [IMAGE_COUNT, MAP | IMAGE_COUNT])
+def test_per_image_counts_are_each_images_own_histogram(kern, mode: int) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4 * 3, 5, 7, generator=g)  # 4 images of 3 rows each
     knots = torch.sort(torch.randn(5, 11, generator=g) * 2, dim=1).values
     pre = (torch.rand(5, generator=g) + 0.5, torch.randn(5, generator=g))
-    counts = image_counts(x, 4, pre, knots, 5, 16)
-    kern = TorchStreamKernels()
-    table = aqr.backends.stream_base.StreamTable.empty(5, 8)
+    table = StreamTable.empty(5, 8)
+    kern.tables(knots, knots, table)
+    r = kern.scan(x, 4, pre, knots, knots, table, mode, 5, 16)
+    assert r.counts.shape == (4, 5, 16 + 4)
     for i in range(4):
         own = kern.scan(x[3 * i : 3 * i + 3], 1, pre, knots, knots, table, COUNT, 5, 16).counts
-        assert torch.equal(counts[i], own)
-    assert int(counts.sum()) == 4 * 5 * len(range(0, 3 * 7, 5))
-    native = stream_kernels(torch.device("cpu"), True)
-    if native.name != "torch":  # the C kernels count each image in its own scan
-        layer = RobustLayerStream(knots, StreamSettings(), RobustSettings(), native, _quantile_knots(11))
-        assert torch.equal(layer._image_counts(x, 4, pre, knots), image_counts(x, 4, pre, knots, 5, 64))
+        assert torch.equal(r.counts[i], own)
+    assert int(r.counts.sum()) == 4 * 5 * len(range(0, 3 * 7, 5))
+    if mode & MAP:  # the map is the one MAP alone gives
+        assert torch.equal(r.y, kern.scan(x, 4, pre, knots, knots, table, MAP, 5, 16).y)
+    with pytest.raises(ValueError, match="scan mode"):
+        kern.scan(x, 4, pre, knots, knots, table, COUNT | IMAGE_COUNT, 5, 16)
 
 
 def _exact_mixture(knots: torch.Tensor, k: int) -> torch.Tensor:

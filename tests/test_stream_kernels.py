@@ -8,7 +8,7 @@ import torch
 
 from aqr.backends import build
 from aqr.backends.native import NativeKernelError
-from aqr.backends.stream_base import MAP, StreamTable, TailWindow
+from aqr.backends.stream_base import COUNT, IMAGE_COUNT, MAP, StreamTable, TailWindow
 from aqr.backends.stream_native import NativeStreamKernels
 from tests.stream_fuzz import fuzz
 from tests.sanitized import run_sanitized
@@ -51,6 +51,11 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
                                 knots[:, -1].contiguous().data_ptr(), 1) == -2  # a weight outside [0, 1]
     assert lib.aqr_stream_tables(c, 2, knots.data_ptr(), knots.data_ptr(), 8, table.pairs.data_ptr(),
                                  table.glo.data_ptr(), table.ginv.data_ptr(), 1) == -2  # K < 3
+    x, counts, lo, hi = torch.zeros(2, c, 5), torch.zeros(2, c, 12, dtype=torch.int32), torch.zeros(2, c), torch.zeros(2, c)
+    for mode in (COUNT | IMAGE_COUNT, 8, -1):  # both counts at once, or no such mode
+        assert lib.aqr_stream_scan(x.data_ptr(), None, 2, c, 5, 2, None, None, k, knots.data_ptr(), knots.data_ptr(),
+                                   table.pairs.data_ptr(), 8, table.glo.data_ptr(), table.ginv.data_ptr(), 5, 8,
+                                   counts.data_ptr(), lo.data_ptr(), hi.data_ptr(), mode, 1) == -2
 
 
 @pytest.mark.slow

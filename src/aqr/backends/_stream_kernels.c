@@ -24,7 +24,7 @@
  */
 
 enum { STREAM_OK = 0, STREAM_NONFINITE = 1, STREAM_NO_MEMORY = -1, STREAM_BAD_ARGUMENT = -2 };
-enum { STREAM_MAP = 1, STREAM_COUNT = 2 };
+enum { STREAM_MAP = 1, STREAM_COUNT = 2, STREAM_IMAGE_COUNT = 4 };
 enum { STREAM_EDGE_BINS = 4 }; /* below p0, [p0, p1), [p_{K-2}, p_{K-1}), from p_{K-1} on */
 
 /* Layer outputs of more values than this are split over the thread team. */
@@ -74,6 +74,8 @@ static void stream_line(double x0, double y0, double x1, double y1, double y_fla
  * them, as in per-batch AQR, whose ends are the batch's extremes). mode & STREAM_COUNT: counts
  * (C, GC + 4) = the histogram of every stride-th value of the channel (flat position r * B + b) on
  * the bins [.., p0), [p0, p1), GC equal cells of [p1, p_{K-2}), [p_{K-2}, p_{K-1}), [p_{K-1}, ..).
+ * mode & STREAM_IMAGE_COUNT (not with STREAM_COUNT): counts (N, C, GC + 4) = each image's own
+ * histogram on those bins, of every stride-th value by flat position within the image's rows.
  * Always lo / hi (N, C): each image's extremes. Returns STREAM_OK, STREAM_NONFINITE when a value v
  * is NaN or +-inf (y, counts, lo and hi are then partly written and meaningless), or
  * STREAM_BAD_ARGUMENT. */
@@ -141,6 +143,30 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
     *mn_io = mn, *mx_io = mx, *bad_io |= bad;
 }
 
+/* cnt (GC + 4) = the histogram of every stride-th value of channel c in rows [r0, r1) (flat position
+   (r - r0) * B + b) on the bins of the channel's knots (the layout of aqr_stream_scan's counts). */
+static void stream_count_rows(const stream_scan_args *a, int64_t c, int64_t r0, int64_t r1, int32_t *cnt) {
+    const int64_t K = a->K, B = a->B, GC = a->GC, stride = a->stride;
+    const float ps = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
+    const float *k = a->kn + c * K;
+    const float k0 = k[0], k1 = k[1], kb = k[K - 2], kl = k[K - 1];
+    for (int64_t j = 0; j < GC + STREAM_EDGE_BINS; j++) cnt[j] = 0;
+    const double span = (double)kb - (double)k1;
+    const float cinv = span > 0 ? stream_float((double)GC / span) : 0.0f;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xp = a->x + (r * a->C + c) * B;
+        const int64_t skip = ((r - r0) * B) % stride; /* the first b with ((r - r0) * B + b) % stride == 0 */
+        for (int64_t b = skip ? stride - skip : 0; b < B; b += stride) {
+            const float v = xp[b] * ps + pb;
+            int64_t bin;
+            if (v < k1) bin = v < k0 ? 0 : 1;
+            else if (v >= kb) bin = v >= kl ? GC + 3 : GC + 2;
+            else bin = 2 + stream_index((v - k1) * cinv, GC - 1);
+            cnt[bin]++;
+        }
+    }
+}
+
 static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
     const int64_t K = a->K, G = a->G, B = a->B, rows = a->A / a->N;
     const float ps = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
@@ -177,23 +203,11 @@ static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
             }
         }
     }
-    if (!(a->mode & STREAM_COUNT)) return;
-    const int64_t GC = a->GC, stride = a->stride;
-    int32_t *cnt = a->counts + c * (GC + STREAM_EDGE_BINS);
-    for (int64_t j = 0; j < GC + STREAM_EDGE_BINS; j++) cnt[j] = 0;
-    const double span = (double)kb - (double)k1;
-    const float cinv = span > 0 ? stream_float((double)GC / span) : 0.0f;
-    for (int64_t r = 0; r < a->A; r++) {
-        const float *xp = a->x + (r * a->C + c) * B;
-        const int64_t skip = (r * B) % stride; /* the first b with (r * B + b) % stride == 0 */
-        for (int64_t b = skip ? stride - skip : 0; b < B; b += stride) {
-            const float v = xp[b] * ps + pb;
-            int64_t bin;
-            if (v < k1) bin = v < k0 ? 0 : 1;
-            else if (v >= kb) bin = v >= kl ? GC + 3 : GC + 2;
-            else bin = 2 + stream_index((v - k1) * cinv, GC - 1);
-            cnt[bin]++;
-        }
+    if (a->mode & STREAM_COUNT) {
+        stream_count_rows(a, c, 0, a->A, a->counts + c * (a->GC + STREAM_EDGE_BINS));
+    } else if (a->mode & STREAM_IMAGE_COUNT) {
+        for (int64_t n = 0; n < a->N; n++)
+            stream_count_rows(a, c, n * rows, (n + 1) * rows, a->counts + (n * a->C + c) * (a->GC + STREAM_EDGE_BINS));
     }
 }
 
@@ -207,9 +221,10 @@ int aqr_stream_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, i
                     const float *sq, const float *pairs, int64_t G, const float *glo, const float *ginv,
                     int64_t stride, int64_t GC, int32_t *counts, float *lo, float *hi, int mode, int nthreads) {
     if (!stream_sizes_ok(C, K, G, GC) || A < 1 || B < 1 || N < 1 || A % N || stride < 1 ||
-        A > INT64_MAX / C / B || mode < 0 || mode > (STREAM_MAP | STREAM_COUNT) ||
+        A > INT64_MAX / C / B || mode < 0 || mode > (STREAM_MAP | STREAM_COUNT | STREAM_IMAGE_COUNT) ||
+        ((mode & STREAM_COUNT) && (mode & STREAM_IMAGE_COUNT)) ||
         !x || !kn || !sq || !pairs || !glo || !ginv || !lo || !hi || ((mode & STREAM_MAP) && !y) ||
-        ((mode & STREAM_COUNT) && !counts))
+        ((mode & (STREAM_COUNT | STREAM_IMAGE_COUNT)) && !counts))
         return STREAM_BAD_ARGUMENT;
     int32_t *bad = malloc(sizeof(int32_t) * (size_t)C);
     if (!bad) return STREAM_NO_MEMORY;

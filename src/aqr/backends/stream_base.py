@@ -19,7 +19,7 @@ import torch
 
 from aqr.backends.base import Affine
 
-MAP, COUNT = 1, 2  # scan modes, as _stream_kernels.c reads them
+MAP, COUNT, IMAGE_COUNT = 1, 2, 4  # scan modes, as _stream_kernels.c reads them
 EDGE_BINS = 4  # the histogram's bins outside the inner cells: below p0, [p0, p1), [p_{K-2}, p_{K-1}), above
 
 
@@ -124,8 +124,12 @@ class ScanResult:
     finite: bool
 
 
-def check_scan(x: torch.Tensor, images: int, knots: torch.Tensor, source: torch.Tensor, table: StreamTable) -> None:
-    """Raise ``ValueError`` unless ``x`` (A, C, B) holds ``images`` images and the state fits its C channels."""
+def check_scan(x: torch.Tensor, images: int, knots: torch.Tensor, source: torch.Tensor, table: StreamTable,
+               mode: int = MAP) -> None:
+    """Raise ``ValueError`` unless ``x`` (A, C, B) holds ``images`` images, the state fits its C channels and
+    ``mode`` is a scan mode."""
+    if not 0 <= mode <= MAP | COUNT | IMAGE_COUNT or (mode & COUNT and mode & IMAGE_COUNT):
+        raise ValueError(f"scan mode {mode}: MAP, COUNT, IMAGE_COUNT or a sum of them, COUNT and IMAGE_COUNT not both")
     a, c, _ = x.shape
     if images < 1 or a % images:
         raise ValueError(f"a layer output of {a} rows cannot hold {images} images (streaming AQR needs the "
@@ -155,6 +159,8 @@ class StreamKernels(abc.ABC):
         ``mode & COUNT``: ``counts`` ``(C, cells + 4)`` = the histogram of every ``stride``-th value of
         each channel (flat position ``row * B + b``) on the bins ``[.., p0)``, ``[p0, p1)``, ``cells``
         equal cells of ``[p1, p_{K-2})``, ``[p_{K-2}, p_{K-1})``, ``[p_{K-1}, ..)``.
+        ``mode & IMAGE_COUNT`` (not with ``COUNT``): ``counts`` ``(images, C, cells + 4)``, each image's
+        own histogram on those bins, of every ``stride``-th value by flat position within its rows.
         """
 
     @abc.abstractmethod

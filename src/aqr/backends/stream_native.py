@@ -13,7 +13,7 @@ import torch
 
 from aqr.backends.base import Affine
 from aqr.backends.native import NativeKernelError, native_takes
-from aqr.backends.stream_base import (COUNT, EDGE_BINS, MAP, PendingGroup, ScanResult, StreamKernels, StreamTable,
+from aqr.backends.stream_base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels, StreamTable,
                                       TailWindow, check_scan)
 
 _P, _I, _D, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
@@ -66,9 +66,13 @@ class NativeStreamKernels(StreamKernels):
              table: StreamTable, mode: int, stride: int, cells: int) -> ScanResult:
         x = x.contiguous()
         a, c, b = x.shape
-        check_scan(x, images, knots, source, table)
+        check_scan(x, images, knots, source, table, mode)
         y = torch.empty_like(x) if mode & MAP else None
-        counts = torch.empty(c, cells + EDGE_BINS, dtype=torch.int32) if mode & COUNT else None
+        counts = None
+        if mode & COUNT:
+            counts = torch.empty(c, cells + EDGE_BINS, dtype=torch.int32)
+        elif mode & IMAGE_COUNT:
+            counts = torch.empty(images, c, cells + EDGE_BINS, dtype=torch.int32)
         lo, hi = torch.empty(images, c), torch.empty(images, c)
         scale, shift = (None, None) if pre is None else pre
         status = _check(self.lib.aqr_stream_scan(

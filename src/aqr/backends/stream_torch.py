@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from aqr.backends.base import Affine
-from aqr.backends.stream_base import (COUNT, EDGE_BINS, MAP, PendingGroup, ScanResult, StreamKernels, StreamTable,
+from aqr.backends.stream_base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels, StreamTable,
                                       TailWindow, check_scan)
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -140,7 +140,7 @@ class TorchStreamKernels(StreamKernels):
 
     def scan(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
              table: StreamTable, mode: int, stride: int, cells: int) -> ScanResult:
-        check_scan(x, images, knots, source, table)
+        check_scan(x, images, knots, source, table, mode)
         a, c, b = x.shape
         v = x.float()
         if pre is not None:
@@ -173,6 +173,11 @@ class TorchStreamKernels(StreamKernels):
             bins = count_bins(v.permute(1, 0, 2).reshape(c, a * b)[:, ::stride], knots, cells)
             counts = torch.zeros(c, cells + EDGE_BINS, dtype=torch.int32, device=v.device)
             counts.scatter_add_(1, bins, torch.ones_like(bins, dtype=torch.int32))
+        elif mode & IMAGE_COUNT:
+            values = per_image.permute(0, 2, 1, 3).reshape(images, c, -1)[:, :, ::stride]
+            bins = count_bins(values, knots, cells)
+            counts = torch.zeros(images, c, cells + EDGE_BINS, dtype=torch.int32, device=v.device)
+            counts.scatter_add_(2, bins, torch.ones_like(bins, dtype=torch.int32))
         return ScanResult(None if y is None else y.to(x.dtype), lo, hi, counts, True)
 
     def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,

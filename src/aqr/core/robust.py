@@ -9,8 +9,8 @@ per layer and channel, one running CDF per *group* of predicted classes (class `
 group's share (``1 / active groups``) of the target, not all of it.
 
 Per batch and layer (:meth:`RobustLayerStream.step`): one pass maps the batch through the table of
-the balanced knots and takes each image's extremes (the C kernels on CPU, as for ``"stream"``), and
-a second pass counts every ``COUNT_STRIDE``-th value of each image on the bins of those knots. After
+the balanced knots, takes each image's extremes and counts every ``COUNT_STRIDE``-th value of each
+image on the bins of those knots (the scan's ``IMAGE_COUNT`` mode; the C kernels on CPU). After
 the forward pass (:meth:`RobustLayerStream.commit`) the logits' argmax assigns each image to its
 group and its histogram joins the group's pending one. Every ``rebuild_every`` images each group with
 pending images merges them into its CDF (an EMA of CDFs with ``class_horizon`` images of that group:
@@ -33,9 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from aqr.backends import Affine
-from aqr.backends.stream_base import COUNT, EDGE_BINS, MAP, StreamKernels
-from aqr.backends.stream_native import NativeStreamKernels
-from aqr.backends.stream_torch import cdf_at, count_bins, curve_quantiles, histogram_points, knot_levels, mix_quantiles
+from aqr.backends.stream_base import EDGE_BINS, IMAGE_COUNT, MAP, StreamKernels
+from aqr.backends.stream_torch import cdf_at, curve_quantiles, histogram_points, knot_levels, mix_quantiles
 from aqr.core.stream import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings, _First, batch_weight
 
 MAX_GROUPS = 4096
@@ -68,21 +67,6 @@ def group_step(images: int, seen: int, horizon: float) -> float:
     at most :data:`MAX_GROUP_STEP` once the group has a state."""
     weight = batch_weight(images, seen, horizon)
     return weight if seen == 0 else min(weight, MAX_GROUP_STEP)
-
-
-def image_counts(x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, stride: int,
-                 cells: int) -> torch.Tensor:
-    """``(N, C, cells + 4)`` int32: per image, the histogram of every ``stride``-th of its values of each
-    channel (flat position within the image's rows) on the bins of ``knots``, the bins of
-    :meth:`~aqr.backends.stream_base.StreamKernels.scan`'s count."""
-    a, c, b = x.shape
-    v = x.float()
-    if pre is not None:
-        v = v * pre[0].view(1, c, 1) + pre[1].view(1, c, 1)
-    values = v.reshape(images, a // images, c, b).permute(0, 2, 1, 3).reshape(images, c, -1)[:, :, ::stride]
-    bins = count_bins(values, knots, cells)
-    counts = torch.zeros(images, c, cells + EDGE_BINS, dtype=torch.int32, device=v.device)
-    return counts.scatter_add_(2, bins, torch.ones_like(bins, dtype=torch.int32))
 
 
 MIXTURE_GRID = 192  # points between the groups' lowest p1 and highest p99 where the mixture is evaluated
@@ -171,22 +155,14 @@ class RobustLayerStream(LayerStream):
             y, first = self._first(x, images, pre)
             if first is None:
                 return None, None
-            ref, lo, hi = first.knots, first.lo, first.hi
-        else:
-            r = self.kernels.scan(x, images, pre, self.knots, self.source, self.table, MAP, COUNT_STRIDE, COUNT_CELLS)
-            if not r.finite:
-                return None, None
-            y, ref, lo, hi = r.y, self.knots, r.lo, r.hi
-        return y, _RobustStaged(first, self._image_counts(x, images, pre, ref), lo, hi)
-
-    def _image_counts(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor) -> torch.Tensor:
-        """:func:`image_counts`; with the C kernels, one counting scan per image (their rows are contiguous)."""
-        if not isinstance(self.kernels, NativeStreamKernels) or not self.kernels.takes(x):
-            return image_counts(x, images, pre, knots, COUNT_STRIDE, COUNT_CELLS)
-        rows = x.shape[0] // images
-        x = x.contiguous()
-        return torch.stack([self.kernels.scan(x[i * rows : (i + 1) * rows], 1, pre, knots, self.source, self.table, COUNT,
-                                              COUNT_STRIDE, COUNT_CELLS).counts for i in range(images)])
+            r = self.kernels.scan(x, images, pre, first.knots, self.source, first.table, IMAGE_COUNT, COUNT_STRIDE,
+                                  COUNT_CELLS)
+            return y, _RobustStaged(first, r.counts, first.lo, first.hi)
+        r = self.kernels.scan(x, images, pre, self.knots, self.source, self.table, MAP | IMAGE_COUNT, COUNT_STRIDE,
+                              COUNT_CELLS)
+        if not r.finite:
+            return None, None
+        return r.y, _RobustStaged(None, r.counts, r.lo, r.hi)
 
     def commit(self, staged: _RobustStaged, labels: torch.Tensor | None = None) -> None:  # type: ignore[override]
         """Apply a finite batch's update; ``labels`` ``(N,)``: each image's predicted class."""
