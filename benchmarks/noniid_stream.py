@@ -42,6 +42,24 @@ def run_stream(method: torch.nn.Module, images: np.ndarray, labels: np.ndarray, 
     return correct
 
 
+POSITIONS = (0, 64, 128, 256, 512)  # starts of the ranges of by_position
+
+
+def by_position(correct: np.ndarray, blocks: np.ndarray) -> dict[str, float]:
+    """Accuracy (%) by how many images of the same corruption came before an image in the stream
+    (``"0-63"``, ``"64-127"``, ...): how fast a method follows a change of corruption."""
+    position = np.zeros(len(blocks), dtype=np.int64)
+    for block in np.unique(blocks):
+        where = np.flatnonzero(blocks == block)
+        position[where] = np.arange(len(where))
+    out = {}
+    for lo, hi in zip(POSITIONS, POSITIONS[1:] + (None,)):
+        inside = (position >= lo) if hi is None else (position >= lo) & (position < hi)
+        if inside.any():
+            out[f"{lo}-{hi - 1}" if hi else f"{lo}+"] = round(100 * float(correct[inside].mean()), 2)
+    return out
+
+
 def method_list(text: str) -> list[str]:
     """``"source,aqr:target=robust,groups=10"`` -> ``["source", "aqr:target=robust,groups=10"]``: a comma
     starts a new method unless what follows is another ``key=value`` option of the one before."""
@@ -132,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"order": str(order), "method": name, "accuracy": round(100 * float(correct.mean()), 2),
                    "per_corruption": {c: round(100 * float(correct[stream[:, 0] == k].mean()), 2)
                                       for k, c in enumerate(corruptions)},
+                   "by_position": by_position(correct, stream[:, 0]),
                    **setting, "mean_class_run": round(mean_run_length(labels), 2),
                    "wall_s": round(time.perf_counter() - t0, 1), "threads": args.threads}
             with out.open("a") as f:
