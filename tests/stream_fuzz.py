@@ -5,7 +5,7 @@ UBSan (``python stream_fuzz.py EXAMPLES FLAG...``).
 Each case is a small layer output (finite values from the whole float32 range, ties, constant
 channels, sometimes a NaN or Inf), knots and source knots (sorted, sometimes tied or spanning
 +-FLT_MAX), an optional folded BatchNorm, and a sequence of operations: tables, scan, pushes into a
-tail window, tails and a merge. Both implementations run each operation on the same inputs; their
+tail window, tails, a merge, and ``target="robust"``'s group merge and mixture. Both implementations run each operation on the same inputs; their
 results must agree to float rounding, flags and histograms exactly.
 """
 
@@ -128,6 +128,23 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
     ref.merge(merged[1], groups[1], case["weight"], *tails[1])
     _close(merged[0], merged[1], "merged knots")
     assert bool((merged[1][:, 1:] >= merged[1][:, :-1]).all()), "merged knots must stay sorted"
+    # target="robust": the pending group into group knots counted on other knots' bins, then the mixture
+    weights = torch.full((c,), case["weight"], dtype=torch.float64)
+    weights[-1] = 0.5
+    rows = [source.clone(), source.clone()]
+    native.group_merge(rows[0], knots, groups[0].counts, groups[0].gmin, groups[0].gmax, weights)
+    ref.group_merge(rows[1], knots, groups[1].counts, groups[1].gmin, groups[1].gmax, weights)
+    _close(rows[0], rows[1], "group knots")
+    assert bool((rows[1][:, 1:] >= rows[1][:, :-1]).all()), "group knots must stay sorted"
+    members = torch.stack([knots, source, rows[1], merged[1]])
+    if bool(torch.isfinite(members).all()):
+        mixed = [merged[1].clone(), merged[1].clone()]
+        grid = max(2, case["grid"])
+        native.mixture(members, mixed[0], grid)
+        ref.mixture(members, mixed[1], grid)
+        _close(mixed[0], mixed[1], "mixture knots")
+        inner = mixed[1][:, 1:-1]  # (the ends are the tails', set after the mixture)
+        assert bool((inner[:, 1:] >= inner[:, :-1]).all()), "the mixture's inner knots must be sorted"
 
 
 def fuzz(lib: ctypes.CDLL, examples: int, seed: int | None = None) -> None:

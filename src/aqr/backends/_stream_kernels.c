@@ -16,6 +16,8 @@
  *   aqr_stream_tails    Average Sample Tails of the window (weights given)
  *   aqr_stream_merge    the pending group into the knots: EMA of piecewise-linear CDFs
  *   aqr_stream_tables   the lookup table of the map from the knots onto the source knots
+ *   aqr_stream_group_merge  target="robust": each group's pending histogram into its CDF
+ *   aqr_stream_mixture  target="robust": the quantiles of the equal mixture of the groups' CDFs
  *
  * Every index computed from data (a table cell, a histogram bin, a position in the sorted window)
  * is clamped to its array before a float is converted; sizes and counters the caller passes are
@@ -402,6 +404,29 @@ static void stream_mix_quantiles(const double *za, const double *ha, int64_t na,
     for (; t < K - 1; t++) out[t] = stream_float(zp); /* rounding left the top levels unreached */
 }
 
+/* The piecewise-linear CDF of a histogram cnt (GC + 4) taken on the bins of the knots k (K) (the
+   layout of aqr_stream_scan's counts) over total counts, whose values span gmin / gmax: its points
+   (zb, hb) (GC + 5 of them, returned): each bin's edges at their cumulative shares, the outer ends
+   at the extremes (or the knots' ends, where those lie further out). */
+static int64_t stream_histogram_points(const float *k, int64_t K, const int32_t *cnt, int64_t GC, float gmin,
+                                       float gmax, double total, double *zb, double *hb) {
+    const double k0 = k[0], k1 = k[1], kb = k[K - 2], kl = k[K - 1];
+    const double lo = gmin < k0 ? gmin : k0, hi = gmax > kl ? gmax : kl;
+    int64_t nb = 0;
+    double cum = 0;
+    zb[nb] = lo, hb[nb++] = 0.0;
+    cum += cnt[0] > 0 ? cnt[0] : 0, zb[nb] = k0, hb[nb++] = cum / total;
+    cum += cnt[1] > 0 ? cnt[1] : 0, zb[nb] = k1, hb[nb++] = cum / total;
+    for (int64_t g = 1; g <= GC; g++) {
+        cum += cnt[1 + g] > 0 ? cnt[1 + g] : 0;
+        zb[nb] = g == GC ? kb : k1 + (kb - k1) * (double)g / (double)GC;
+        hb[nb++] = cum / total;
+    }
+    cum += cnt[GC + 2] > 0 ? cnt[GC + 2] : 0, zb[nb] = kl, hb[nb++] = cum / total;
+    zb[nb] = hi, hb[nb++] = 1.0;
+    return nb;
+}
+
 typedef struct {
     int64_t C, K, GC;
     float *kn;
@@ -428,21 +453,7 @@ static void stream_merge_part(void *p, int part, int64_t c0, int64_t c1) {
         for (int64_t j = 0; cnt && j < bins; j++) total += cnt[j] > 0 ? (double)cnt[j] : 0.0;
         if (total > 0 && a->w > 0) {
             for (int64_t j = 0; j < K; j++) za[j] = k[j], ha[j] = (double)j / (double)(K - 1);
-            const double k0 = k[0], k1 = k[1], kb = k[K - 2], kl = k[K - 1];
-            const double lo = a->gmin[c] < k0 ? a->gmin[c] : k0, hi = a->gmax[c] > kl ? a->gmax[c] : kl;
-            /* the group's CDF: its bins' edges at their cumulative shares, the outer ends at its extremes */
-            int64_t nb = 0;
-            double cum = 0;
-            zb[nb] = lo, hb[nb++] = 0.0;
-            cum += cnt[0] > 0 ? cnt[0] : 0, zb[nb] = k0, hb[nb++] = cum / total;
-            cum += cnt[1] > 0 ? cnt[1] : 0, zb[nb] = k1, hb[nb++] = cum / total;
-            for (int64_t g = 1; g <= GC; g++) {
-                cum += cnt[1 + g] > 0 ? cnt[1 + g] : 0;
-                zb[nb] = g == GC ? kb : k1 + (kb - k1) * (double)g / (double)GC;
-                hb[nb++] = cum / total;
-            }
-            cum += cnt[GC + 2] > 0 ? cnt[GC + 2] : 0, zb[nb] = kl, hb[nb++] = cum / total;
-            zb[nb] = hi, hb[nb++] = 1.0;
+            const int64_t nb = stream_histogram_points(k, K, cnt, GC, a->gmin[c], a->gmax[c], total, zb, hb);
             stream_mix_quantiles(za, ha, K, zb, hb, nb, a->w, K, fresh);
             for (int64_t j = 1; j < K - 1; j++) k[j] = fresh[j];
         }
@@ -464,6 +475,177 @@ int aqr_stream_merge(int64_t C, int64_t K, float *kn, const int32_t *counts, int
     if (!scratch) return STREAM_NO_MEMORY;
     stream_merge_args a = {C, K, GC, kn, counts, gmin, gmax, p0, p100, w, scratch};
     parallel_for(stream_merge_part, &a, C, parts);
+    free(scratch);
+    return STREAM_OK;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * target="robust" (aqr/core/robust.py): per group of predicted classes, a running CDF.
+ *
+ * torch.lerp(a, b, w) as torch computes it (so both backends round alike). */
+static inline double stream_lerp(double a, double b, double w) {
+    return w < 0.5 ? a + w * (b - a) : b - (b - a) * (1.0 - w);
+}
+
+typedef struct {
+    int64_t R, K, GC;
+    float *gk;
+    const float *bk, *gmin, *gmax;
+    const int32_t *counts;
+    const double *w;
+    char *scratch; /* per part: stream_merge_scratch_bytes */
+} stream_group_merge_args;
+
+static void stream_group_merge_part(void *p, int part, int64_t r0, int64_t r1) {
+    const stream_group_merge_args *a = (const stream_group_merge_args *)p;
+    const int64_t K = a->K, GC = a->GC, bins = GC + STREAM_EDGE_BINS;
+    double *za = (double *)(a->scratch + part * stream_merge_scratch_bytes(K, GC)), *ha = za + K;
+    double *zb = ha + K, *hb = zb + bins + 2;
+    float *fresh = (float *)(hb + bins + 2);
+    for (int64_t r = r0; r < r1; r++) {
+        float *k = a->gk + r * K;
+        const int32_t *cnt = a->counts + r * bins;
+        const double w = a->w[r];
+        double total = 0;
+        for (int64_t j = 0; j < bins; j++) total += cnt[j] > 0 ? (double)cnt[j] : 0.0;
+        const double old0 = k[0], oldl = k[K - 1];
+        if (total > 0) {
+            for (int64_t j = 0; j < K; j++) za[j] = k[j], ha[j] = (double)j / (double)(K - 1);
+            const int64_t nb = stream_histogram_points(a->bk + r * K, K, cnt, GC, a->gmin[r], a->gmax[r], total, zb, hb);
+            stream_mix_quantiles(za, ha, K, zb, hb, nb, w, K, fresh);
+            for (int64_t j = 1; j < K - 1; j++) k[j] = fresh[j];
+        }
+        /* the ends: the images' extremes, averaged like the CDF, each outside the inner knots */
+        const float lo = stream_float(stream_lerp(old0, a->gmin[r], w));
+        const float hi = stream_float(stream_lerp(oldl, a->gmax[r], w));
+        k[0] = lo < k[1] ? lo : k[1];
+        k[K - 1] = hi > k[K - 2] ? hi : k[K - 2];
+    }
+}
+
+/* gk (R, K), in place, row by row: the inner knots become the quantiles of (1 - w[r]) F_gk + w[r]
+   F_hist, F_hist the histogram counts (R, GC + 4) taken on the bins of the knots bk (R, K) (not
+   gk's own: a group's images are counted on the layer's knots), spread linearly within each bin
+   out to its extremes gmin / gmax (R); a row without counts keeps its inner knots. The ends move
+   to gmin / gmax by w[r] (each kept outside the inner knots). */
+int aqr_stream_group_merge(int64_t R, int64_t K, float *gk, const float *bk, const int32_t *counts, int64_t GC,
+                           const float *gmin, const float *gmax, const double *w, int nthreads) {
+    if (!stream_sizes_ok(R, K, 1, GC) || R > INT64_MAX / K / 8 || !gk || !bk || !counts || !gmin || !gmax || !w)
+        return STREAM_BAD_ARGUMENT;
+    for (int64_t r = 0; r < R; r++)
+        if (!(w[r] >= 0 && w[r] <= 1)) return STREAM_BAD_ARGUMENT;
+    const int parts = stream_parts(R, R * (K + GC) * 16, nthreads);
+    char *scratch = malloc((size_t)(parts * stream_merge_scratch_bytes(K, GC)));
+    if (!scratch) return STREAM_NO_MEMORY;
+    stream_group_merge_args a = {R, K, GC, gk, bk, gmin, gmax, counts, w, scratch};
+    parallel_for(stream_group_merge_part, &a, R, parts);
+    free(scratch);
+    return STREAM_OK;
+}
+
+typedef struct {
+    int64_t M, C, K, grid;
+    const float *gk;
+    float *kn;
+    char *scratch; /* per part: stream_mixture_scratch_bytes */
+} stream_mixture_args;
+
+static int64_t stream_mixture_points(int64_t M, int64_t grid) { return grid + 4 * M; }
+
+static int64_t stream_mixture_scratch_bytes(int64_t M, int64_t K, int64_t grid) {
+    const int64_t n = stream_mixture_points(M, grid);
+    return (int64_t)sizeof(double) * (3 * n + 2 * K + 2 * (2 * n + 1));
+}
+
+static int stream_cmp_double(const void *x, const void *y) {
+    const double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+/* out[1..K-2] = the inner quantiles (levels j / (K - 1)) of the CDF that is hl[i] just left of and
+   hr[i] at each sorted breakpoint z[i] (n of them), linear in between (the quantile curve runs
+   through (z, H(z-)) and (z, H(z))); pts / lev: scratch of 2 n + 1 doubles each. */
+static void stream_curve_quantiles(const double *z, const double *hl, const double *hr, int64_t n, int64_t K,
+                                   double *pts, double *lev, float *out) {
+    const int64_t np = 2 * n + 1;
+    pts[0] = z[0], lev[0] = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        pts[1 + 2 * i] = pts[2 + 2 * i] = z[i];
+        lev[1 + 2 * i] = hl[i], lev[2 + 2 * i] = hr[i];
+    }
+    for (int64_t i = 1; i < np; i++) lev[i] = lev[i] < lev[i - 1] ? lev[i - 1] : lev[i]; /* never down */
+    int64_t i = 0; /* the first point whose level is at least u (levels nondecreasing, u increasing) */
+    for (int64_t t = 1; t < K - 1; t++) {
+        const double u = (double)t / (double)(K - 1);
+        while (i < np && lev[i] < u) i++;
+        if (i >= np) { /* rounding left the top levels unreached: the last point */
+            out[t] = stream_float(pts[np - 1]);
+            continue;
+        }
+        const int64_t j = i < 1 ? 1 : i;
+        const double z0 = pts[j - 1], z1 = pts[j], h0 = lev[j - 1], h1 = lev[j], rise = h1 - h0;
+        double f = rise > 0 ? (u - h0) / rise : 1.0;
+        f = f < 0 ? 0 : (f > 1 ? 1 : f);
+        double q = z0 + f * (z1 - z0);
+        q = q < z0 ? z0 : (q > z1 ? z1 : q);
+        out[t] = stream_float(q);
+    }
+}
+
+static void stream_mixture_part(void *p, int part, int64_t c0, int64_t c1) {
+    const stream_mixture_args *a = (const stream_mixture_args *)p;
+    const int64_t M = a->M, C = a->C, K = a->K, grid = a->grid, n = stream_mixture_points(M, grid);
+    double *z = (double *)(a->scratch + part * stream_mixture_scratch_bytes(M, K, grid));
+    double *hl = z + n, *hr = hl + n, *gz = hr + n, *levels = gz + K, *pts = levels + K, *lev = pts + 2 * n + 1;
+    for (int64_t j = 0; j < K; j++) levels[j] = (double)j / (double)(K - 1);
+    for (int64_t c = c0; c < c1; c++) {
+        double lo = INFINITY, hi = -INFINITY;
+        for (int64_t g = 0; g < M; g++) {
+            const float *k = a->gk + (g * C + c) * K;
+            lo = k[1] < lo ? k[1] : lo;
+            hi = k[K - 2] > hi ? k[K - 2] : hi;
+        }
+        for (int64_t i = 0; i < grid; i++) z[i] = lo + (hi - lo) * ((double)i / (double)(grid - 1));
+        for (int64_t g = 0; g < M; g++) {
+            const float *k = a->gk + (g * C + c) * K;
+            z[grid + 4 * g] = k[0], z[grid + 4 * g + 1] = k[1], z[grid + 4 * g + 2] = k[K - 2];
+            z[grid + 4 * g + 3] = k[K - 1];
+        }
+        qsort(z, (size_t)n, sizeof(double), stream_cmp_double);
+        for (int64_t i = 0; i < n; i++) hl[i] = hr[i] = 0.0;
+        for (int64_t g = 0; g < M; g++) { /* each group's CDF at every point, in one walk (both sorted) */
+            const float *k = a->gk + (g * C + c) * K;
+            for (int64_t j = 0; j < K; j++) gz[j] = k[j];
+            int64_t lt = 0, le = 0;
+            for (int64_t i = 0; i < n; i++) {
+                while (lt < K && gz[lt] < z[i]) lt++;
+                if (le < lt) le = lt;
+                while (le < K && gz[le] <= z[i]) le++;
+                double left, right;
+                stream_cdf_at(gz, levels, K, z[i], lt, le, &left, &right);
+                hl[i] += left, hr[i] += right;
+            }
+        }
+        for (int64_t i = 0; i < n; i++) hl[i] /= (double)M, hr[i] /= (double)M;
+        stream_curve_quantiles(z, hl, hr, n, K, pts, lev, a->kn + c * K);
+    }
+}
+
+/* kn (C, K): the inner knots kn[:, 1..K-2] become the inner quantiles of the equal mixture of the M
+   piecewise-linear CDFs through the group knots gk (M, C, K) (at levels j / (K - 1)), the mixture
+   evaluated at grid points spread over [min of the groups' k1, max of their k_{K-2}] and at every
+   group's first two and last two knots, linear in between; kn's ends are not touched. */
+int aqr_stream_mixture(int64_t M, int64_t C, int64_t K, const float *gk, int64_t grid, float *kn, int nthreads) {
+    if (!stream_sizes_ok(C, K, 1, 1) || M < 1 || M >= (1 << 20) || grid < 2 || grid >= (1 << 20) ||
+        C > INT64_MAX / M / K / 8 || !gk || !kn)
+        return STREAM_BAD_ARGUMENT;
+    for (int64_t i = 0; i < M * C * K; i++)
+        if (stream_nonfinite(gk[i])) return STREAM_BAD_ARGUMENT;
+    const int parts = stream_parts(C, C * M * (K + grid) * 4, nthreads);
+    char *scratch = malloc((size_t)(parts * stream_mixture_scratch_bytes(M, K, grid)));
+    if (!scratch) return STREAM_NO_MEMORY;
+    stream_mixture_args a = {M, C, K, grid, gk, kn, scratch};
+    parallel_for(stream_mixture_part, &a, C, parts);
     free(scratch);
     return STREAM_OK;
 }

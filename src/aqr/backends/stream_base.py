@@ -140,7 +140,8 @@ def check_scan(x: torch.Tensor, images: int, knots: torch.Tensor, source: torch.
 
 
 class StreamKernels(abc.ABC):
-    """The five operations of streaming AQR on one device (see the module docstring)."""
+    """The operations of streaming AQR on one device (see the module docstring); the last two,
+    :meth:`group_merge` and :meth:`mixture`, are ``target="robust"``'s."""
 
     name = ""
 
@@ -182,3 +183,19 @@ class StreamKernels(abc.ABC):
     @abc.abstractmethod
     def tables(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable) -> None:
         """In place: ``table`` = the map from ``knots`` onto ``source`` (both ``(C, K)``)."""
+
+    @abc.abstractmethod
+    def group_merge(self, knots: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
+                    gmax: torch.Tensor, weights: torch.Tensor) -> None:
+        """In place, row by row: ``knots`` ``(R, K)``' inner knots become the quantiles of
+        ``(1 - w) F_knots + w F_hist``, ``F_hist`` the histogram ``counts`` ``(R, cells + 4)`` taken on the
+        bins of ``bins`` ``(R, K)`` (as :meth:`scan` counts) spread out to ``gmin``/``gmax`` ``(R,)``, ``w``
+        the row's ``weights`` (float64 ``(R,)``, in [0, 1]); a row without counts keeps its inner knots.
+        The ends move to ``gmin``/``gmax`` by ``w`` (as ``torch.lerp``), kept outside the inner knots."""
+
+    @abc.abstractmethod
+    def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int) -> None:
+        """In place: ``knots`` ``(C, K)``' inner knots become the inner quantiles of the equal mixture of
+        the piecewise-linear CDFs through ``groups`` ``(M, C, K)`` (finite), evaluated at ``grid`` points
+        spread over the groups' inner knots and at each group's first two and last two knots (exact
+        there, linear in between); the ends are not touched."""

@@ -28,7 +28,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.aqr_stream_tails.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P]
     lib.aqr_stream_merge.argtypes = [_I, _I, _P, _P, _I, _P, _P, _D, _P, _P, _C]
     lib.aqr_stream_tables.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _C]
-    for name in ("scan", "push", "tails", "merge", "tables"):
+    lib.aqr_stream_group_merge.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P, _P, _C]
+    lib.aqr_stream_mixture.argtypes = [_I, _I, _I, _P, _I, _P, _C]
+    for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture"):
         getattr(lib, f"aqr_stream_{name}").restype = _C
     return lib
 
@@ -122,3 +124,24 @@ class NativeStreamKernels(StreamKernels):
         _check(self.lib.aqr_stream_tables(c, k, knots.data_ptr(), source.data_ptr(), table.grid,
                                           table.pairs.data_ptr(), table.glo.data_ptr(), table.ginv.data_ptr(),
                                           torch.get_num_threads()), "tables")
+
+    def group_merge(self, knots: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
+                    gmax: torch.Tensor, weights: torch.Tensor) -> None:
+        r, k = knots.shape
+        if bins.shape != (r, k) or counts.dim() != 2 or counts.shape[0] != r or gmin.shape != (r,) or gmax.shape != (r,) \
+                or weights.shape != (r,):
+            raise ValueError(f"group_merge: {r} rows of knots, bins {tuple(bins.shape)}, counts "
+                             f"{tuple(counts.shape)}, extremes {tuple(gmin.shape)}, weights {tuple(weights.shape)}")
+        bins, counts = _cpu_float(bins), _cpu_float(counts, torch.int32)
+        gmin, gmax, weights = _cpu_float(gmin), _cpu_float(gmax), _cpu_float(weights, torch.float64)
+        _check(self.lib.aqr_stream_group_merge(r, k, knots.data_ptr(), bins.data_ptr(), counts.data_ptr(),
+                                               counts.shape[1] - EDGE_BINS, gmin.data_ptr(), gmax.data_ptr(),
+                                               weights.data_ptr(), torch.get_num_threads()), "group_merge")
+
+    def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int) -> None:
+        m, c, k = groups.shape
+        if knots.shape != (c, k):
+            raise ValueError(f"mixture: groups of {c} channels and {k} knots for knots {tuple(knots.shape)}")
+        groups = _cpu_float(groups)
+        _check(self.lib.aqr_stream_mixture(m, c, k, groups.data_ptr(), grid, knots.data_ptr(), torch.get_num_threads()),
+               "mixture")

@@ -130,6 +130,27 @@ def count_bins(values: torch.Tensor, knots: torch.Tensor, cells: int) -> torch.T
     return torch.where(values < k1, (values >= k0).long(), torch.where(values >= kb, edge_hi, inner))
 
 
+def mixture_quantiles(knots: torch.Tensor, k: int, grid: int) -> torch.Tensor:
+    """``(C, K - 2)``: the inner quantiles, at levels ``j / (K - 1)``, of the equal mixture of the
+    piecewise-linear CDFs through ``knots`` ``(M, C, K)`` (float64), the mixture evaluated at ``grid``
+    points spread over the groups' inner knots and at every group's first two and last two knots
+    (exact at those; linear in between, where the mixture bends within a cell; ``aqr_stream_mixture``)."""
+    m, c, _ = knots.shape
+    lo, hi = knots[:, :, 1].amin(0), knots[:, :, k - 2].amax(0)
+    steps = torch.arange(grid, dtype=knots.dtype, device=knots.device) / (grid - 1)
+    spread = lo[:, None] + (hi - lo)[:, None] * steps
+    ends = knots[:, :, [0, 1, k - 2, k - 1]].permute(1, 0, 2).reshape(c, -1)
+    z = torch.sort(torch.cat([spread, ends], dim=1), dim=1).values
+    levels = knot_levels(k, c, knots.device)
+    hl = torch.zeros_like(z)
+    hr = torch.zeros_like(z)
+    for g in range(m):  # one group at a time: memory C * (grid + 4 M), not M times that
+        left, right = cdf_at(knots[g].contiguous(), levels, z)
+        hl += left
+        hr += right
+    return curve_quantiles(z, hl / m, hr / m, k)
+
+
 class TorchStreamKernels(StreamKernels):
     """:class:`~aqr.backends.stream_base.StreamKernels` in torch (any device, float32 state)."""
 
@@ -249,3 +270,22 @@ class TorchStreamKernels(StreamKernels):
         table.pairs[:, 0] = torch.stack(low, dim=1)
         table.pairs[:, 1 : g + 1] = torch.stack([slope, icpt], dim=2)
         table.pairs[:, g + 1] = torch.stack(high, dim=1)
+
+    def group_merge(self, knots: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
+                    gmax: torch.Tensor, weights: torch.Tensor) -> None:
+        r, k = knots.shape
+        w = weights.to(knots.device, torch.float64)[:, None]
+        zb, hb, total = histogram_points(bins, counts, gmin, gmax)
+        old = knots.double()
+        fresh = mix_quantiles(old, knot_levels(k, r, old.device), zb, hb, w, k)
+        new = knots.clone()
+        new[:, 1 : k - 1] = torch.where((total > 0).expand(-1, k - 2), fresh, new[:, 1 : k - 1])
+        lo = saturate(torch.lerp(old[:, 0], gmin.double(), w[:, 0]))
+        hi = saturate(torch.lerp(old[:, -1], gmax.double(), w[:, 0]))
+        new[:, 0] = torch.minimum(lo, new[:, 1])
+        new[:, -1] = torch.maximum(hi, new[:, -2])
+        knots.copy_(new)
+
+    def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int) -> None:
+        k = knots.shape[1]
+        knots[:, 1 : k - 1] = mixture_quantiles(groups.double(), k, grid)

@@ -17,7 +17,7 @@ pending images merges them into its CDF (an EMA of CDFs with ``class_horizon`` i
 ``1 - (1 - 1/H_c)^n`` for ``n`` new images, at most :data:`MAX_GROUP_STEP` once the group has a
 state), the balanced knots become the inner quantiles of the mean of the groups' CDFs seen so far,
 with the Average Sample Tails of the recent window as their ends (as ``"stream"``), and the
-table is rebuilt. A batch is mapped with the state its predecessors left (its classes are known only
+table is rebuilt (the kernels' ``group_merge`` and ``mixture``, in C on CPU). A batch is mapped with the state its predecessors left (its classes are known only
 after its forward pass); the first batch after a reset is mapped with its own knots.
 
 Memory per recalibrated channel: the ``"stream"`` state plus, per group, K float32 knots and a pending
@@ -34,7 +34,6 @@ import torch
 
 from aqr.backends import Affine
 from aqr.backends.stream_base import EDGE_BINS, IMAGE_COUNT, MAP, StreamKernels
-from aqr.backends.stream_torch import cdf_at, curve_quantiles, histogram_points, knot_levels, mix_quantiles
 from aqr.core.stream import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings, _First, batch_weight
 
 MAX_GROUPS = 4096
@@ -70,27 +69,6 @@ def group_step(images: int, seen: int, horizon: float) -> float:
 
 
 MIXTURE_GRID = 192  # points between the groups' lowest p1 and highest p99 where the mixture is evaluated
-
-
-def mixture_quantiles(knots: torch.Tensor, k: int, grid: int = MIXTURE_GRID) -> torch.Tensor:
-    """``(C, K - 2)``: the inner quantiles, at levels ``j / (K - 1)``, of the equal mixture of the
-    piecewise-linear CDFs through ``knots`` ``(M, C, K)`` (float64), the mixture evaluated at ``grid``
-    points spread over the groups' inner knots and at every group's first two and last two knots
-    (exact at those; linear in between, where the mixture bends within a cell)."""
-    m, c, _ = knots.shape
-    lo, hi = knots[:, :, 1].amin(0), knots[:, :, k - 2].amax(0)
-    steps = torch.arange(grid, dtype=knots.dtype, device=knots.device) / (grid - 1)
-    spread = lo[:, None] + (hi - lo)[:, None] * steps
-    ends = knots[:, :, [0, 1, k - 2, k - 1]].permute(1, 0, 2).reshape(c, -1)
-    z = torch.sort(torch.cat([spread, ends], dim=1), dim=1).values
-    levels = knot_levels(k, c, knots.device)
-    hl = torch.zeros_like(z)
-    hr = torch.zeros_like(z)
-    for g in range(m):  # one group at a time: memory C * (grid + 4 M), not M times that
-        left, right = cdf_at(knots[g].contiguous(), levels, z)
-        hl += left
-        hr += right
-    return curve_quantiles(z, hl / m, hr / m, k)
 
 
 @dataclass
@@ -187,36 +165,27 @@ class RobustLayerStream(LayerStream):
 
     def _merge_groups(self) -> None:
         """Each group with images since the last rebuild: their histogram (on the bins of the layer's knots,
-        unchanged since) into its CDF."""
-        counts, gmin, gmax, sizes = self.group_counts, self.group_min, self.group_max, self.group_pending
-        c, bins = counts.shape[1:]
+        unchanged since) into its CDF (:meth:`~aqr.backends.stream_base.StreamKernels.group_merge`)."""
+        c, bins = self.group_counts.shape[1:]
         k = self.knots.shape[1]
-        present = [g for g in range(self.robust.groups) if sizes[g] > 0]
-        sel = torch.tensor(present, device=counts.device)
+        present = [g for g in range(self.robust.groups) if self.group_pending[g] > 0]
+        sel = torch.tensor(present, device=self.knots.device)
         p = len(present)
-        weights = torch.tensor([group_step(sizes[g], self.group_seen[g], self.robust.class_horizon) for g in present],
-                               dtype=torch.float64, device=counts.device)
-        w = weights.repeat_interleave(c)[:, None]
-        lo, hi = gmin[sel].reshape(-1), gmax[sel].reshape(-1)
-        zb, hb, total = histogram_points(self.knots.repeat(p, 1), counts[sel].reshape(p * c, bins), lo, hi)
-        old = self.group_knots[sel].reshape(p * c, k).double()
-        fresh = mix_quantiles(old, knot_levels(k, p * c, old.device), zb, hb, w, k)
-        new = old.float().clone()
-        new[:, 1 : k - 1] = torch.where((total > 0).expand(-1, k - 2), fresh, new[:, 1 : k - 1])
-        # a group's ends: its images' extremes, averaged like its CDF (each end outside the inner knots)
-        lo_end = torch.lerp(old[:, 0], lo.double(), w[:, 0]).float()
-        hi_end = torch.lerp(old[:, -1], hi.double(), w[:, 0]).float()
-        new[:, 0] = torch.minimum(lo_end, new[:, 1])
-        new[:, -1] = torch.maximum(hi_end, new[:, -2])
-        self.group_knots[sel] = new.reshape(p, c, k)
+        weights = torch.tensor([group_step(self.group_pending[g], self.group_seen[g], self.robust.class_horizon)
+                                for g in present], dtype=torch.float64)
+        knots = self.group_knots[sel].reshape(p * c, k)
+        self.kernels.group_merge(knots, self.knots.repeat(p, 1), self.group_counts[sel].reshape(p * c, bins),
+                                 self.group_min[sel].reshape(-1), self.group_max[sel].reshape(-1),
+                                 weights.repeat_interleave(c))
+        self.group_knots[sel] = knots.reshape(p, c, k)
         for g in present:
-            self.group_seen[g] += sizes[g]
+            self.group_seen[g] += self.group_pending[g]
 
     def _rebuild_balanced(self) -> None:
         """The balanced knots from the groups seen so far, the tails from the window, the table from both."""
         active = [g for g in range(self.robust.groups) if self.group_seen[g] > 0]
-        k = self.knots.shape[1]
-        self.knots[:, 1 : k - 1] = mixture_quantiles(self.group_knots[active].double(), k)
+        groups = self.group_knots if len(active) == self.robust.groups else self.group_knots[active]
+        self.kernels.mixture(groups.contiguous(), self.knots, MIXTURE_GRID)
         p0, p100 = self.kernels.tails(self.window, self._weights(self.window.filled))
         self.kernels.merge(self.knots, None, 0.0, p0, p100)  # the ends only
         self.kernels.tables(self.knots, self.source, self.table)
