@@ -52,6 +52,17 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
     assert lib.aqr_stream_tables(c, 2, knots.data_ptr(), knots.data_ptr(), 8, table.pairs.data_ptr(),
                                  table.glo.data_ptr(), table.ginv.data_ptr(), 1) == -2  # K < 3
     x, counts, lo, hi = torch.zeros(2, c, 5), torch.zeros(2, c, 12, dtype=torch.int32), torch.zeros(2, c), torch.zeros(2, c)
+    groups = torch.zeros(2, c, k)
+    assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), 1, knots.data_ptr(), 1) == -2  # a grid of one point
+    assert lib.aqr_stream_mixture(0, c, k, groups.data_ptr(), 8, knots.data_ptr(), 1) == -2  # no group
+    assert lib.aqr_stream_mixture(2, 1 << 60, k, groups.data_ptr(), 8, knots.data_ptr(), 1) == -2  # sizes overflow
+    groups[1, 0, 3] = float("nan")
+    assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), 8, knots.data_ptr(), 1) == -2  # a NaN knot
+    rows = torch.zeros(c, k)
+    weights = torch.tensor([0.5, 1.5, 0.5], dtype=torch.float64)  # a weight outside [0, 1]
+    assert lib.aqr_stream_group_merge(c, k, rows.data_ptr(), knots.data_ptr(), torch.zeros(c, 12, dtype=torch.int32).data_ptr(),
+                                      8, rows[:, 0].contiguous().data_ptr(), rows[:, 0].contiguous().data_ptr(),
+                                      weights.data_ptr(), 1) == -2
     for mode in (COUNT | IMAGE_COUNT, 8, -1):  # both counts at once, or no such mode
         assert lib.aqr_stream_scan(x.data_ptr(), None, 2, c, 5, 2, None, None, k, knots.data_ptr(), knots.data_ptr(),
                                    table.pairs.data_ptr(), 8, table.glo.data_ptr(), table.ginv.data_ptr(), 5, 8,

@@ -637,7 +637,7 @@ static void stream_mixture_part(void *p, int part, int64_t c0, int64_t c1) {
    group's first two and last two knots, linear in between; kn's ends are not touched. */
 int aqr_stream_mixture(int64_t M, int64_t C, int64_t K, const float *gk, int64_t grid, float *kn, int nthreads) {
     if (!stream_sizes_ok(C, K, 1, 1) || M < 1 || M >= (1 << 20) || grid < 2 || grid >= (1 << 20) ||
-        C > INT64_MAX / M / K / 8 || !gk || !kn)
+        C > INT64_MAX / M / (K + grid) / 8 || !gk || !kn)
         return STREAM_BAD_ARGUMENT;
     for (int64_t i = 0; i < M * C * K; i++)
         if (stream_nonfinite(gk[i])) return STREAM_BAD_ARGUMENT;
