@@ -122,7 +122,7 @@ class AQRConfig:
     stream_grid: int = 512
     match: str = "quantiles"
     groups: int = 16
-    class_horizon: float = 16.0
+    class_horizon: float = 32.0
     passes: int = 1
 
     def __post_init__(self) -> None:

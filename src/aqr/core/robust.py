@@ -45,7 +45,7 @@ class RobustSettings:
     EMA over ``class_horizon`` images of its own."""
 
     groups: int = 16
-    class_horizon: float = 16.0
+    class_horizon: float = 32.0
 
     def __post_init__(self) -> None:
         if isinstance(self.groups, bool) or not isinstance(self.groups, int) or not 1 <= self.groups <= MAX_GROUPS:
