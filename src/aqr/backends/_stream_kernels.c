@@ -440,23 +440,33 @@ static int64_t stream_merge_scratch_bytes(int64_t K, int64_t GC) {
     return (int64_t)sizeof(double) * (2 * K + 2 * (GC + STREAM_EDGE_BINS + 2)) + (int64_t)sizeof(float) * K;
 }
 
+/* k (K), in place: the inner knots become the quantiles of (1 - w) F_k + w F_hist, F_hist the
+   histogram cnt (GC + 4) taken on the bins of the knots bk (K) (k itself for the stream, the
+   layer's knots for a group) and spread out to its extremes gmin / gmax; unchanged when cnt holds
+   nothing. mem: stream_merge_scratch_bytes(K, GC). The ends are the caller's. */
+static void stream_merge_histogram(float *k, const float *bk, int64_t K, const int32_t *cnt, int64_t GC, float gmin,
+                                   float gmax, double w, char *mem) {
+    const int64_t bins = GC + STREAM_EDGE_BINS;
+    double total = 0;
+    for (int64_t j = 0; j < bins; j++) total += cnt[j] > 0 ? (double)cnt[j] : 0.0;
+    if (!(total > 0)) return;
+    double *za = (double *)mem, *ha = za + K, *zb = ha + K, *hb = zb + bins + 2;
+    float *fresh = (float *)(hb + bins + 2);
+    for (int64_t j = 0; j < K; j++) za[j] = k[j], ha[j] = (double)j / (double)(K - 1);
+    const int64_t nb = stream_histogram_points(bk, K, cnt, GC, gmin, gmax, total, zb, hb);
+    stream_mix_quantiles(za, ha, K, zb, hb, nb, w, K, fresh);
+    for (int64_t j = 1; j < K - 1; j++) k[j] = fresh[j];
+}
+
 static void stream_merge_part(void *p, int part, int64_t c0, int64_t c1) {
     const stream_merge_args *a = (const stream_merge_args *)p;
-    const int64_t K = a->K, GC = a->GC, bins = GC + STREAM_EDGE_BINS;
-    double *za = (double *)(a->scratch + part * stream_merge_scratch_bytes(K, GC)), *ha = za + K;
-    double *zb = ha + K, *hb = zb + bins + 2;
-    float *fresh = (float *)(hb + bins + 2);
+    const int64_t K = a->K, GC = a->GC;
+    char *mem = a->scratch + part * stream_merge_scratch_bytes(K, GC);
     for (int64_t c = c0; c < c1; c++) {
         float *k = a->kn + c * K;
-        const int32_t *cnt = a->counts ? a->counts + c * bins : NULL;
-        double total = 0;
-        for (int64_t j = 0; cnt && j < bins; j++) total += cnt[j] > 0 ? (double)cnt[j] : 0.0;
-        if (total > 0 && a->w > 0) {
-            for (int64_t j = 0; j < K; j++) za[j] = k[j], ha[j] = (double)j / (double)(K - 1);
-            const int64_t nb = stream_histogram_points(k, K, cnt, GC, a->gmin[c], a->gmax[c], total, zb, hb);
-            stream_mix_quantiles(za, ha, K, zb, hb, nb, a->w, K, fresh);
-            for (int64_t j = 1; j < K - 1; j++) k[j] = fresh[j];
-        }
+        if (a->counts && a->w > 0)
+            stream_merge_histogram(k, k, K, a->counts + c * (GC + STREAM_EDGE_BINS), GC, a->gmin[c], a->gmax[c], a->w,
+                                   mem);
         k[0] = a->p0[c] < k[1] ? a->p0[c] : k[1];
         k[K - 1] = a->p100[c] > k[K - 2] ? a->p100[c] : k[K - 2];
     }
@@ -498,23 +508,13 @@ typedef struct {
 
 static void stream_group_merge_part(void *p, int part, int64_t r0, int64_t r1) {
     const stream_group_merge_args *a = (const stream_group_merge_args *)p;
-    const int64_t K = a->K, GC = a->GC, bins = GC + STREAM_EDGE_BINS;
-    double *za = (double *)(a->scratch + part * stream_merge_scratch_bytes(K, GC)), *ha = za + K;
-    double *zb = ha + K, *hb = zb + bins + 2;
-    float *fresh = (float *)(hb + bins + 2);
+    const int64_t K = a->K, GC = a->GC;
+    char *mem = a->scratch + part * stream_merge_scratch_bytes(K, GC);
     for (int64_t r = r0; r < r1; r++) {
         float *k = a->gk + r * K;
-        const int32_t *cnt = a->counts + r * bins;
-        const double w = a->w[r];
-        double total = 0;
-        for (int64_t j = 0; j < bins; j++) total += cnt[j] > 0 ? (double)cnt[j] : 0.0;
-        const double old0 = k[0], oldl = k[K - 1];
-        if (total > 0) {
-            for (int64_t j = 0; j < K; j++) za[j] = k[j], ha[j] = (double)j / (double)(K - 1);
-            const int64_t nb = stream_histogram_points(a->bk + r * K, K, cnt, GC, a->gmin[r], a->gmax[r], total, zb, hb);
-            stream_mix_quantiles(za, ha, K, zb, hb, nb, w, K, fresh);
-            for (int64_t j = 1; j < K - 1; j++) k[j] = fresh[j];
-        }
+        const double w = a->w[r], old0 = k[0], oldl = k[K - 1];
+        stream_merge_histogram(k, a->bk + r * K, K, a->counts + r * (GC + STREAM_EDGE_BINS), GC, a->gmin[r], a->gmax[r],
+                               w, mem);
         /* the ends: the images' extremes, averaged like the CDF, each outside the inner knots */
         const float lo = stream_float(stream_lerp(old0, a->gmin[r], w));
         const float hi = stream_float(stream_lerp(oldl, a->gmax[r], w));
