@@ -13,8 +13,8 @@ import torch
 
 from aqr.backends.base import Affine
 from aqr.backends.native import NativeKernelError, native_takes
-from aqr.backends.stream_base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels, StreamTable,
-                                      TailWindow, check_scan)
+from aqr.backends.stream_base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels,
+                                      StreamTable, TailWindow, check_scan)
 
 _P, _I, _D, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
 STATUS = {-1: "could not allocate its scratch memory", -2: "was given sizes or counters out of bounds"}

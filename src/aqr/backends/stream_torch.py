@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from aqr.backends.base import Affine
-from aqr.backends.stream_base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels, StreamTable,
-                                      TailWindow, check_scan)
+from aqr.backends.stream_base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels,
+                                      StreamTable, TailWindow, check_scan)
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -109,6 +109,17 @@ def histogram_points(knots: torch.Tensor, counts: torch.Tensor, gmin: torch.Tens
     cum = counts.cumsum(dim=1)[:, : cells + 3] / torch.where(total > 0, total, torch.ones_like(total))
     hb = torch.cat([torch.zeros_like(lo), cum, torch.ones_like(lo)], dim=1)
     return zb, hb, total
+
+
+def merged_inner(knots: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor, gmax: torch.Tensor,
+                 w: "float | torch.Tensor") -> torch.Tensor:
+    """``(C, K - 2)``: the inner quantiles of ``(1 - w) F_knots + w F_hist``, ``F_hist`` the histogram
+    ``counts`` taken on the bins of ``bins`` (:func:`histogram_points`); a row without counts keeps its
+    inner knots (``stream_merge_histogram``)."""
+    c, k = knots.shape
+    zb, hb, total = histogram_points(bins, counts, gmin, gmax)
+    fresh = mix_quantiles(knots.double(), knot_levels(k, c, knots.device), zb, hb, w, k)
+    return torch.where((total > 0).expand(-1, k - 2), fresh, knots[:, 1 : k - 1])
 
 
 def knot_levels(k: int, rows: int, device: torch.device | str) -> torch.Tensor:
@@ -230,12 +241,9 @@ class TorchStreamKernels(StreamKernels):
 
     def merge(self, knots: torch.Tensor, group: PendingGroup | None, weight: float, p0: torch.Tensor,
               p100: torch.Tensor) -> None:
-        c, k = knots.shape
+        k = knots.shape[1]
         if group is not None and weight > 0:
-            zb, hb, total = histogram_points(knots, group.counts, group.gmin, group.gmax)
-            fresh = mix_quantiles(knots.double(), knot_levels(k, c, knots.device), zb, hb, float(weight), k)
-            has = (total > 0).expand(-1, k - 2)
-            knots[:, 1 : k - 1] = torch.where(has, fresh, knots[:, 1 : k - 1])
+            knots[:, 1 : k - 1] = merged_inner(knots, knots, group.counts, group.gmin, group.gmax, float(weight))
         knots[:, 0] = torch.minimum(p0.to(knots), knots[:, 1])
         knots[:, -1] = torch.maximum(p100.to(knots), knots[:, -2])
 
@@ -273,13 +281,11 @@ class TorchStreamKernels(StreamKernels):
 
     def group_merge(self, knots: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
                     gmax: torch.Tensor, weights: torch.Tensor) -> None:
-        r, k = knots.shape
+        k = knots.shape[1]
         w = weights.to(knots.device, torch.float64)[:, None]
-        zb, hb, total = histogram_points(bins, counts, gmin, gmax)
         old = knots.double()
-        fresh = mix_quantiles(old, knot_levels(k, r, old.device), zb, hb, w, k)
         new = knots.clone()
-        new[:, 1 : k - 1] = torch.where((total > 0).expand(-1, k - 2), fresh, new[:, 1 : k - 1])
+        new[:, 1 : k - 1] = merged_inner(knots, bins, counts, gmin, gmax, w)
         lo = saturate(torch.lerp(old[:, 0], gmin.double(), w[:, 0]))
         hi = saturate(torch.lerp(old[:, -1], gmax.double(), w[:, 0]))
         new[:, 0] = torch.minimum(lo, new[:, 1])

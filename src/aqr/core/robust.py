@@ -17,8 +17,9 @@ pending images merges them into its CDF (an EMA of CDFs with ``class_horizon`` i
 ``1 - (1 - 1/H_c)^n`` for ``n`` new images, at most :data:`MAX_GROUP_STEP` once the group has a
 state), the balanced knots become the inner quantiles of the mean of the groups' CDFs seen so far,
 with the Average Sample Tails of the recent window as their ends (as ``"stream"``), and the
-table is rebuilt (the kernels' ``group_merge`` and ``mixture``, in C on CPU). A batch is mapped with the state its predecessors left (its classes are known only
-after its forward pass); the first batch after a reset is mapped with its own knots.
+table is rebuilt (the kernels' ``group_merge`` and ``mixture``, in C on CPU). A batch is mapped
+with the state its predecessors left (its classes are known only after its forward pass); the
+first batch after a reset is mapped with its own knots.
 
 Memory per recalibrated channel: the ``"stream"`` state plus, per group, K float32 knots and a pending
 histogram of ``COUNT_CELLS + 4`` counts and two extremes (:meth:`RobustLayerStream.memory_bytes`; 16
