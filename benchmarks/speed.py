@@ -15,7 +15,8 @@ process doing only that calibration against one doing only the forward pass.
     python benchmarks/speed.py --stream --models resnet20-bn --threads 1   # per image at batch 1 and 4
 
 ``--stream`` measures small batches instead (issue 15): per image, streaming AQR (``aqr-stream``),
-its class-balanced form (``aqr-robust``), bn-ema, rbn, per-batch AQR and the plain forward at ``--stream-batch-sizes`` (1 and 4): each round feeds
+its class-balanced form (``aqr-robust``; ``aqr-robust-no-own`` with ``own_batch=False``, its cost on
+a stream of class runs), bn-ema, rbn, per-batch AQR and the plain forward at ``--stream-batch-sizes`` (1 and 4): each round feeds
 every method the same ``--stream-images`` images in batches, round-robin, after ``--stream-warmup``
 images that take the stateful methods past their warm-up; ratios are per round against the plain
 forward, medians over ``--repeats`` rounds.
@@ -72,8 +73,8 @@ MODELS.update({"resnet50": _resnet50, "vit-b16": _vit_b16})
 INPUT_SIZE = {"resnet50": 224, "vit-b16": 224}  # the rest take 32 x 32 images
 # aqr-torch: native=False (no C kernels on CPU); aqr-triton: triton=True (aqr's Triton kernels on a GPU)
 METHODS = ["source", "ttn", "aqr", "aqr-torch", "aqr-triton", "aqr-exact", "tent", "sar", "aqr-stream", "aqr-robust",
-           "bn-ema", "rbn"]
-STREAM_METHODS = ["aqr-stream", "aqr-robust", "bn-ema", "rbn", "aqr"]  # --stream: per image at small batches
+           "aqr-robust-no-own", "bn-ema", "rbn"]
+STREAM_METHODS = ["aqr-stream", "aqr-robust", "aqr-robust-no-own", "bn-ema", "rbn", "aqr"]  # --stream: per image at small batches
 SLOW_METHODS = ("aqr-exact", "tent", "sar")  # timed at the first batch size only on a GPU
 
 
@@ -110,6 +111,8 @@ def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: in
         return methods.create("aqr", model, stats=stats, target="stream", protocol="online")
     if method == "aqr-robust":  # class-balanced streaming AQR (target="robust"), online
         return methods.create("aqr", model, stats=stats, target="robust", protocol="online")
+    if method == "aqr-robust-no-own":  # the same with the own-batch share shut, as on a stream of class runs
+        return methods.create("aqr", model, stats=stats, target="robust", protocol="online", own_batch=False)
     if method == "rbn":
         return methods.create("rbn", model, protocol="online")
     if method == "bn-ema":

@@ -11,7 +11,8 @@ from aqr.backends import Targets
 from aqr.backends.stream_base import COUNT, IMAGE_COUNT, MAP, StreamTable
 from aqr.backends.stream_torch import TorchStreamKernels, cdf_at, curve_quantiles
 from aqr.core.layers import NonFiniteActivationError
-from aqr.core.robust import MAX_GROUP_STEP, MIXTURE_GRID, RobustLayerStream, RobustSettings, group_step
+from aqr.core.robust import (MARGINAL_WINDOW, MAX_GROUP_STEP, MIXTURE_GRID, RUN_WINDOW, RobustLayerStream, RobustSettings,
+                             group_step, own_batch_share)
 from aqr.core.stream import LayerStream, StreamSettings
 from aqr.core.stream_map import stream_kernels
 from aqr.methods import create
@@ -206,7 +207,7 @@ def test_options_are_checked() -> None:
     for bad in ({"target": "robust", "mode": "exact"}, {"target": "robust", "groups": 0},
                 {"target": "robust", "groups": 2.5}, {"target": "robust", "class_horizon": 0},
                 {"target": "robust", "passes": 3}, {"target": "stream", "passes": 2},
-                {"target": "robust", "match": "moments"}):
+                {"target": "robust", "match": "moments"}, {"target": "robust", "own_batch": 1}):
         with pytest.raises(ValueError):
             aqr.AQR(model, stats, **bad)
     with pytest.raises(ValueError, match="tail"):
@@ -215,6 +216,7 @@ def test_options_are_checked() -> None:
         with aqr.recalibrating(model, stats, target="robust"):
             pass
     assert "target='robust'" in repr(aqr.AQR(model, stats, target="robust"))
+    assert "own_batch=False" in repr(aqr.AQR(model, stats, target="robust", own_batch=False))
 
 
 def test_the_method_keeps_its_state_online_and_restarts_it_episodically() -> None:
@@ -229,3 +231,63 @@ def test_the_method_keeps_its_state_online_and_restarts_it_episodically() -> Non
     assert not torch.equal(online(x[4:]), second)
     online.reset()
     assert torch.equal(online(x[:4]), first)
+
+
+def _runs(n: int, length: int, classes: int, wrong: float, seed: int) -> list[int]:
+    """Predicted classes of a stream whose true classes come in runs of ``length`` (1: i.i.d.), a share
+    ``wrong`` of them replaced by a uniformly drawn class."""
+    g = torch.Generator().manual_seed(seed)
+    true = torch.randint(classes, ((n + length - 1) // length,), generator=g).repeat_interleave(length)[:n]
+    noise = torch.rand(n, generator=g) < wrong
+    return torch.where(noise, torch.randint(classes, (n,), generator=g), true).tolist()
+
+
+def test_the_own_batch_share_is_open_on_iid_predictions_and_shut_on_runs() -> None:
+    """Consecutive predictions that repeat no more than independent draws open the share, whatever the
+    histogram (skewed, 10 or 1,000 classes); runs shut it, even with a third of the predictions wrong."""
+    skewed = [[c for c in _runs(MARGINAL_WINDOW, 1, 10, 0.0, seed) for c in (c if c < 5 else c // 5,)]
+              for seed in range(20)]
+    assert sum(own_batch_share(r) == 1.0 for r in skewed) >= 18
+    assert sum(own_batch_share(_runs(MARGINAL_WINDOW, 1, 1000, 0.0, s)) == 1.0 for s in range(20)) >= 18
+    assert own_batch_share([3] * MARGINAL_WINDOW) == 1.0  # one class throughout: no run to tell apart
+    for length, classes in ((5, 10), (21, 10), (49, 10), (3, 1000)):
+        for seed in range(5):
+            assert own_batch_share(_runs(MARGINAL_WINDOW, length, classes, 0.33, seed)) == 0.0, (length, classes)
+    assert own_batch_share(_runs(RUN_WINDOW - 1, 1, 10, 0.0, 0)) == 0.0  # too few predictions yet
+
+
+def test_the_own_share_maps_the_batch_towards_its_own_histogram_and_stages_the_same_update() -> None:
+    """A batch shifted by +3 after a state at 0: with its own share it is mapped closer to the source
+    (its own histogram is part of its target); the update it stages does not depend on the share."""
+    k, c = 21, 2
+    g = torch.Generator().manual_seed(4)
+    source = torch.quantile(torch.randn(20000, generator=g), torch.linspace(0, 1, k))[None].repeat(c, 1).contiguous()
+    layers = [RobustLayerStream(source, StreamSettings(), RobustSettings(groups=2), TorchStreamKernels(),
+                                _quantile_knots(k)) for _ in range(2)]
+    warm = [torch.randn(16, c, 30, generator=g) for _ in range(4)]
+    shifted_batch = torch.randn(16, c, 30, generator=g) + 3
+    for layer in layers:
+        for x in warm:
+            layer.commit(layer.step(x, 16)[1], torch.arange(16) % 2)
+    (y0, staged0), (y1, staged1) = layers[0].step(shifted_batch, 16, own=0.0), layers[1].step(shifted_batch, 16, own=1.0)
+    assert float(y1.median()) < float(y0.median()) - 0.5
+    assert torch.equal(staged0.counts, staged1.counts) and torch.equal(staged0.lo, staged1.lo)
+    for layer, staged in zip(layers, (staged0, staged1)):
+        layer.commit(staged, torch.arange(16) % 2)
+    assert same([layers[0].snapshot()], [layers[1].snapshot()])
+    y_small, _ = layers[1].step(shifted_batch[:4], 4, own=1.0)  # fewer than rebuild_every images: no own share
+    assert torch.equal(y_small, layers[0].step(shifted_batch[:4], 4)[0])
+
+
+def test_the_wrapper_opens_the_own_share_after_its_window_and_reset_forgets_the_predictions() -> None:
+    model, stats = calibrated("bn")
+    x = shifted(RUN_WINDOW + 64, seed=9)
+    gated, never = aqr.AQR(model, stats, target="robust"), aqr.AQR(model, stats, target="robust", own_batch=False)
+    outs = [(gated(x[i : i + 16]), never(x[i : i + 16])) for i in range(0, len(x), 16)]
+    assert all(torch.equal(a, b) for a, b in outs[: RUN_WINDOW // 16])  # no share before RUN_WINDOW predictions
+    assert not all(torch.equal(a, b) for a, b in outs[RUN_WINDOW // 16 :])
+    assert len(gated._batch.recent) == len(x) and gated.memory_bytes() == never.memory_bytes()
+    gated.reset()
+    assert gated._batch.recent == [] and gated.memory_bytes() < never.memory_bytes()
+    again = [gated(x[i : i + 16]) for i in range(0, len(x), 16)]
+    assert all(torch.equal(a, b) for a, b in zip(again, (o[0] for o in outs)))

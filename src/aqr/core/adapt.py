@@ -100,6 +100,10 @@ class AQRConfig:
         groups: ``target="robust"``: the most groups of predicted classes (class ``y`` in group
             ``y % groups``), each with a running CDF; memory grows with it.
         class_horizon: ``target="robust"``: each group's EMA horizon, in images of that group.
+        own_batch: ``target="robust"``: while the recent predicted classes show no runs, a batch of
+            ``rebuild_every`` or more images joins its own target as in ``target="stream"``
+            (:func:`aqr.core.robust.own_batch_share`); ``False``: every batch is mapped with the state
+            its predecessors left.
     """
 
     tail: str | None = None
@@ -124,6 +128,7 @@ class AQRConfig:
     groups: int = 16
     class_horizon: float = 32.0
     passes: int = 1
+    own_batch: bool = True
 
     def __post_init__(self) -> None:
         if self.match not in MATCHES:
@@ -153,6 +158,8 @@ class AQRConfig:
         RobustSettings(self.groups, self.class_horizon)  # checks
         if self.passes not in (1, 2) or isinstance(self.passes, bool):
             raise ValueError(f"passes must be 1 or 2, got {self.passes!r}")
+        if not isinstance(self.own_batch, bool):
+            raise ValueError(f"own_batch must be True or False, got {self.own_batch!r}")
         if self.passes == 2 and self.target != "robust":
             raise ValueError("passes=2 is an option of target='robust'")
         if self.target in STREAM_TARGETS and self.mode != "fast":
@@ -510,6 +517,10 @@ class AQR(nn.Module):
             batch = self._batch
             try:
                 batch.begin(int(x.shape[0]) if x.ndim else 0)
+                if self.config.target == "robust" and self.config.own_batch:
+                    from aqr.core.robust import own_batch_share
+
+                    batch.own = own_batch_share(batch.recent)
                 with torch.no_grad():
                     out = self._twin(x)
                 if not self._reach_checked:
@@ -545,10 +556,14 @@ class AQR(nn.Module):
         with self._lock:
             for layer_map in self._maps.values():
                 layer_map.reset()  # type: ignore[attr-defined]
+            self._batch.recent = []
 
     def memory_bytes(self) -> int:
         """Bytes of the running state (``target="stream"``; fixed, 0 before the first batch and for batches)."""
-        return sum(m.memory_bytes() for m in self._maps.values()) if self._batch is not None else 0  # type: ignore[attr-defined]
+        if self._batch is None:
+            return 0
+        layers = sum(m.memory_bytes() for m in self._maps.values())  # type: ignore[attr-defined]
+        return layers + 8 * len(self._batch.recent)  # target="robust": the recent predicted classes
 
     def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
@@ -579,6 +594,7 @@ class AQR(nn.Module):
             c = self.config
             if c.target == "robust":
                 text += f", target='robust', groups={c.groups}, class_horizon={c.class_horizon:g}"
+                text += "" if c.own_batch else ", own_batch=False"
             else:
                 text += f", target='stream', estimator={c.estimator!r}, horizon={c.horizon:g}"
         return text

@@ -21,6 +21,15 @@ table is rebuilt (the kernels' ``group_merge`` and ``mixture``, in C on CPU). A 
 with the state its predecessors left (its classes are known only after its forward pass); the
 first batch after a reset is mapped with its own knots.
 
+The own-batch share (``own_batch=True``, the default): mapped with the state before it, a batch lags
+one batch behind streaming AQR, which merges a batch into its estimate before mapping it; on i.i.d.
+streams that costs the first batches after every change of corruption. While the recent predicted
+classes show no runs (:func:`own_batch_share`: the last :data:`RUN_WINDOW` consecutive predictions
+repeat no more often than independent draws would), a batch of ``rebuild_every`` or more images is
+mapped with the balanced knots merged with its own histogram at streaming AQR's batch weight; once
+classes come in runs, the share is 0 and a batch of one class does not map its own content away.
+The share changes only how the batch is mapped: the update it stages is the same.
+
 Memory per recalibrated channel: the ``"stream"`` state plus, per group, K float32 knots and a pending
 histogram of ``COUNT_CELLS + 4`` counts and two extremes (:meth:`RobustLayerStream.memory_bytes`; 16
 groups at K = 101: 10.9 kB more per channel). Measured, with
@@ -29,12 +38,13 @@ the designs compared and the cost: ``docs/method.md`` and ``docs/results/noniid`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from aqr.backends import Affine
-from aqr.backends.stream_base import EDGE_BINS, IMAGE_COUNT, MAP, StreamKernels
+from aqr.backends.stream_base import EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, StreamTable, cloned
 from aqr.core.stream import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings, _First, batch_weight
 
 MAX_GROUPS = 4096
@@ -127,8 +137,11 @@ class RobustLayerStream(LayerStream):
         mine = (self.group_knots, self.group_counts, self.group_min, self.group_max)
         return super().memory_bytes() + sum(t.numel() * t.element_size() for t in mine)
 
-    def step(self, x: torch.Tensor, images: int, pre: Affine | None = None) -> tuple[torch.Tensor | None, _RobustStaged | None]:
-        """Map ``x`` (A, C, B) with the balanced knots; stage its per-image histograms and extremes."""
+    def step(self, x: torch.Tensor, images: int, pre: Affine | None = None,
+             own: float = 0.0) -> tuple[torch.Tensor | None, _RobustStaged | None]:
+        """Map ``x`` (A, C, B) with the balanced knots; stage its per-image histograms and extremes.
+        ``own`` in [0, 1]: a batch of ``rebuild_every`` or more images is mapped with the balanced knots
+        merged with its own histogram at ``own`` times streaming AQR's batch weight."""
         first = None
         if not self.started:
             y, first = self._first(x, images, pre)
@@ -137,11 +150,30 @@ class RobustLayerStream(LayerStream):
             r = self.kernels.scan(x, images, pre, first.knots, self.source, first.table, IMAGE_COUNT, COUNT_STRIDE,
                                   COUNT_CELLS)
             return y, _RobustStaged(first, r.counts, first.lo, first.hi)
+        if own > 0 and images >= self.settings.rebuild_every:
+            return self._step_own(x, images, pre, own)
         r = self.kernels.scan(x, images, pre, self.knots, self.source, self.table, MAP | IMAGE_COUNT, COUNT_STRIDE,
                               COUNT_CELLS)
         if not r.finite:
             return None, None
         return r.y, _RobustStaged(None, r.counts, r.lo, r.hi)
+
+    def _step_own(self, x: torch.Tensor, images: int, pre: Affine | None,
+                  own: float) -> tuple[torch.Tensor | None, _RobustStaged | None]:
+        """The batch counted on the balanced knots' bins, merged into a copy of them, then mapped with it."""
+        kern = self.kernels
+        r = kern.scan(x, images, pre, self.knots, self.source, self.table, IMAGE_COUNT, COUNT_STRIDE, COUNT_CELLS)
+        if not r.finite:
+            return None, None
+        knots, window = self.knots.clone(), cloned(self.window)
+        group = PendingGroup(r.counts.sum(0, dtype=torch.int32), r.lo.amin(0), r.hi.amax(0), images)
+        kern.push(window, None, None, r.lo, r.hi)
+        p0, p100 = kern.tails(window, self._weights(window.filled))
+        kern.merge(knots, group, own * batch_weight(images, self.seen, self.settings.horizon), p0, p100)
+        table = StreamTable.empty(self.channels, self.settings.grid, knots.device)
+        kern.tables(knots, self.source, table)
+        mapped = kern.scan(x, images, pre, knots, self.source, table, MAP, COUNT_STRIDE, COUNT_CELLS)
+        return mapped.y, _RobustStaged(None, r.counts, r.lo, r.hi)
 
     def commit(self, staged: _RobustStaged, labels: torch.Tensor | None = None) -> None:  # type: ignore[override]
         """Apply a finite batch's update; ``labels`` ``(N,)``: each image's predicted class."""
@@ -190,3 +222,27 @@ class RobustLayerStream(LayerStream):
         p0, p100 = self.kernels.tails(self.window, self._weights(self.window.filled))
         self.kernels.merge(self.knots, None, 0.0, p0, p100)  # the ends only
         self.kernels.tables(self.knots, self.source, self.table)
+
+
+RUN_WINDOW = 256  # the recent predicted classes whose consecutive repeats tell whether classes come in runs
+MARGINAL_WINDOW = 512  # the predicted classes whose histogram gives the repeat rate of independent draws
+RUN_Z = (2.0, 3.0)  # z-scores of the repeat-rate excess at which the own-batch share starts to fall, and reaches 0
+
+
+def own_batch_share(recent: list[int]) -> float:
+    """How much a batch may join its own target, from the recent predicted classes (in stream order, the
+    last :data:`MARGINAL_WINDOW`): 1 while the last :data:`RUN_WINDOW` consecutive predictions repeat
+    no more often than independent draws from the longer window's histogram would (the excess of the
+    repeat rate over ``q = sum p_c^2`` below ``RUN_Z[0]`` binomial standard errors), 0 once classes
+    come in runs (above ``RUN_Z[1]``); 0 until :data:`RUN_WINDOW` classes were seen."""
+    n = len(recent)
+    if n < RUN_WINDOW:
+        return 0.0
+    last = recent[-RUN_WINDOW:]
+    pairs = len(last) - 1
+    same = sum(a == b for a, b in zip(last, last[1:])) / pairs
+    counts = torch.bincount(torch.tensor(recent)).double()
+    q = float((counts * counts).sum()) / (n * n)
+    z = (same - q) / max(math.sqrt(q * (1 - q) / pairs), 1e-12)
+    lo, hi = RUN_Z
+    return min(1.0, max(0.0, (hi - z) / (hi - lo)))

@@ -22,7 +22,7 @@ from aqr.backends.stream_torch import TorchStreamKernels
 from aqr.core.adapt import AQRConfig, LayerMap
 from aqr.core.layers import as_acb
 from aqr.core.stats import SourceStats
-from aqr.core.robust import RobustLayerStream, RobustSettings
+from aqr.core.robust import MARGINAL_WINDOW, RobustLayerStream, RobustSettings
 from aqr.core.stream import LayerStream, Staged, StreamSettings
 
 STREAM_TAILS = ("standard", "average")  # the tails whose edge lines the stream's table holds (Eq. 1)
@@ -35,6 +35,8 @@ class StreamBatch:
     images: int = 0
     staged: list[tuple[LayerStream, Staged]] = field(default_factory=list)
     nonfinite: bool = False
+    own: float = 0.0  # target="robust": the share of its own histogram a batch's target takes
+    recent: list[int] = field(default_factory=list)  # target="robust": the last MARGINAL_WINDOW predicted classes
 
     def begin(self, images: int) -> None:
         self.images, self.staged, self.nonfinite = images, [], False
@@ -48,6 +50,8 @@ class StreamBatch:
             else:
                 stream.commit(staged)
         self.staged = []
+        if labels is not None:
+            self.recent = (self.recent + labels.tolist())[-MARGINAL_WINDOW:]
 
 
 def stream_settings(config: AQRConfig, stats: SourceStats) -> StreamSettings:
@@ -104,7 +108,10 @@ class StreamLayerMap(LayerMap):
         acb = as_acb(x, self.info.channel_dim)
         if not stream.kernels.takes(acb):  # float64 or autograd on CPU: the torch kernels on the same state
             stream = _with_torch_kernels(stream)
-        y, staged = stream.step(acb, self.batch.images, pre)
+        if isinstance(stream, RobustLayerStream):
+            y, staged = stream.step(acb, self.batch.images, pre, self.batch.own)
+        else:
+            y, staged = stream.step(acb, self.batch.images, pre)
         if staged is None:
             self.batch.nonfinite = True
             return self._nonfinite(x if unmapped is None else unmapped())
