@@ -14,6 +14,9 @@ process doing only that calibration against one doing only the forward pass.
         --dtypes fp32 bf16 --layouts contiguous channels_last --compiled --json gpu.json
     python benchmarks/speed.py --stream --models resnet20-bn --threads 1   # per image at batch 1 and 4
 
+``--clock cpu`` times with the process's CPU time instead of wall time (CPU only): on a machine shared
+with other jobs the wall time of every method grows with the load, the CPU time much less.
+
 ``--stream`` measures small batches instead (issue 15): per image, streaming AQR (``aqr-stream``),
 its class-balanced form (``aqr-robust``; ``aqr-robust-no-own`` with ``own_batch=False``, its cost on
 a stream of class runs), bn-ema, rbn, per-batch AQR and the plain forward at ``--stream-batch-sizes`` (1 and 4): each round feeds
@@ -86,16 +89,19 @@ def images(n: int, seed: int = 0, size: int = 32) -> torch.Tensor:
     return torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
-def run_once(fn, x: torch.Tensor, method: str, dtype: str = "fp32") -> float:
-    """Wall time of one batch (gradients on for the methods that take a backward pass)."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # --clock
+
+
+def run_once(fn, x: torch.Tensor, method: str, dtype: str = "fp32", timer=time.perf_counter) -> float:
+    """Time of one batch by ``timer`` (gradients on for the methods that take a backward pass)."""
     sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     grad = torch.enable_grad() if method in ("tent", "sar") else torch.no_grad()
     autocast = torch.autocast(x.device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
     with grad, autocast:
-        start = time.perf_counter()
+        start = timer()
         fn(x)
         sync()  # GPU work is asynchronous: a batch is done when its kernels are
-    return time.perf_counter() - start
+    return timer() - start
 
 
 def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: int):
@@ -137,14 +143,15 @@ class CompiledAQR:
             return self.compiled(x)
 
 
-def _round_robin(runners: dict, x: torch.Tensor, dtype: str, warmup: int, repeats: int) -> dict[str, list[float]]:
+def _round_robin(runners: dict, x: torch.Tensor, dtype: str, warmup: int, repeats: int,
+                 timer=time.perf_counter) -> dict[str, list[float]]:
     for method, runner in runners.items():
         for _ in range(warmup):  # torch.compile happens here
             run_once(runner, x, method, dtype)
     times: dict[str, list[float]] = {method: [] for method in runners}
     for _ in range(repeats):
         for method, runner in runners.items():
-            times[method].append(run_once(runner, x, method, dtype))
+            times[method].append(run_once(runner, x, method, dtype, timer))
     return times
 
 
@@ -189,7 +196,7 @@ def per_batch(args: argparse.Namespace) -> list[dict]:
                         except methods.NotApplicable:
                             rows.append({"model": name, "batch": batch, "method": method, "dtype": dtype, "layout": layout,
                                          "compiled": False, "seconds": None, "ratio": None})
-                    times = _round_robin(runners, x, dtype, args.warmup, args.repeats)
+                    times = _round_robin(runners, x, dtype, args.warmup, args.repeats, CLOCKS[args.clock])
                     for method, runner in runners.items():
                         ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))
                         seconds = statistics.median(times[method])
@@ -205,7 +212,7 @@ def per_batch(args: argparse.Namespace) -> list[dict]:
             x = images(batch, seed=1, size=size).to(args.device)
             plain = torch.compile(model, mode=args.compile_mode)
             runners = {"source": lambda t: plain(t), "aqr": CompiledAQR(model, stats, args.compile_mode)}
-            times = _round_robin(runners, x, "fp32", args.warmup, args.repeats)
+            times = _round_robin(runners, x, "fp32", args.warmup, args.repeats, CLOCKS[args.clock])
             for method, runner in runners.items():
                 ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))
                 row = {"model": name, "batch": batch, "method": method, "dtype": "fp32", "layout": "contiguous",
@@ -243,9 +250,9 @@ def small_batches(args: argparse.Namespace) -> list[dict]:
                 part = x[args.stream_warmup :]
                 for _ in range(args.repeats):
                     for method, runner in runners.items():
-                        start = time.perf_counter()
+                        start = CLOCKS[args.clock]()
                         feed(runner, part)
-                        times[method].append((time.perf_counter() - start) / len(part))
+                        times[method].append((CLOCKS[args.clock]() - start) / len(part))
             for method in runners:
                 ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))
                 row = {"model": name, "batch": batch, "method": method, "dtype": "fp32", "layout": "contiguous",
@@ -275,7 +282,7 @@ def environment(args: argparse.Namespace) -> dict:
     return {"device": "cuda" if on_gpu else args.device,
             "device_name": torch.cuda.get_device_name(args.device) if on_gpu else platform.processor() or platform.machine(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "aqr": aqr.__version__,
-            "threads": torch.get_num_threads(), "python": sys.version.split()[0]}
+            "threads": torch.get_num_threads(), "python": sys.version.split()[0], "clock": args.clock}
 
 
 def _peak_rss_child(task: str, n: int, queue: mp.Queue) -> None:
@@ -354,6 +361,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="ResNet-20, batch 128, 3 repeats, 2,000 calibration images")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall time, or the process's CPU time (CPU only: steadier on a shared machine)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda; on a GPU the calibration part (peak RSS) is skipped")
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                         help="bf16: the forward under torch.autocast(bfloat16)")
@@ -373,6 +382,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["AQR_BENCH_THREADS"] = str(args.threads)
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu times CPU work only; use --clock wall with --device cuda")
     if args.quick:
         args.models, args.batch_sizes, args.repeats, args.warmup, args.calib_images = ["resnet20-bn"], [128], 3, 2, 2000
     print(", ".join(f"{k} {v}" for k, v in environment(args).items()), flush=True)
