@@ -458,6 +458,12 @@ static void stream_merge_histogram(float *k, const float *bk, int64_t K, const i
     for (int64_t j = 1; j < K - 1; j++) k[j] = fresh[j];
 }
 
+/* k (K): the ends become lo / hi, each kept outside the inner knots. */
+static inline void stream_set_ends(float *k, int64_t K, float lo, float hi) {
+    k[0] = lo < k[1] ? lo : k[1];
+    k[K - 1] = hi > k[K - 2] ? hi : k[K - 2];
+}
+
 static void stream_merge_part(void *p, int part, int64_t c0, int64_t c1) {
     const stream_merge_args *a = (const stream_merge_args *)p;
     const int64_t K = a->K, GC = a->GC;
@@ -467,8 +473,7 @@ static void stream_merge_part(void *p, int part, int64_t c0, int64_t c1) {
         if (a->counts && a->w > 0)
             stream_merge_histogram(k, k, K, a->counts + c * (GC + STREAM_EDGE_BINS), GC, a->gmin[c], a->gmax[c], a->w,
                                    mem);
-        k[0] = a->p0[c] < k[1] ? a->p0[c] : k[1];
-        k[K - 1] = a->p100[c] > k[K - 2] ? a->p100[c] : k[K - 2];
+        stream_set_ends(k, K, a->p0[c], a->p100[c]);
     }
 }
 
@@ -516,10 +521,8 @@ static void stream_group_merge_part(void *p, int part, int64_t r0, int64_t r1) {
         stream_merge_histogram(k, a->bk + r * K, K, a->counts + r * (GC + STREAM_EDGE_BINS), GC, a->gmin[r], a->gmax[r],
                                w, mem);
         /* the ends: the images' extremes, averaged like the CDF, each outside the inner knots */
-        const float lo = stream_float(stream_lerp(old0, a->gmin[r], w));
-        const float hi = stream_float(stream_lerp(oldl, a->gmax[r], w));
-        k[0] = lo < k[1] ? lo : k[1];
-        k[K - 1] = hi > k[K - 2] ? hi : k[K - 2];
+        stream_set_ends(k, K, stream_float(stream_lerp(old0, a->gmin[r], w)),
+                        stream_float(stream_lerp(oldl, a->gmax[r], w)));
     }
 }
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from aqr.backends import Affine
-from aqr.backends.stream_base import EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, StreamTable, cloned
+from aqr.backends.stream_base import EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, cloned
 from aqr.core.stream import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings, _First, batch_weight
 
 MAX_GROUPS = 4096
@@ -165,15 +165,11 @@ class RobustLayerStream(LayerStream):
         r = kern.scan(x, images, pre, self.knots, self.source, self.table, IMAGE_COUNT, COUNT_STRIDE, COUNT_CELLS)
         if not r.finite:
             return None, None
-        knots, window = self.knots.clone(), cloned(self.window)
-        group = PendingGroup(r.counts.sum(0, dtype=torch.int32), r.lo.amin(0), r.hi.amax(0), images)
-        kern.push(window, None, None, r.lo, r.hi)
-        p0, p100 = kern.tails(window, self._weights(window.filled))
-        kern.merge(knots, group, own * batch_weight(images, self.seen, self.settings.horizon), p0, p100)
-        table = StreamTable.empty(self.channels, self.settings.grid, knots.device)
-        kern.tables(knots, self.source, table)
-        mapped = kern.scan(x, images, pre, knots, self.source, table, MAP, COUNT_STRIDE, COUNT_CELLS)
-        return mapped.y, _RobustStaged(None, r.counts, r.lo, r.hi)
+        window, group = cloned(self.window), PendingGroup.empty(self.channels, COUNT_CELLS, self.knots.device)
+        kern.push(window, group, r.counts.sum(0, dtype=torch.int32), r.lo, r.hi)
+        weight = own * batch_weight(images, self.seen, self.settings.horizon)
+        y, _ = self._map_tentative(x, images, pre, self.knots.clone(), window, group, weight)
+        return y, _RobustStaged(None, r.counts, r.lo, r.hi)
 
     def commit(self, staged: _RobustStaged, labels: torch.Tensor | None = None) -> None:  # type: ignore[override]
         """Apply a finite batch's update; ``labels`` ``(N,)``: each image's predicted class."""

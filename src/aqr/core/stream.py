@@ -242,12 +242,21 @@ class LayerStream:
             kern.push(window, None, None, r.lo, r.hi)
             weight = batch_weight(images, self.seen + self.group.images, s.horizon)
             knots[:, 1:-1] = torch.lerp(knots[:, 1:-1], batch[:, 1:-1], weight)
+        y, table = self._map_tentative(x, images, pre, knots, window, group, weight)
+        return y, _Large(knots, table, window, images)
+
+    def _map_tentative(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, window: TailWindow,
+                       group: PendingGroup | None, weight: float) -> tuple[torch.Tensor, StreamTable]:
+        """``x`` mapped with tentative knots: ``group`` merged into ``knots`` (a copy, changed in place) at
+        ``weight``, the ends from ``window`` (the batch's extremes already pushed); returns the map and its
+        table."""
+        kern = self.kernels
         p0, p100 = kern.tails(window, self._weights(window.filled))
         kern.merge(knots, group, weight, p0, p100)
-        table = StreamTable.empty(self.channels, s.grid, knots.device)
+        table = StreamTable.empty(self.channels, self.settings.grid, knots.device)
         kern.tables(knots, self.source, table)
         mapped = kern.scan(x, images, pre, knots, self.source, table, MAP, COUNT_STRIDE, COUNT_CELLS)
-        return mapped.y, _Large(knots, table, window, images)
+        return mapped.y, table
 
     def _first(self, x: torch.Tensor, images: int, pre: Affine | None) -> tuple[torch.Tensor | None, Staged | None]:
         targets = self.batch_knots(x, pre)
