@@ -11,6 +11,8 @@ results must agree to float rounding, flags and histograms exactly.
 
 from __future__ import annotations
 
+import math
+
 import ctypes
 import sys
 
@@ -71,7 +73,19 @@ def cases(draw: st.DrawFn) -> dict:
     return {"x": torch.from_numpy(x), "images": images, "knots": knots, "source": source, "pre": pre,
             "grid": draw(st.sampled_from([1, 2, 7, 64])), "cells": draw(st.sampled_from([1, 3, 8])),
             "stride": draw(st.sampled_from([1, 2, 5])), "window": draw(st.sampled_from([1, 3, 8])),
-            "weight": draw(st.sampled_from([0.0, 1e-3, 0.3, 1.0])), "pushes": pushes}
+            "weight": draw(st.sampled_from([0.0, 1e-3, 0.3, 1.0])), "pushes": pushes,
+            "drawn_counts": _drawn_counts(draw(st.integers(0, 2**16)))}
+
+
+def _drawn_counts(seed: int):
+    """Counts of any shape, some negative or huge, some all zero, from ``seed``."""
+    def make(shape: tuple[int, ...]) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        counts = rng.integers(-3, 50, size=shape).astype(np.int32)
+        counts[rng.random(shape) < 0.05] = np.iinfo(np.int32).max
+        counts[:, rng.random(shape[1]) < 0.3] = 0
+        return counts
+    return make
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -103,6 +117,13 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
         assert torch.equal(per_image[0].counts, per_image[1].counts), "per-image histograms differ"
         if case["stride"] == 1:  # every value counted: the images' histograms add up to the batch's
             assert torch.equal(per_image[0].counts.sum(0), want.counts), "per-image histograms do not add up"
+        # target="robust"'s shift test on those histograms (and on counts drawn at random, negatives too)
+        drawn = torch.from_numpy(case["drawn_counts"](per_image[1].counts.shape))
+        for counts in (per_image[1].counts, drawn):
+            got_d, want_d = native.shift_distances(counts, knots), ref.shift_distances(counts, knots)
+            assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(got_d, want_d)), \
+                f"shift distances differ: {got_d} vs {want_d}"
+            assert all(0.0 <= d <= 1.0 for d in want_d), want_d
     windows = [TailWindow.empty(c, case["window"]) for _ in range(2)]
     groups = [PendingGroup.empty(c, cells) for _ in range(2)]
     counts = want.counts if want.finite else torch.zeros(c, cells + 4, dtype=torch.int32)

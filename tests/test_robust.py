@@ -12,7 +12,7 @@ from aqr.backends.stream_base import COUNT, IMAGE_COUNT, MAP, StreamTable
 from aqr.backends.stream_torch import TorchStreamKernels, cdf_at, curve_quantiles
 from aqr.core.layers import NonFiniteActivationError
 from aqr.core.robust import (MARGINAL_WINDOW, MAX_GROUP_STEP, MIXTURE_GRID, RUN_WINDOW, RobustLayerStream, RobustSettings,
-                             group_step, own_batch_share)
+                             group_step, own_batch_share, shift_ratio, shift_share)
 from aqr.core.stream import LayerStream, StreamSettings
 from aqr.core.stream_map import stream_kernels
 from aqr.methods import create
@@ -277,6 +277,63 @@ def test_the_own_share_maps_the_batch_towards_its_own_histogram_and_stages_the_s
     assert same([layers[0].snapshot()], [layers[1].snapshot()])
     y_small, _ = layers[1].step(shifted_batch[:4], 4, own=1.0)  # fewer than rebuild_every images: no own share
     assert torch.equal(y_small, layers[0].step(shifted_batch[:4], 4)[0])
+
+
+@pytest.mark.parametrize("kern", KERNELS, ids=lambda k: k.name)
+def test_the_shift_ratio_is_about_one_for_a_batch_from_the_target_and_grows_with_a_shift(kern) -> None:
+    """Batches drawn from the target distribution (normal, per-image offsets that make the images differ)
+    give ratios near 1 at every batch size, so the share beyond sampling stays small; a shift of 0.4
+    standard deviations shows at 64 images, of one at 8."""
+    k, c = 101, 6
+    g = torch.Generator().manual_seed(11)
+    knots = torch.quantile(torch.randn(400_000, generator=g) * 1.25, torch.linspace(0, 1, k))[None].repeat(c, 1)
+    knots = knots.contiguous()
+    table = StreamTable.empty(c, 64, "cpu")
+    kern.tables(knots, knots, table)
+
+    def ratio(n: int, shift: float) -> float:
+        offsets = torch.randn(n, 1, c, 1, generator=g) * 0.75  # total sd 1.25, as the knots
+        x = (torch.randn(n, 20, c, 1, generator=g) + offsets + shift).reshape(n * 20, c, 1)
+        return shift_ratio(kern.shift_distances(kern.scan(x, n, None, knots, knots, table, IMAGE_COUNT, 1, 32).counts,
+                                                knots), n)
+
+    for n in (8, 16, 64):
+        null = torch.tensor([ratio(n, 0.0) for _ in range(30)])
+        assert 0.8 < float(null.mean()) < 1.25 and float(null.max()) < 3.0, (n, null)
+        assert sum(shift_share(float(r)) for r in null) / len(null) < 0.25
+    assert min(ratio(64, 0.5) for _ in range(10)) > 2.5
+    assert min(shift_share(ratio(8, 1.25)) for _ in range(10)) > 0.75
+    assert shift_ratio(kern.shift_distances(torch.zeros(1, c, 36, dtype=torch.int32), knots), 1) == float("inf")
+    assert kern.shift_distances(torch.zeros(4, c, 36, dtype=torch.int32), knots) == (0.0, 0.0)  # nothing counted
+
+
+def test_the_shift_share_is_the_part_of_the_distance_sampling_does_not_explain() -> None:
+    assert shift_share(0.0) == shift_share(1.0) == shift_share(float("nan")) == 0.0
+    assert shift_share(2.0) == pytest.approx(0.75) and shift_share(float("inf")) == 1.0
+    assert all(shift_share(a) <= shift_share(b) for a, b in zip((0.5, 1.1, 1.5, 3), (1.1, 1.5, 3, 10)))
+
+
+def test_a_batch_as_close_to_the_target_as_sampling_is_mapped_with_the_target_alone() -> None:
+    """An open own share changes nothing for a batch drawn from the state's own distribution when its
+    ratio is below 1; a shifted batch is mapped differently (its share is near 1)."""
+    k, c = 21, 2
+    g = torch.Generator().manual_seed(5)
+    source = torch.quantile(torch.randn(20000, generator=g), torch.linspace(0, 1, k))[None].repeat(c, 1).contiguous()
+    layer = RobustLayerStream(source, StreamSettings(), RobustSettings(groups=2), TorchStreamKernels(),
+                              _quantile_knots(k))
+    for _ in range(16):
+        x = torch.randn(16, c, 30, generator=g)
+        layer.commit(layer.step(x, 16)[1], torch.arange(16) % 2)
+    tried = 0
+    for _ in range(20):
+        x = torch.randn(16, c, 30, generator=g)
+        counts = layer.kernels.scan(x, 16, None, layer.knots, layer.source, layer.table, IMAGE_COUNT, 5, 64).counts
+        if shift_ratio(layer.kernels.shift_distances(counts, layer.knots), 16) <= 1:
+            tried += 1
+            assert torch.equal(layer.step(x, 16, own=1.0)[0], layer.step(x, 16)[0])
+    assert tried >= 3
+    shifted_batch = torch.randn(16, c, 30, generator=g) + 1.0
+    assert not torch.equal(layer.step(shifted_batch, 16, own=1.0)[0], layer.step(shifted_batch, 16)[0])
 
 
 def test_the_wrapper_opens_the_own_share_after_its_window_and_reset_forgets_the_predictions() -> None:

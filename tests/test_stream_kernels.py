@@ -63,6 +63,17 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
     assert lib.aqr_stream_group_merge(c, k, rows.data_ptr(), knots.data_ptr(), torch.zeros(c, 12, dtype=torch.int32).data_ptr(),
                                       8, rows[:, 0].contiguous().data_ptr(), rows[:, 0].contiguous().data_ptr(),
                                       weights.data_ptr(), 1) == -2
+    out = torch.zeros(2, dtype=torch.float64)
+    hist = torch.zeros(4, c, 12, dtype=torch.int32)
+    shift = lib.aqr_stream_shift_distances
+    assert shift(4, c, k, knots.data_ptr(), hist.data_ptr(), 8, out.data_ptr()) == 0  # nothing counted
+    assert shift(0, c, k, knots.data_ptr(), hist.data_ptr(), 8, out.data_ptr()) == -2  # no image
+    assert shift(4, c, k, knots.data_ptr(), hist.data_ptr(), 0, out.data_ptr()) == -2  # no cell
+    assert shift(1 << 40, 1 << 20, k, knots.data_ptr(), hist.data_ptr(), 8, out.data_ptr()) == -2  # sizes overflow
+    assert shift(4, c, k, knots.data_ptr(), hist.data_ptr(), 8, None) == -2
+    nan_knots = knots.clone()
+    nan_knots[2, 5] = float("nan")
+    assert shift(4, c, k, nan_knots.data_ptr(), hist.data_ptr(), 8, out.data_ptr()) == -2  # a NaN knot
     for mode in (COUNT | IMAGE_COUNT, 8, -1):  # both counts at once, or no such mode
         assert lib.aqr_stream_scan(x.data_ptr(), None, 2, c, 5, 2, None, None, k, knots.data_ptr(), knots.data_ptr(),
                                    table.pairs.data_ptr(), 8, table.glo.data_ptr(), table.ginv.data_ptr(), 5, 8,

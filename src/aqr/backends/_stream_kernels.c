@@ -18,6 +18,8 @@
  *   aqr_stream_tables   the lookup table of the map from the knots onto the source knots
  *   aqr_stream_group_merge  target="robust": each group's pending histogram into its CDF
  *   aqr_stream_mixture  target="robust": the quantiles of the equal mixture of the groups' CDFs
+ *   aqr_stream_shift_distances  target="robust": how far a batch's histogram lies from the knots' CDF,
+ *                       and its two halves from each other
  *
  * Every index computed from data (a table cell, a histogram bin, a position in the sorted window)
  * is clamped to its array before a float is converted; sizes and counters the caller passes are
@@ -709,4 +711,60 @@ int aqr_stream_tables(int64_t C, int64_t K, const float *kn, const float *sq, in
     stream_tables_args a = {C, K, G, kn, sq, pairs, glo, ginv};
     parallel_for(stream_tables_part, &a, C, stream_parts(C, C * G * 8, nthreads));
     return STREAM_OK;
+}
+
+/* target="robust"'s shift test. Over the channels c whose even and whose odd images both counted
+   something: the mean Kolmogorov distance between the histogram of the N images' counts
+   (N, C, GC + 4, aqr_stream_scan's IMAGE_COUNT layout, negative counts read as 0) and the piecewise-
+   linear CDF through the knots kn (C, K) at the bins' upper edges (p0, p1, the GC cells' edges up to
+   p_{K-2}, p_{K-1}) into out[0], the mean distance between the even and the odd images' histograms
+   there into out[1] (0 when no channel counted). Returns the number of channels counted; refuses
+   non-finite knots. */
+int aqr_stream_shift_distances(int64_t N, int64_t C, int64_t K, const float *kn, const int32_t *counts, int64_t GC,
+                               double *out) {
+    if (N < 1 || N >= (1 << 30) || !stream_sizes_ok(C, K, 1, GC) || C > INT64_MAX / N / (GC + STREAM_EDGE_BINS) / 8 ||
+        !kn || !counts || !out)
+        return STREAM_BAD_ARGUMENT;
+    for (int64_t j = 0; j < C * K; j++)
+        if (stream_nonfinite(kn[j])) return STREAM_BAD_ARGUMENT;
+    const int64_t bins = GC + STREAM_EDGE_BINS, plane = C * bins;
+    int64_t *acc = calloc((size_t)(2 * plane), sizeof(int64_t)); /* the even, then the odd images' sums */
+    if (!acc) return STREAM_NO_MEMORY;
+    for (int64_t i = 0; i < N; i++) { /* image by image, in memory order */
+        const int32_t *row = counts + i * plane;
+        int64_t *dst = acc + (i & 1) * plane;
+        for (int64_t j = 0; j < plane; j++) dst[j] += row[j] > 0 ? row[j] : 0;
+    }
+    double to_target = 0, between = 0;
+    int64_t counted = 0;
+    for (int64_t c = 0; c < C; c++) {
+        const int64_t *even = acc + c * bins, *odd = acc + plane + c * bins;
+        double te = 0, to = 0;
+        for (int64_t j = 0; j < bins; j++) te += (double)even[j], to += (double)odd[j];
+        if (!(te > 0 && to > 0)) continue;
+        const float *k = kn + c * K;
+        const double k1 = k[1], kb = k[K - 2];
+        double ce = 0, co = 0, d_target = 0, d_halves = 0;
+        int64_t above = 0; /* knots at or below the edge (edges ascend with sorted knots) */
+        for (int64_t j = 0; j < GC + 3; j++) {
+            ce += (double)even[j], co += (double)odd[j];
+            const double edge = j == 0 ? (double)k[0] : j == 1 ? k1 : j == GC + 1 ? kb : j == GC + 2 ? (double)k[K - 1]
+                              : k1 + (kb - k1) * ((double)(j - 1) / (double)GC);
+            while (above < K && (double)k[above] <= edge) above++;
+            const int64_t q = above < 1 ? 1 : (above > K - 1 ? K - 1 : above);
+            const double z0 = k[q - 1], run = (double)k[q] - z0;
+            double t = run > 0 ? (edge - z0) / run : 1.0;
+            t = t > 0 ? (t < 1 ? t : 1.0) : 0.0;
+            const double target = ((double)(q - 1) + t) / (double)(K - 1);
+            const double pooled = (ce + co) / (te + to), apart = fabs(ce / te - co / to);
+            const double d = fabs(pooled - target);
+            if (d > d_target) d_target = d;
+            if (apart > d_halves) d_halves = apart;
+        }
+        to_target += d_target, between += d_halves, counted++;
+    }
+    free(acc);
+    out[0] = counted ? to_target / (double)counted : 0.0;
+    out[1] = counted ? between / (double)counted : 0.0;
+    return (int)(counted < INT32_MAX ? counted : INT32_MAX);
 }

@@ -140,8 +140,8 @@ def check_scan(x: torch.Tensor, images: int, knots: torch.Tensor, source: torch.
 
 
 class StreamKernels(abc.ABC):
-    """The operations of streaming AQR on one device (see the module docstring); the last two,
-    :meth:`group_merge` and :meth:`mixture`, are ``target="robust"``'s."""
+    """The operations of streaming AQR on one device (see the module docstring); the last three,
+    :meth:`group_merge`, :meth:`mixture` and :meth:`shift_distances`, are ``target="robust"``'s."""
 
     name = ""
 
@@ -199,3 +199,11 @@ class StreamKernels(abc.ABC):
         the piecewise-linear CDFs through ``groups`` ``(M, C, K)`` (finite), evaluated at ``grid`` points
         spread over the groups' inner knots and at each group's first two and last two knots (exact
         there, linear in between); the ends are not touched."""
+
+    @abc.abstractmethod
+    def shift_distances(self, counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
+        """Over the channels whose even and odd images both counted something: the mean Kolmogorov
+        distance between the histogram of all images' ``counts`` ``(N, C, cells + 4)`` (on the bins of
+        ``knots`` ``(C, K)``, as :meth:`scan` counts) and the piecewise-linear CDF through ``knots``, at
+        the bins' upper edges, and the mean distance between the even and the odd images' histograms
+        there; ``(0, 0)`` when no channel counted."""

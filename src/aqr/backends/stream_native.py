@@ -30,7 +30,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.aqr_stream_tables.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _C]
     lib.aqr_stream_group_merge.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P, _P, _C]
     lib.aqr_stream_mixture.argtypes = [_I, _I, _I, _P, _I, _P, _C]
-    for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture"):
+    lib.aqr_stream_shift_distances.argtypes = [_I, _I, _I, _P, _P, _I, _P]
+    for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture", "shift_distances"):
         getattr(lib, f"aqr_stream_{name}").restype = _C
     return lib
 
@@ -145,3 +146,14 @@ class NativeStreamKernels(StreamKernels):
         groups = _cpu_float(groups)
         _check(self.lib.aqr_stream_mixture(m, c, k, groups.data_ptr(), grid, knots.data_ptr(), torch.get_num_threads()),
                "mixture")
+
+    def shift_distances(self, counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
+        c, k = knots.shape
+        if counts.dim() != 3 or counts.shape[1] != c or counts.shape[2] <= EDGE_BINS:
+            raise ValueError(f"shift_distances: counts {tuple(counts.shape)} for knots {tuple(knots.shape)}")
+        counts, knots = _cpu_float(counts, torch.int32), _cpu_float(knots)
+        out = (ctypes.c_double * 2)()
+        _check(self.lib.aqr_stream_shift_distances(counts.shape[0], c, k, knots.data_ptr(), counts.data_ptr(),
+                                                   counts.shape[2] - EDGE_BINS, ctypes.addressof(out)),
+               "shift_distances")
+        return out[0], out[1]

@@ -102,8 +102,9 @@ class AQRConfig:
         class_horizon: ``target="robust"``: each group's EMA horizon, in images of that group.
         own_batch: ``target="robust"``: while the recent predicted classes show no runs, a batch of
             ``rebuild_every`` or more images joins its own target as in ``target="stream"``
-            (:func:`aqr.core.robust.own_batch_share`); ``False``: every batch is mapped with the state
-            its predecessors left.
+            (:func:`aqr.core.robust.own_batch_share`), by the part of its difference from the target
+            that sampling does not explain (:func:`aqr.core.robust.shift_share`); ``False``: every
+            batch is mapped with the state its predecessors left.
     """
 
     tail: str | None = None

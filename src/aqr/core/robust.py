@@ -26,9 +26,12 @@ one batch behind streaming AQR, which merges a batch into its estimate before ma
 streams that costs the first batches after every change of corruption. While the recent predicted
 classes show no runs (:func:`own_batch_share`: the last :data:`RUN_WINDOW` consecutive predictions
 repeat no more often than independent draws would), a batch of ``rebuild_every`` or more images is
-mapped with the balanced knots merged with its own histogram at streaming AQR's batch weight; once
-classes come in runs, the share is 0 and a batch of one class does not map its own content away.
-The share changes only how the batch is mapped: the update it stages is the same.
+mapped with the balanced knots merged with its own histogram at streaming AQR's batch weight, times
+the part of its distance to the target that sampling does not explain (:func:`shift_share` of
+:func:`shift_ratio`, per layer): a batch drawn from the target (a steady stream, or a mixed one whose
+every batch samples the same mixture) would add only its own noise to it. Once classes come in runs,
+the share is 0 and a batch of one class does not map its own content away. The share changes only
+how the batch is mapped: the update it stages is the same.
 
 Memory per recalibrated channel: the ``"stream"`` state plus, per group, K float32 knots and a pending
 histogram of ``COUNT_CELLS + 4`` counts and two extremes (:meth:`RobustLayerStream.memory_bytes`; 16
@@ -141,7 +144,8 @@ class RobustLayerStream(LayerStream):
              own: float = 0.0) -> tuple[torch.Tensor | None, _RobustStaged | None]:
         """Map ``x`` (A, C, B) with the balanced knots; stage its per-image histograms and extremes.
         ``own`` in [0, 1]: a batch of ``rebuild_every`` or more images is mapped with the balanced knots
-        merged with its own histogram at ``own`` times streaming AQR's batch weight."""
+        merged with its own histogram at ``own`` times :func:`shift_share` times streaming AQR's batch
+        weight."""
         first = None
         if not self.started:
             y, first = self._first(x, images, pre)
@@ -165,9 +169,13 @@ class RobustLayerStream(LayerStream):
         r = kern.scan(x, images, pre, self.knots, self.source, self.table, IMAGE_COUNT, COUNT_STRIDE, COUNT_CELLS)
         if not r.finite:
             return None, None
+        ratio = shift_ratio(kern.shift_distances(r.counts, self.knots), images)
+        weight = own * shift_share(ratio) * batch_weight(images, self.seen, self.settings.horizon)
+        if weight <= 0:  # the batch is as close to the target as sampling allows: map it as it is
+            return kern.scan(x, images, pre, self.knots, self.source, self.table, MAP, COUNT_STRIDE,
+                             COUNT_CELLS).y, _RobustStaged(None, r.counts, r.lo, r.hi)
         window, group = cloned(self.window), PendingGroup.empty(self.channels, COUNT_CELLS, self.knots.device)
         kern.push(window, group, r.counts.sum(0, dtype=torch.int32), r.lo, r.hi)
-        weight = own * batch_weight(images, self.seen, self.settings.horizon)
         y, _ = self._map_tentative(x, images, pre, self.knots.clone(), window, group, weight)
         return y, _RobustStaged(None, r.counts, r.lo, r.hi)
 
@@ -242,3 +250,26 @@ def own_batch_share(recent: list[int]) -> float:
     z = (same - q) / max(math.sqrt(q * (1 - q) / pairs), 1e-12)
     lo, hi = RUN_Z
     return min(1.0, max(0.0, (hi - z) / (hi - lo)))
+
+
+def shift_ratio(distances: tuple[float, float], images: int) -> float:
+    """How far a batch of ``images`` images lies from the running target, in units of its own sampling
+    noise, from its :meth:`~aqr.backends.stream_base.StreamKernels.shift_distances` (the channels' mean
+    Kolmogorov distance to the target's CDF, and between its two halves): about 1 for a batch drawn
+    from the target, ``inf`` when its halves cannot tell (fewer than 2 images, nothing counted)."""
+    to_target, between = distances
+    if images < 2:
+        return math.inf
+    # the halves' distance has the scale sqrt(1/a + 1/b) of two samples of a and b images, the batch's
+    # distance to the target that of one sample of n = a + b: 1/sqrt(n)
+    a, b = (images + 1) // 2, images // 2
+    noise = between * math.sqrt(a * b) / images
+    if not noise > 0:
+        return math.inf if to_target > 0 else 0.0
+    return to_target / noise
+
+
+def shift_share(ratio: float) -> float:
+    """The share of a batch's distance to the target that sampling does not explain, ``1 - 1/ratio^2``
+    (0 below ``ratio = 1``): its distance squared is the sum of a shift's and sampling's."""
+    return 1.0 - 1.0 / (ratio * ratio) if ratio > 1 else 0.0  # (NaN: 0)
