@@ -256,7 +256,8 @@ def shift_ratio(distances: tuple[float, float], images: int) -> float:
     """How far a batch of ``images`` images lies from the running target, in units of its own sampling
     noise, from its :meth:`~aqr.backends.stream_base.StreamKernels.shift_distances` (the channels' mean
     Kolmogorov distance to the target's CDF, and between its two halves): about 1 for a batch drawn
-    from the target, ``inf`` when its halves cannot tell (fewer than 2 images, nothing counted)."""
+    from the target; ``inf`` for fewer than 2 images or halves that agree exactly on a batch away from
+    the target; 0 when nothing was counted."""
     to_target, between = distances
     if images < 2:
         return math.inf
