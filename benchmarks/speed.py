@@ -48,7 +48,9 @@ import aqr
 from aqr import methods, models
 from aqr.data import load_npz_arrays, to_float
 
-# the data folder ($AQR_DATA_DIR) is optional here: random weights and images cost the same
+# the data folder ($AQR_DATA_DIR) is optional here: random weights and images cost the same, except
+# for target="robust", whose work grows with the classes the model predicts (one group each): random
+# weights predict few, so its rows need the trained weights and real images (see ROBUST_NEEDS_DATA)
 DATA = Path(os.environ["AQR_DATA_DIR"]) if os.environ.get("AQR_DATA_DIR") else None
 AKAMASTER = DATA / "checkpoints" / "akamaster" / "resnet20-12fca82f.th" if DATA else None
 MODELS = {
@@ -225,6 +227,10 @@ def per_batch(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+ROBUST_NEEDS_DATA = ("warning: no $AQR_DATA_DIR, so random weights: they predict few classes, and the aqr-robust "
+                     "rows understate the robust variant's cost (its work grows with the classes predicted)")
+
+
 def small_batches(args: argparse.Namespace) -> list[dict]:
     """Per model and small batch size: the per-image cost of each method against the plain forward,
     each round streaming the same images through every method in turn (see the module docs)."""
@@ -390,6 +396,8 @@ def main() -> None:
     if args.stream:
         if args.methods == METHODS:
             args.methods = STREAM_METHODS
+        if DATA is None and any(m.startswith("aqr-robust") for m in args.methods):
+            print(ROBUST_NEEDS_DATA, file=sys.stderr, flush=True)
         rows = small_batches(args)
         print()
         print(markdown(rows).replace("| model | batch |", "| model | batch (ms per image) |"))
