@@ -165,31 +165,21 @@ def mixture_quantiles(knots: torch.Tensor, k: int, grid: int) -> torch.Tensor:
 def shift_distances(counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
     """:meth:`~aqr.backends.stream_base.StreamKernels.shift_distances` (``aqr_stream_shift_distances``)."""
     c, k = knots.shape
-    cells = counts.shape[2] - EDGE_BINS
     counts = counts.clamp(min=0)  # (as the merges read a histogram)
-    halves = torch.stack([counts[0::2].sum(0, dtype=torch.int64), counts[1::2].sum(0, dtype=torch.int64)]).double()
-    total = halves.sum(2, keepdim=True)
-    counted = (total > 0).all(0)[:, 0]
+    ends = knots[:, 0], knots[:, k - 1]
+    # each half's CDF at the bins' edges (the points' first and last are the extremes: not edges)
+    (z, even, n_even), (_, odd, n_odd) = (histogram_points(knots, counts[h::2].sum(0, dtype=torch.int64), *ends)
+                                          for h in (0, 1))
+    counted = ((n_even > 0) & (n_odd > 0))[:, 0]
     m = int(counted.sum())
     if m == 0:
         return 0.0, 0.0
-    cum = halves.cumsum(2)[:, :, : cells + 3]  # the counts below each bin's upper edge but the last's
-    pooled = cum.sum(0) / total.sum(0).clamp(min=1)
-    apart = cum[0] / total[0].clamp(min=1) - cum[1] / total[1].clamp(min=1)
-    kd = knots.double()
-    k1, kb = kd[:, 1:2], kd[:, k - 2 : k - 1]
-    step = torch.arange(1, cells + 1, dtype=torch.float64, device=kd.device) / cells
-    inner = k1 + (kb - k1) * step
-    inner[:, -1:] = kb
-    edges = torch.cat([kd[:, :2], inner, kd[:, k - 1 :]], dim=1).contiguous()
-    above = torch.searchsorted(kd.contiguous(), edges, right=True).clamp(1, k - 1)  # knots at or below, >= 1
-    z0, z1 = kd.gather(1, above - 1), kd.gather(1, above)
-    run = z1 - z0
-    t = torch.where(run > 0, (edges - z0) / torch.where(run > 0, run, torch.ones_like(run)), torch.ones_like(run))
-    target = ((above - 1) + t.clamp(0, 1)) / (k - 1)
+    edges, even, odd = z[:, 1:-1].contiguous(), even[:, 1:-1], odd[:, 1:-1]
+    pooled = (even * n_even + odd * n_odd) / (n_even + n_odd).clamp(min=1)
+    _, target = cdf_at(knots.double().contiguous(), knot_levels(k, c, knots.device), edges)
     weight = counted.double()
     to_target = float(((pooled - target).abs().amax(1) * weight).sum()) / m
-    between = float((apart.abs().amax(1) * weight).sum()) / m
+    between = float(((even - odd).abs().amax(1) * weight).sum()) / m
     return to_target, between
 
 
