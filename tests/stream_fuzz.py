@@ -161,11 +161,13 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
     if bool(torch.isfinite(members).all()):
         mixed = [merged[1].clone(), merged[1].clone()]
         grid = max(2, case["grid"])
-        native.mixture(members, mixed[0], grid)
-        ref.mixture(members, mixed[1], grid)
-        _close(mixed[0], mixed[1], "mixture knots")
-        inner = mixed[1][:, 1:-1]  # (the ends are the tails', set after the mixture)
-        assert bool((inner[:, 1:] >= inner[:, :-1]).all()), "the mixture's inner knots must be sorted"
+        # equal, then weighted (one weight 0, the others from the case: the same kernel at any scale)
+        for w in (None, torch.tensor([case["weight"], 0.0, 1.0, 3.0 * case["weight"] + 1e-3], dtype=torch.float64)):
+            native.mixture(members, mixed[0], grid, w)
+            ref.mixture(members, mixed[1], grid, w)
+            _close(mixed[0], mixed[1], "mixture knots")
+            inner = mixed[1][:, 1:-1]  # (the ends are the tails', set after the mixture)
+            assert bool((inner[:, 1:] >= inner[:, :-1]).all()), "the mixture's inner knots must be sorted"
 
 
 def fuzz(lib: ctypes.CDLL, examples: int, seed: int | None = None) -> None:

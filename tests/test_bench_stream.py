@@ -14,7 +14,7 @@ from aqr.bench.grid import (CONTINUAL_ORDER, NONIID_METHODS, NONIID_ORDERS, STRE
                             preset, stream_corruptions)
 from aqr.bench.report import load_rows, report
 from aqr.bench.results import ResultsDB
-from aqr.bench.runner import cell_files, run_cell, run_grid
+from aqr.bench.runner import cell_files, run_cell, run_grid, stats_options
 from aqr.data.arrays import to_float
 from aqr.methods import create
 from tests.test_bench import _tiny_setup
@@ -44,11 +44,15 @@ def test_the_noniid_stream_preset() -> None:
     assert grid.orders == NONIID_ORDERS
     assert [(m.name, dict(m.options)) for m in grid.methods] == [
         ("source", {}), ("ttn", {}), ("bn-ema", {}), ("rbn", {}), ("tent", {}), ("aqr", {}),
-        ("aqr", {"target": "stream"}), ("aqr", {"target": "robust"})]
+        ("aqr", {"target": "stream"}), ("aqr", {"target": "robust"}), ("aqr", {"target": "robust", "balance": 0.5})]
     cells = list(grid.cells())
-    assert len(cells) == len(grid) == 3 * len(NONIID_METHODS) * 2 * 5 == 240
-    assert len({(c.model.name, c.variant, c.batch_size, c.order) for c in cells}) == 240
+    assert len(cells) == len(grid) == 3 * len(NONIID_METHODS) * 2 * 5 == 270
+    assert len({(c.model.name, c.variant, c.batch_size, c.order) for c in cells}) == 270
     assert {c.order for c in cells if c.variant == "aqr[target=robust]" and c.model.name == "vit_ln"} == set(NONIID_ORDERS)
+    # balance < 1 maps onto class-conditional knots: its statistics are calibrated with groups, in their own file
+    grouped = [c for c in cells if c.option_dict.get("balance") == 0.5]
+    assert grouped and all(stats_options(c).get("groups") == 16 for c in grouped)
+    assert all("groups" not in stats_options(c) for c in cells if c not in grouped)
 
 
 def test_the_noniid_preset_runs_every_method_in_every_order(tiny_stream, tmp_path: Path) -> None:

@@ -71,6 +71,24 @@ def test_the_mixture_of_group_cdfs_matches_its_exact_quantiles(kern, groups: int
         assert float(((got - knots[0, :, 1 : k - 1]).abs().amax(1) / span).max()) < 3e-3
 
 
+@pytest.mark.parametrize("kern", KERNELS, ids=lambda k: k.name)
+def test_a_weighted_mixture_repeats_its_groups_by_weight(kern) -> None:
+    g = torch.Generator().manual_seed(5)
+    k = 21
+    values = torch.randn(3, 4, 2000, generator=g, dtype=torch.float64) + torch.arange(3.0, dtype=torch.float64)[:, None, None] * 2
+    knots = torch.quantile(values, torch.linspace(0, 1, k, dtype=torch.float64), dim=-1).permute(1, 2, 0).float().contiguous()
+    weighted, repeated, alone = torch.zeros(4, k), torch.zeros(4, k), torch.zeros(4, k)
+    kern.mixture(knots, weighted, MIXTURE_GRID, torch.tensor([2.0, 1.0, 0.0], dtype=torch.float64))
+    kern.mixture(knots[[0, 0, 1]].contiguous(), repeated, MIXTURE_GRID)
+    kern.mixture(knots, alone, MIXTURE_GRID, torch.tensor([0.0, 0.0, 5.0], dtype=torch.float64))
+    span = float(knots[:, :, k - 2].max() - knots[:, :, 1].min())
+    # the grid differs (the zero-weight group's knots are still among its points): close, not equal
+    assert float((weighted - repeated)[:, 1:-1].abs().max()) < 3e-3 * span
+    assert float((alone - knots[2])[:, 1:-1].abs().max()) < 3e-3 * span
+    with pytest.raises(ValueError, match="weights"):
+        kern.mixture(knots, alone, MIXTURE_GRID, torch.tensor([1.0, 1.0], dtype=torch.float64))
+
+
 def test_a_groups_step_is_capped_once_it_has_a_state() -> None:
     assert group_step(64, 0, 16.0) == 1.0
     assert group_step(64, 10, 16.0) == MAX_GROUP_STEP
@@ -113,8 +131,9 @@ def test_runs_of_one_class_leave_the_target_balanced_where_the_stream_follows_th
         assert abs(s25 - run) < 0.7 and abs(s75 - run) < 0.7  # the stream is the current run
         if i > 0:  # both classes seen: a quarter below -1.5, a quarter above 1.5, whichever the run
             assert r25 < -1.5 and r75 > 1.5
-    # per group and channel: its knots, and its pending histogram (64 + 4 counts) and two extremes
-    assert robust.memory_bytes() == stream.memory_bytes() + 2 * c * (k + 68 + 2) * 4
+    # per group and channel: its knots, and its pending histogram (64 + 4 counts) and two extremes; per group
+    # its recent share (float64)
+    assert robust.memory_bytes() == stream.memory_bytes() + 2 * c * (k + 68 + 2) * 4 + 2 * 8
 
 
 def test_small_batches_pool_until_the_rebuild_as_one_batch_would() -> None:

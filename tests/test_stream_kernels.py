@@ -53,11 +53,14 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
                                  table.glo.data_ptr(), table.ginv.data_ptr(), 1) == -2  # K < 3
     x, counts, lo, hi = torch.zeros(2, c, 5), torch.zeros(2, c, 12, dtype=torch.int32), torch.zeros(2, c), torch.zeros(2, c)
     groups = torch.zeros(2, c, k)
-    assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), 1, knots.data_ptr(), 1) == -2  # a grid of one point
-    assert lib.aqr_stream_mixture(0, c, k, groups.data_ptr(), 8, knots.data_ptr(), 1) == -2  # no group
-    assert lib.aqr_stream_mixture(2, 1 << 60, k, groups.data_ptr(), 8, knots.data_ptr(), 1) == -2  # sizes overflow
+    assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), None, 1, knots.data_ptr(), 1) == -2  # a grid of one point
+    assert lib.aqr_stream_mixture(0, c, k, groups.data_ptr(), None, 8, knots.data_ptr(), 1) == -2  # no group
+    assert lib.aqr_stream_mixture(2, 1 << 60, k, groups.data_ptr(), None, 8, knots.data_ptr(), 1) == -2  # sizes overflow
+    for bad in ([0.0, 0.0], [1.0, -0.5], [1.0, float("nan")], [float("inf"), 1.0], [1e308, 1e308]):
+        w = torch.tensor(bad, dtype=torch.float64)  # all 0, negative, NaN, Inf, a sum that overflows
+        assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), w.data_ptr(), 8, knots.data_ptr(), 1) == -2, bad
     groups[1, 0, 3] = float("nan")
-    assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), 8, knots.data_ptr(), 1) == -2  # a NaN knot
+    assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), None, 8, knots.data_ptr(), 1) == -2  # a NaN knot
     rows = torch.zeros(c, k)
     weights = torch.tensor([0.5, 1.5, 0.5], dtype=torch.float64)  # a weight outside [0, 1]
     assert lib.aqr_stream_group_merge(c, k, rows.data_ptr(), knots.data_ptr(), torch.zeros(c, 12, dtype=torch.int32).data_ptr(),

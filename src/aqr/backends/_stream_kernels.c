@@ -17,7 +17,7 @@
  *   aqr_stream_merge    the pending group into the knots: EMA of piecewise-linear CDFs
  *   aqr_stream_tables   the lookup table of the map from the knots onto the source knots
  *   aqr_stream_group_merge  target="robust": each group's pending histogram into its CDF
- *   aqr_stream_mixture  target="robust": the quantiles of the equal mixture of the groups' CDFs
+ *   aqr_stream_mixture  target="robust": the quantiles of the (weighted) mixture of the groups' CDFs
  *   aqr_stream_shift_distances  target="robust": how far a batch's histogram lies from the knots' CDF,
  *                       and its two halves from each other
  *
@@ -551,6 +551,8 @@ int aqr_stream_group_merge(int64_t R, int64_t K, float *gk, const float *bk, con
 typedef struct {
     int64_t M, C, K, grid;
     const float *gk;
+    const double *w; /* (M) weights, >= 0 */
+    double total;    /* their sum, > 0 */
     float *kn;
     char *scratch; /* per part: stream_mixture_scratch_bytes */
 } stream_mixture_args;
@@ -628,30 +630,46 @@ static void stream_mixture_part(void *p, int part, int64_t c0, int64_t c1) {
                 while (le < K && gz[le] <= z[i]) le++;
                 double left, right;
                 stream_cdf_at(gz, levels, K, z[i], lt, le, &left, &right);
-                hl[i] += left, hr[i] += right;
+                hl[i] += a->w[g] * left, hr[i] += a->w[g] * right;
             }
         }
-        for (int64_t i = 0; i < n; i++) hl[i] /= (double)M, hr[i] /= (double)M;
+        for (int64_t i = 0; i < n; i++) hl[i] /= a->total, hr[i] /= a->total; /* once: equal weights, the mean */
         stream_curve_quantiles(z, hl, hr, n, K, pts, lev, a->kn + c * K);
     }
 }
 
-/* kn (C, K): the inner knots kn[:, 1..K-2] become the inner quantiles of the equal mixture of the M
-   piecewise-linear CDFs through the group knots gk (M, C, K) (at levels j / (K - 1)), the mixture
-   evaluated at grid points spread over [min of the groups' k1, max of their k_{K-2}] and at every
-   group's first two and last two knots, linear in between; kn's ends are not touched. */
-int aqr_stream_mixture(int64_t M, int64_t C, int64_t K, const float *gk, int64_t grid, float *kn, int nthreads) {
+/* kn (C, K): the inner knots kn[:, 1..K-2] become the inner quantiles of the mixture, with weights w
+   (M; NULL: equal; finite, >= 0, not all 0), of the M piecewise-linear CDFs through the group knots
+   gk (M, C, K) (at levels j / (K - 1)), the mixture evaluated at grid points spread over [min of the
+   groups' k1, max of their k_{K-2}] and at every group's first two and last two knots, linear in
+   between; kn's ends are not touched. */
+int aqr_stream_mixture(int64_t M, int64_t C, int64_t K, const float *gk, const double *w, int64_t grid, float *kn,
+                       int nthreads) {
     if (!stream_sizes_ok(C, K, 1, 1) || M < 1 || M >= (1 << 20) || grid < 2 || grid >= (1 << 20) ||
         C > INT64_MAX / M / (K + grid) / 8 || !gk || !kn)
         return STREAM_BAD_ARGUMENT;
     for (int64_t i = 0; i < M * C * K; i++)
         if (stream_nonfinite(gk[i])) return STREAM_BAD_ARGUMENT;
+    double total = 0.0;
+    for (int64_t g = 0; g < M; g++) {
+        const double wg = w ? w[g] : 1.0;
+        if (!(wg >= 0 && wg <= 1e300)) return STREAM_BAD_ARGUMENT; /* NaN, Inf and negatives */
+        total += wg;
+    }
+    if (!(total > 0 && total <= 1e300)) return STREAM_BAD_ARGUMENT;
+    double *weights = malloc((size_t)M * sizeof(double));
+    if (!weights) return STREAM_NO_MEMORY;
+    for (int64_t g = 0; g < M; g++) weights[g] = w ? w[g] : 1.0;
     const int parts = stream_parts(C, C * M * (K + grid) * 4, nthreads);
     char *scratch = malloc((size_t)(parts * stream_mixture_scratch_bytes(M, K, grid)));
-    if (!scratch) return STREAM_NO_MEMORY;
-    stream_mixture_args a = {M, C, K, grid, gk, kn, scratch};
+    if (!scratch) {
+        free(weights);
+        return STREAM_NO_MEMORY;
+    }
+    stream_mixture_args a = {M, C, K, grid, gk, weights, total, kn, scratch};
     parallel_for(stream_mixture_part, &a, C, parts);
     free(scratch);
+    free(weights);
     return STREAM_OK;
 }
 

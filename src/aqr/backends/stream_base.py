@@ -194,8 +194,10 @@ class StreamKernels(abc.ABC):
         The ends move to ``gmin``/``gmax`` by ``w`` (as ``torch.lerp``), kept outside the inner knots."""
 
     @abc.abstractmethod
-    def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int) -> None:
-        """In place: ``knots`` ``(C, K)``' inner knots become the inner quantiles of the equal mixture of
+    def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int,
+                weights: torch.Tensor | None = None) -> None:
+        """In place: ``knots`` ``(C, K)``' inner knots become the inner quantiles of the mixture, with
+        ``weights`` ``(M,)`` (finite, >= 0, not all 0; normalized; ``None``: equal), of
         the piecewise-linear CDFs through ``groups`` ``(M, C, K)`` (finite), evaluated at ``grid`` points
         spread over the groups' inner knots and at each group's first two and last two knots (exact
         there, linear in between); the ends are not touched."""

@@ -29,7 +29,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.aqr_stream_merge.argtypes = [_I, _I, _P, _P, _I, _P, _P, _D, _P, _P, _C]
     lib.aqr_stream_tables.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _C]
     lib.aqr_stream_group_merge.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P, _P, _C]
-    lib.aqr_stream_mixture.argtypes = [_I, _I, _I, _P, _I, _P, _C]
+    lib.aqr_stream_mixture.argtypes = [_I, _I, _I, _P, _P, _I, _P, _C]
     lib.aqr_stream_shift_distances.argtypes = [_I, _I, _I, _P, _P, _I, _P]
     for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture", "shift_distances"):
         getattr(lib, f"aqr_stream_{name}").restype = _C
@@ -139,13 +139,18 @@ class NativeStreamKernels(StreamKernels):
                                                counts.shape[1] - EDGE_BINS, gmin.data_ptr(), gmax.data_ptr(),
                                                weights.data_ptr(), torch.get_num_threads()), "group_merge")
 
-    def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int) -> None:
+    def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int,
+                weights: torch.Tensor | None = None) -> None:
         m, c, k = groups.shape
         if knots.shape != (c, k):
             raise ValueError(f"mixture: groups of {c} channels and {k} knots for knots {tuple(knots.shape)}")
+        if weights is not None:
+            if weights.shape != (m,):
+                raise ValueError(f"mixture: {tuple(weights.shape)} weights for {m} groups")
+            weights = weights.detach().to("cpu", torch.float64).contiguous()
         groups = _cpu_float(groups)
-        _check(self.lib.aqr_stream_mixture(m, c, k, groups.data_ptr(), grid, knots.data_ptr(), torch.get_num_threads()),
-               "mixture")
+        _check(self.lib.aqr_stream_mixture(m, c, k, groups.data_ptr(), _ptr(weights), grid, knots.data_ptr(),
+                                           torch.get_num_threads()), "mixture")
 
     def shift_distances(self, counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
         c, k = knots.shape

@@ -141,8 +141,9 @@ def count_bins(values: torch.Tensor, knots: torch.Tensor, cells: int) -> torch.T
     return torch.where(values < k1, (values >= k0).long(), torch.where(values >= kb, edge_hi, inner))
 
 
-def mixture_quantiles(knots: torch.Tensor, k: int, grid: int) -> torch.Tensor:
-    """``(C, K - 2)``: the inner quantiles, at levels ``j / (K - 1)``, of the equal mixture of the
+def mixture_quantiles(knots: torch.Tensor, k: int, grid: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``(C, K - 2)``: the inner quantiles, at levels ``j / (K - 1)``, of the mixture (``weights`` ``(M,)``,
+    normalized; ``None``: equal) of the
     piecewise-linear CDFs through ``knots`` ``(M, C, K)`` (float64), the mixture evaluated at ``grid``
     points spread over the groups' inner knots and at every group's first two and last two knots
     (exact at those; linear in between, where the mixture bends within a cell; ``aqr_stream_mixture``)."""
@@ -153,13 +154,15 @@ def mixture_quantiles(knots: torch.Tensor, k: int, grid: int) -> torch.Tensor:
     ends = knots[:, :, [0, 1, k - 2, k - 1]].permute(1, 0, 2).reshape(c, -1)
     z = torch.sort(torch.cat([spread, ends], dim=1), dim=1).values
     levels = knot_levels(k, c, knots.device)
+    w = [1.0] * m if weights is None else weights.double().cpu().tolist()
     hl = torch.zeros_like(z)
     hr = torch.zeros_like(z)
     for g in range(m):  # one group at a time: memory C * (grid + 4 M), not M times that
         left, right = cdf_at(knots[g].contiguous(), levels, z)
-        hl += left
-        hr += right
-    return curve_quantiles(z, hl / m, hr / m, k)
+        hl += w[g] * left
+        hr += w[g] * right
+    total = sum(w)  # (divided once, at the end: equal weights give the plain mean)
+    return curve_quantiles(z, hl / total, hr / total, k)
 
 
 def shift_distances(counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
@@ -313,9 +316,15 @@ class TorchStreamKernels(StreamKernels):
         new[:, -1] = torch.maximum(hi, new[:, -2])
         knots.copy_(new)
 
-    def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int) -> None:
-        k = knots.shape[1]
-        knots[:, 1 : k - 1] = mixture_quantiles(groups.double(), k, grid)
+    def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int,
+                weights: torch.Tensor | None = None) -> None:
+        m, _, k = groups.shape
+        if weights is not None:
+            if weights.shape != (m,):
+                raise ValueError(f"mixture: {tuple(weights.shape)} weights for {m} groups")
+            if not bool(torch.isfinite(weights).all() and (weights >= 0).all() and weights.sum() > 0):
+                raise ValueError("mixture: the weights must be finite, >= 0 and not all 0")
+        knots[:, 1 : k - 1] = mixture_quantiles(groups.double(), k, grid, weights)
 
     def shift_distances(self, counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
         return shift_distances(counts, knots)

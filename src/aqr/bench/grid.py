@@ -423,9 +423,11 @@ BASELINES = ("source", "ttn", "tent", "sar", "moments", "aqr")
 # methods used on streams, all online.
 STREAM_METHODS = ("source", "ttn", "bn-ema", "tent", "sar", "aqr", "aqr:target=stream")
 # The stream-noniid preset (issue 16): the stream preset's stream in these orders, i.i.d. first, then ever
-# longer runs of one class, then all corruptions mixed; its methods add rbn and AQR's robust variant.
+# longer runs of one class, then all corruptions mixed; its methods add rbn and AQR's robust variant, balanced
+# and with its class-conditional source knots (balance=0.5: statistics calibrated with groups).
 NONIID_ORDERS = ("iid", "delta=1", "delta=0.1", "delta=0.01", "mixed")
-NONIID_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "aqr", "aqr:target=stream", "aqr:target=robust")
+NONIID_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "aqr", "aqr:target=stream", "aqr:target=robust",
+                  "aqr:target=robust,balance=0.5")
 
 
 def imagenet_models(imagenet_dir: str | Path) -> dict[str, ModelSpec]:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 DEFAULT_K = 101
 DEFAULT_MAX_SAMPLES = 100_000
+DEFAULT_GROUPS = 16  # aqr.AQRConfig.groups
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,11 @@ def fingerprints(cell: Cell) -> dict[str, str]:
 def stats_options(cell: Cell) -> dict[str, Any]:
     """The options that determine the cell's source statistics (read by methods that need statistics)."""
     opts = cell.option_dict
-    return {"K": int(opts.get("K", DEFAULT_K)), "max_samples": int(opts.get("max_samples", DEFAULT_MAX_SAMPLES)),
-            "tail_unit": str(opts.get("tail_unit", DEFAULT_TAIL_UNIT))}
+    out = {"K": int(opts.get("K", DEFAULT_K)), "max_samples": int(opts.get("max_samples", DEFAULT_MAX_SAMPLES)),
+           "tail_unit": str(opts.get("tail_unit", DEFAULT_TAIL_UNIT))}
+    if float(opts.get("balance", 1.0)) < 1:  # class-conditional knots (only then: other cells keep their files)
+        out["groups"] = int(opts.get("groups", DEFAULT_GROUPS))
+    return out
 
 
 def stats_path(cell: Cell, cache_dir: str | Path) -> Path:
@@ -296,7 +300,8 @@ def compute_stats(cell: Cell, progress: bool = False, device: str | None = None,
     source = source_dataset(cell.model, model_preprocess(cell.model, model))
     with torch_threads(threads):
         return calibrate(model, data_loader(source, 500, loader_workers, device), num_quantiles=opts["K"],
-                         max_samples=opts["max_samples"], tail_unit=opts["tail_unit"], progress=progress)
+                         max_samples=opts["max_samples"], tail_unit=opts["tail_unit"], progress=progress,
+                         groups=opts.get("groups"))
 
 
 def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False, device: str | None = None,

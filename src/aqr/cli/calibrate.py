@@ -30,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="Average Sample Tails: a 'batch of 100' is 100 activation values or 100 images")
     p.add_argument("--layers", default="all", help="all, top-half, bottom-half or comma-separated layer names")
     p.add_argument("--max-samples", type=count(2), default=100_000, help="values kept per channel for the quantiles")
+    p.add_argument("--groups", type=count(1, 4096), default=None,
+                   help="also keep each group's knots (source class y in group y %% G), for target='robust' with "
+                        "balance < 1 (its groups: 16 by default)")
     p.add_argument("--batch-size", type=count(1), default=500)
     p.add_argument("--seed", type=count(0), default=0, help="seeds the image draw and the statistics' sampling")
     p.add_argument("--no-progress", action="store_true")
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         layers = args.layers if args.layers in ("all", "top-half", "bottom-half") else args.layers.split(",")
         stats = calibrate(model, data_loader(source, args.batch_size, args.workers, args.device), layers=layers,
                           num_quantiles=args.num_quantiles, tail=args.tail, tail_unit=args.tail_unit,
-                          max_samples=args.max_samples, seed=args.seed, progress=not args.no_progress)
+                          max_samples=args.max_samples, seed=args.seed, progress=not args.no_progress,
+                          groups=args.groups)
     path = stats.save(args.out)
     how = f" ({preprocess})" if is_image_source(args.data) else ""
     print(f"wrote {path}: {len(stats.layer_names)} layers, K={args.num_quantiles}, {len(source)} source images{how}",

@@ -105,6 +105,12 @@ class AQRConfig:
             (:func:`aqr.core.robust.own_batch_share`), by the part of its difference from the target
             that sampling does not explain (:func:`aqr.core.robust.shift_share`); ``False``: every
             batch is mapped with the state its predecessors left.
+        balance: ``target="robust"``: the share of the groups' weights spread equally; 1 (default): the
+            groups' equal mixture mapped onto the source knots. Below 1 the rest goes to each group in
+            proportion to its share of the last ``recent_horizon`` images (an EMA), and the target is
+            mapped onto the same mixture of the groups' own source knots, so a run of one class is
+            mapped mostly onto its class (needs statistics from ``aqr.calibrate(..., groups=groups)``).
+        recent_horizon: ``balance < 1``: the EMA horizon of the groups' shares, in images.
     """
 
     tail: str | None = None
@@ -130,6 +136,8 @@ class AQRConfig:
     class_horizon: float = 32.0
     passes: int = 1
     own_batch: bool = True
+    balance: float = 1.0
+    recent_horizon: float = 64.0
 
     def __post_init__(self) -> None:
         if self.match not in MATCHES:
@@ -156,7 +164,7 @@ class AQRConfig:
         StreamSettings(self.estimator, self.horizon, self.tail_window, 100, self.rebuild_every, self.stream_grid)  # checks
         from aqr.core.robust import RobustSettings
 
-        RobustSettings(self.groups, self.class_horizon)  # checks
+        RobustSettings(self.groups, self.class_horizon, self.balance, self.recent_horizon)  # checks
         if self.passes not in (1, 2) or isinstance(self.passes, bool):
             raise ValueError(f"passes must be 1 or 2, got {self.passes!r}")
         if not isinstance(self.own_batch, bool):
@@ -518,10 +526,11 @@ class AQR(nn.Module):
             batch = self._batch
             try:
                 batch.begin(int(x.shape[0]) if x.ndim else 0)
-                if self.config.target == "robust" and self.config.own_batch:
+                if self.config.target == "robust":
                     from aqr.core.robust import own_batch_share
 
-                    batch.own = own_batch_share(batch.recent)
+                    share = own_batch_share(batch.recent)
+                    batch.own, batch.runs = (share if self.config.own_batch else 0.0), 1.0 - share
                 with torch.no_grad():
                     out = self._twin(x)
                 if not self._reach_checked:
@@ -596,6 +605,7 @@ class AQR(nn.Module):
             if c.target == "robust":
                 text += f", target='robust', groups={c.groups}, class_horizon={c.class_horizon:g}"
                 text += "" if c.own_batch else ", own_batch=False"
+                text += f", balance={c.balance:g}, recent_horizon={c.recent_horizon:g}" if c.balance < 1 else ""
             else:
                 text += f", target='stream', estimator={c.estimator!r}, horizon={c.horizon:g}"
         return text

@@ -155,15 +155,24 @@ class LayerCollector:
             keys = keys if self.keys is None else torch.cat([self.keys, keys])
         self.values, self.keys = values.contiguous(), keys
 
-    def finish(
-        self, module: nn.Module, num_quantiles: int, tail_batch: int, tail_repeats: int
-    ) -> LayerStats:
-        """The layer's statistics: ``num_quantiles`` knots and Average Sample Tails over ``tail_batch``."""
+    def _knots(self, num_quantiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept sample sorted per channel, and ``num_quantiles`` knots whose ends are the exact extremes."""
         if self.values is None:
             raise LayerError(f"layer {self.info.name!r} was never called during calibration")
         ordered = sort_rows(self.values)
         q = sorted_quantiles(ordered, num_quantiles)
         q[:, 0], q[:, -1] = self.min, self.max
+        return ordered, q
+
+    def knots(self, num_quantiles: int) -> torch.Tensor:
+        """``(C, K)`` knots of what was seen (ends: the exact extremes), on the CPU."""
+        return self._knots(num_quantiles)[1].cpu()
+
+    def finish(
+        self, module: nn.Module, num_quantiles: int, tail_batch: int, tail_repeats: int
+    ) -> LayerStats:
+        """The layer's statistics: ``num_quantiles`` knots and Average Sample Tails over ``tail_batch``."""
+        ordered, q = self._knots(num_quantiles)
         if self.per_input:
             # min over 100 inputs = min of their per-input minima (a channel's draws are uniform
             # over inputs, so over ranks of the sorted minima: the same trick as for values)
@@ -218,6 +227,14 @@ def _inputs(batch: object) -> torch.Tensor:
     )
 
 
+def _labels(batch: object) -> torch.Tensor | None:
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
+        return batch[1]
+    if isinstance(batch, dict) and isinstance(batch.get("label", batch.get("target")), torch.Tensor):
+        return batch.get("label", batch.get("target"))
+    return None
+
+
 def calibrate(
     model: nn.Module,
     source: Iterable[object],
@@ -234,6 +251,7 @@ def calibrate(
     device: torch.device | str | None = None,
     progress: bool = False,
     compile: bool = True,
+    groups: int | None = None,
 ) -> SourceStats:
     """Run ``model`` over ``source`` once and return the statistics AQR needs.
 
@@ -257,6 +275,9 @@ def calibrate(
         device: run on this device (default: where the model's parameters are).
         progress: show a progress bar.
         compile: fuse the per-batch moments with ``torch.compile`` (eager fallback with a warning).
+        groups: also keep class-conditional knots (``target="robust"`` maps each group of predicted
+            classes onto them): source class ``y`` in group ``y % groups``, ``max_samples // groups``
+            values per channel and group. Needs ``(input, label)`` batches of integer labels.
     """
     if tail not in TAILS:
         raise ValueError(f"unknown tail strategy {tail!r}; expected one of {', '.join(TAILS)}")
@@ -270,6 +291,8 @@ def calibrate(
         raise ValueError(f"tail_unit must be one of {TAIL_UNITS}, got {tail_unit!r}")
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches must be positive (or None), got {max_batches}")
+    if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= 4096):
+        raise ValueError(f"groups must be an integer in [1, 4096] (or None), got {groups!r}")
     check_named_layers(model, layers)  # name what an explicitly listed module is
     all_infos = norm_layers(model)
     if not all_infos:
@@ -281,6 +304,9 @@ def calibrate(
         device = param.device if param is not None else torch.device("cpu")
     modules = dict(model.named_modules())
     collectors: dict[str, LayerCollector] = {}
+    by_group: dict[str, list[LayerCollector]] = {}
+    group_images = [0] * (groups or 0)
+    current: dict[str, torch.Tensor] = {}  # the batch's group of each input, read by the hooks
     order: list[str] | None = None
     with instrumented(model) as tools:
         batches = tqdm(source, desc="calibrate", unit="batch", disable=not progress, total=max_batches)
@@ -288,6 +314,11 @@ def calibrate(
             if max_batches is not None and b >= max_batches:
                 break
             x = _inputs(batch).to(device)
+            if groups is not None:
+                current["group"] = _batch_groups(_labels(batch), x, groups)
+                for g, n in enumerate(torch.bincount(current["group"], minlength=groups).tolist()):
+                    group_images[g] += n
+                current["group"] = current["group"].to(device)
             if order is None:
                 order = execution_order(model, all_infos, x)
                 chosen = select_layers(all_infos, layers, order)
@@ -295,8 +326,16 @@ def calibrate(
                     collectors[info.name] = LayerCollector(info, max_samples, seed * 1_000_003 + i, compile,
                                                            per_input=tail_unit == "images")
 
+                    if groups is not None:
+                        by_group[info.name] = [LayerCollector(info, max(2, max_samples // groups),
+                                                              seed * 1_000_003 + i + 7919 * (g + 1))
+                                               for g in range(groups)]
+
                     def hook(_m: nn.Module, _i: object, out: object, c: LayerCollector = collectors[info.name]) -> None:
-                        c.update(check_output(c.info, out))
+                        out = check_output(c.info, out)
+                        c.update(out)
+                        if groups is not None:
+                            _update_groups(by_group[c.info.name], out, current["group"])
 
                     tools.hook(info.name, hook)
             with torch.no_grad():
@@ -306,6 +345,11 @@ def calibrate(
     stats = {
         name: c.finish(modules[name], num_quantiles, tail_batch, tail_repeats) for name, c in collectors.items()
     }
+    if groups is not None:
+        for name, layer in stats.items():
+            # a group without source images maps onto the layer's knots
+            layer.group_quantiles = torch.stack([c.knots(num_quantiles) if c.values is not None else layer.quantiles
+                                                 for c in by_group[name]])
     return SourceStats(
         layers=stats,
         num_quantiles=num_quantiles,
@@ -317,4 +361,28 @@ def calibrate(
         seed=seed,
         model_layers=all_infos,
         weights_summary=weights_summary(model),
+        groups=groups,
+        group_images=None if groups is None else tuple(group_images),
     )
+
+
+def _batch_groups(labels: torch.Tensor | None, x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each input's group ``label % groups`` (on the CPU); a batch without integer labels, one per input,
+    raises ValueError."""
+    if labels is None:
+        raise ValueError("calibrate(groups=...) needs (input, label) batches: this one has no labels")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.ndim != 1 or len(labels) != len(x):
+        raise ValueError(f"calibrate(groups=...) needs one integer label per input: labels {labels.dtype} "
+                         f"{tuple(labels.shape)} for {len(x)} inputs")
+    if bool((labels < 0).any()):
+        raise ValueError(f"calibrate(groups=...): negative label {int(labels.min())}")
+    return labels.cpu().long() % groups
+
+
+def _update_groups(collectors: list[LayerCollector], out: torch.Tensor, group: torch.Tensor) -> None:
+    """Each group's inputs of one layer output (inputs along dim 0) into its collector."""
+    if out.ndim < 2 or out.shape[0] != group.shape[0]:
+        raise LayerError(f"layer {collectors[0].info.name!r}: calibrate(groups=...) needs the inputs along the "
+                         f"output's first dim, got {tuple(out.shape)} for {group.shape[0]} inputs")
+    for g in torch.unique(group).tolist():
+        collectors[g].update(out[group == g])

@@ -60,13 +60,22 @@ class RobustSettings:
 
     groups: int = 16
     class_horizon: float = 32.0
+    balance: float = 1.0
+    recent_horizon: float = 64.0
 
     def __post_init__(self) -> None:
         if isinstance(self.groups, bool) or not isinstance(self.groups, int) or not 1 <= self.groups <= MAX_GROUPS:
             raise ValueError(f"groups must be an integer in [1, {MAX_GROUPS}], got {self.groups!r}")
-        h = self.class_horizon
-        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 1 <= h < float("inf"):
-            raise ValueError(f"class_horizon must be a number of images >= 1, got {h!r}")
+        for name in ("class_horizon", "recent_horizon"):
+            h = getattr(self, name)
+            if isinstance(h, bool) or not isinstance(h, (int, float)) or not 1 <= h < float("inf"):
+                raise ValueError(f"{name} must be a number of images >= 1, got {h!r}")
+        b = self.balance
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1:
+            raise ValueError(f"balance must be a number in [0, 1], got {b!r}")
+
+
+MIN_GROUP_WEIGHT = 1e-3  # balance < 1: groups below this share of the largest weight are left out of both mixtures
 
 
 # The most a group's CDF moves towards one batch's images (but the first): a batch mapped with the state
@@ -101,9 +110,18 @@ class RobustLayerStream(LayerStream):
     and the tail window are :class:`~aqr.core.stream.LayerStream`'s."""
 
     def __init__(self, source: torch.Tensor, settings: StreamSettings, robust: RobustSettings,
-                 kernels: StreamKernels, batch_knots: BatchKnots) -> None:
+                 kernels: StreamKernels, batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> None:
         self.robust = robust
         c, k = source.shape
+        if (robust.balance < 1) != (group_source is not None):
+            raise ValueError("balance < 1 maps onto the mixture of the groups' source knots: give them, and only then")
+        if group_source is not None and group_source.shape != (robust.groups, c, k):
+            raise ValueError(f"group_source has shape {tuple(group_source.shape)}, expected {(robust.groups, c, k)}")
+        # balance < 1: the source side is the mixture of the groups' source knots (its ends: the layer's)
+        self.group_source = None if group_source is None else group_source.float().contiguous()
+        self.base_source = source.float().contiguous()
+        self.group_recent = torch.zeros(robust.groups, dtype=torch.float64)  # EMA of each group's share of images
+        self.runs = 1.0  # of the last commit
         self.group_knots = torch.zeros(robust.groups, c, k, device=source.device)
         self.group_seen = [0] * robust.groups
         # images committed since the last rebuild, per group: histograms on the balanced knots' bins
@@ -112,12 +130,16 @@ class RobustLayerStream(LayerStream):
                                         device=source.device)
         self.group_min = torch.empty(robust.groups, c, device=source.device)
         self.group_max = torch.empty(robust.groups, c, device=source.device)
-        super().__init__(source, settings, kernels, batch_knots)
+        super().__init__(source.clone() if group_source is not None else source, settings, kernels, batch_knots)
 
     def reset(self) -> None:
         super().reset()
         self.group_knots.zero_()
         self.group_seen = [0] * self.robust.groups
+        self.group_recent.zero_()
+        self.runs = 1.0
+        if self.group_source is not None:
+            self.source.copy_(self.base_source)
         self._clear_pending()
 
     def _clear_pending(self) -> None:
@@ -132,12 +154,15 @@ class RobustLayerStream(LayerStream):
         return sum(self.group_pending)
 
     def snapshot(self) -> dict[str, object]:
-        return {**super().snapshot(), "group_knots": self.group_knots.clone(), "group_seen": list(self.group_seen),
+        return {**super().snapshot(), "source": self.source.clone(), "group_recent": self.group_recent.clone(), "runs": self.runs,
+                "group_knots": self.group_knots.clone(), "group_seen": list(self.group_seen),
                 "group_counts": self.group_counts.clone(), "group_min": self.group_min.clone(),
                 "group_max": self.group_max.clone(), "group_pending": list(self.group_pending)}
 
     def memory_bytes(self) -> int:
-        mine = (self.group_knots, self.group_counts, self.group_min, self.group_max)
+        mine = (self.group_knots, self.group_counts, self.group_min, self.group_max, self.group_recent)
+        if self.group_source is not None:  # the mixture's source knots (the groups' are the statistics')
+            mine += (self.source,)
         return super().memory_bytes() + sum(t.numel() * t.element_size() for t in mine)
 
     def step(self, x: torch.Tensor, images: int, pre: Affine | None = None,
@@ -179,10 +204,14 @@ class RobustLayerStream(LayerStream):
         y, _ = self._map_tentative(x, images, pre, self.knots.clone(), window, group, weight)
         return y, _RobustStaged(None, r.counts, r.lo, r.hi)
 
-    def commit(self, staged: _RobustStaged, labels: torch.Tensor | None = None) -> None:  # type: ignore[override]
-        """Apply a finite batch's update; ``labels`` ``(N,)``: each image's predicted class."""
+    def commit(self, staged: _RobustStaged, labels: torch.Tensor | None = None,  # type: ignore[override]
+               runs: float = 1.0) -> None:
+        """Apply a finite batch's update; ``labels`` ``(N,)``: each image's predicted class; ``runs`` in
+        [0, 1]: how clearly the recent predictions come in runs (``1 -`` :func:`own_batch_share`), the
+        part of ``1 - balance`` that goes to the groups' recent shares at this rebuild."""
         if labels is None:
             raise ValueError("target='robust' commits a batch with its predicted classes")
+        self.runs = min(1.0, max(0.0, float(runs)))
         if staged.first is not None:
             self.knots.copy_(staged.first.knots)
             self.started, self.seen = True, 0
@@ -192,9 +221,13 @@ class RobustLayerStream(LayerStream):
         idx = group_of[:, None].expand(-1, staged.lo.shape[1])
         self.group_min.scatter_reduce_(0, idx, staged.lo, "amin")
         self.group_max.scatter_reduce_(0, idx, staged.hi, "amax")
-        for g, size in enumerate(torch.bincount(group_of, minlength=self.robust.groups).tolist()):
+        sizes = torch.bincount(group_of, minlength=self.robust.groups)
+        for g, size in enumerate(sizes.tolist()):
             self.group_pending[g] += size
-        self.seen += staged.lo.shape[0]
+        n = staged.lo.shape[0]
+        step = batch_weight(n, self.seen, self.robust.recent_horizon)  # a running mean until about H images
+        self.group_recent.mul_(1.0 - step).add_(sizes.double().cpu(), alpha=step / n)
+        self.seen += n
         if staged.first is not None or self.pending >= self.settings.rebuild_every:
             self._merge_groups()
             self._rebuild_balanced()
@@ -219,10 +252,40 @@ class RobustLayerStream(LayerStream):
             self.group_seen[g] += self.group_pending[g]
 
     def _rebuild_balanced(self) -> None:
-        """The balanced knots from the groups seen so far, the tails from the window, the table from both."""
+        """The balanced knots from the groups seen so far, the tails from the window, the table from both;
+        with ``balance < 1`` both sides are the mixtures with :meth:`group_weights`."""
         active = [g for g in range(self.robust.groups) if self.group_seen[g] > 0]
+        if self.group_source is not None and self.recent_part > 0:
+            weights = self.group_weights(active)
+            keep = [g for g, w in zip(active, weights.tolist()) if w > MIN_GROUP_WEIGHT * float(weights.max())]
+            if keep:  # (none: no image counted yet, as after the first batch: the balanced mixture)
+                weights = weights[[active.index(g) for g in keep]]
+                self.kernels.mixture(self.group_knots[keep].contiguous(), self.knots, MIXTURE_GRID, weights)
+                self.kernels.mixture(self.group_source[keep].contiguous(), self.source, MIXTURE_GRID, weights)
+                self._finish_rebuild()
+                return
         groups = self.group_knots if len(active) == self.robust.groups else self.group_knots[active]
         self.kernels.mixture(groups.contiguous(), self.knots, MIXTURE_GRID)
+        if self.group_source is not None:  # balanced: onto the layer's own source knots
+            self.source.copy_(self.base_source)
+        self._finish_rebuild()
+
+    @property
+    def recent_part(self) -> float:
+        """The part of the groups' weights that follows their recent shares: ``(1 - balance) * runs``."""
+        return (1.0 - self.robust.balance) * self.runs
+
+    def group_weights(self, active: list[int]) -> torch.Tensor:
+        """The weights of the ``active`` groups in both mixtures: :attr:`recent_part` in proportion to each
+        group's share of the last ``recent_horizon`` images, the rest shared equally (float64, sum 1)."""
+        recent = self.group_recent[active]
+        total = float(recent.sum())
+        part = self.recent_part
+        even = torch.full((len(active),), 1.0 / max(len(active), 1), dtype=torch.float64)
+        return even if total <= 0 else (1 - part) * even + part * recent / total
+
+    def _finish_rebuild(self) -> None:
+        """The ends from the tail window and the table."""
         p0, p100 = self.kernels.tails(self.window, self._weights(self.window.filled))
         self.kernels.merge(self.knots, None, 0.0, p0, p100)  # the ends only
         self.kernels.tables(self.knots, self.source, self.table)

@@ -112,6 +112,9 @@ class LayerStats:
     affine_bias: torch.Tensor | None  # beta
     num_values: int  # values per channel seen
     sample_size: int  # values per channel kept for the quantiles
+    # (G, C, K): the knots of each group of source classes (class y in group y % G); a group without
+    # source images holds the layer's quantiles. None unless calibrated with groups.
+    group_quantiles: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         """Raise :class:`StatsError` naming the layer and the field that is unusable."""
@@ -137,6 +140,14 @@ class LayerStats:
         _integer(self.sample_size, where, "sample_size", 1)
         if self.sample_size > self.num_values:
             raise StatsError(f"{where}'sample_size' ({self.sample_size}) exceeds 'num_values' ({self.num_values})")
+        g = self.group_quantiles
+        if g is not None:
+            k = self.quantiles.shape[1]
+            if not isinstance(g, torch.Tensor) or g.ndim != 3 or g.shape[0] < 1:
+                raise StatsError(f"{where}group_quantiles must be a (groups, channels, K) tensor")
+            _check_tensor(g, where, "group_quantiles", (g.shape[0], c, k))
+            if not bool((g[..., 1:] >= g[..., :-1]).all()):
+                raise StatsError(f"{where}group_quantiles decrease along the knots")
 
 
 @dataclass
@@ -159,6 +170,10 @@ class SourceStats:
     model_layers: list[LayerInfo] = field(default_factory=list)
     weights_summary: torch.Tensor | None = None  # see weights_summary()
     aqr_version: str = __version__
+    # class-conditional knots (calibrate(groups=G)): source class y in group y % groups, and the source
+    # images each group had; every layer then has its group_quantiles. None: no class information.
+    groups: int | None = None
+    group_images: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         """Raise :class:`StatsError` naming what is unusable (each layer checked itself)."""
@@ -176,6 +191,19 @@ class SourceStats:
             if layer.quantiles.shape[1] != k:
                 raise StatsError(f"layer {name!r}: quantiles has shape {tuple(layer.quantiles.shape)}, expected "
                                  f"{(layer.info.channels, k)}")
+            have = None if layer.group_quantiles is None else layer.group_quantiles.shape[0]
+            if have != self.groups:
+                raise StatsError(f"layer {name!r}: has {'no' if have is None else have} group_quantiles groups, "
+                                 f"the statistics {'none' if self.groups is None else self.groups}")
+        if self.groups is not None:
+            _integer(self.groups, "", "groups", 1)
+            images = self.group_images
+            if (not isinstance(images, tuple) or len(images) != self.groups
+                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in images) or sum(images) < 1):
+                raise StatsError(f"group_images must be {self.groups} counts of source images (>= 0, not all 0), "
+                                 f"got {images!r}")
+        elif self.group_images is not None:
+            raise StatsError("group_images is set but groups is not")
         for i, info in enumerate(self.model_layers):
             if not isinstance(info, LayerInfo):
                 raise StatsError(f"model_layers[{i}] must be a LayerInfo")
@@ -270,6 +298,8 @@ class SourceStats:
                 tensors[f"{name}/affine_weight"] = layer.affine_weight
             if layer.affine_bias is not None:
                 tensors[f"{name}/affine_bias"] = layer.affine_bias
+            if layer.group_quantiles is not None:
+                tensors[f"{name}/group_quantiles"] = layer.group_quantiles
             layers_meta.append(
                 {**asdict(layer.info), "num_values": layer.num_values, "sample_size": layer.sample_size}
             )
@@ -288,6 +318,8 @@ class SourceStats:
             "model_layers": [asdict(i) for i in self.model_layers],
             "model_fingerprint": fingerprint(self.model_layers),
         }
+        if self.groups is not None:
+            meta["groups"], meta["group_images"] = self.groups, list(self.group_images or ())
         if self.weights_summary is not None:
             tensors[WEIGHTS_KEY] = self.weights_summary
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
@@ -356,7 +388,7 @@ class SourceStats:
             layers[info.name] = LayerStats(
                 info=info, quantiles=get("quantiles"), tail_low=get("tail_low"), tail_high=get("tail_high"),
                 mean=get("mean"), std=get("std"), affine_weight=get("affine_weight", True),
-                affine_bias=get("affine_bias", True),
+                affine_bias=get("affine_bias", True), group_quantiles=get("group_quantiles", True),
                 num_values=_integer(_get(entry, "num_values", where), where, "num_values", 1),
                 sample_size=_integer(_get(entry, "sample_size", where), where, "sample_size", 1),
             )
@@ -378,7 +410,18 @@ class SourceStats:
             model_layers=model_layers,
             weights_summary=tensors.get(WEIGHTS_KEY),
             aqr_version=_get(meta, "aqr_version", default="?"),
+            groups=_get(meta, "groups", default=None),
+            group_images=_group_images(_get(meta, "group_images", default=None)),
         )
+
+
+def _group_images(value: object) -> tuple[int, ...] | None:
+    """The file's ``group_images`` list as a tuple (checked by :class:`SourceStats`)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise StatsError(f"'group_images' must be a list, got {type(value).__name__}")
+    return tuple(value)
 
 
 def _describe(info: LayerInfo) -> str:

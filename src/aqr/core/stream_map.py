@@ -36,6 +36,7 @@ class StreamBatch:
     staged: list[tuple[LayerStream, Staged]] = field(default_factory=list)
     nonfinite: bool = False
     own: float = 0.0  # target="robust": the share of its own histogram a batch's target takes
+    runs: float = 1.0  # target="robust": how clearly the recent predicted classes come in runs (1 - own_batch_share)
     recent: list[int] = field(default_factory=list)  # target="robust": the last MARGINAL_WINDOW predicted classes
 
     def begin(self, images: int) -> None:
@@ -46,7 +47,7 @@ class StreamBatch:
         class, which class-balanced layers (``target="robust"``) need."""
         for stream, staged in self.staged:
             if isinstance(stream, RobustLayerStream):
-                stream.commit(staged, labels)
+                stream.commit(staged, labels, self.runs)
             else:
                 stream.commit(staged)
         self.staged = []
@@ -79,6 +80,13 @@ class StreamLayerMap(LayerMap):
                              f"the running ends), not {tail!r}")
         super().__init__(stats, name, config, tail, subsets, logits_checked=True)
         self.settings = stream_settings(config, stats)
+        self.group_quantiles = None
+        if config.target == "robust" and config.balance < 1:
+            if stats.groups != config.groups:
+                raise ValueError(f"balance < 1 maps each group onto its own source knots: it needs statistics "
+                                 f"calibrated with groups={config.groups} (these have groups={stats.groups}; "
+                                 f"aqr calibrate --groups {config.groups})")
+            self.group_quantiles = stats.layers[name].group_quantiles
         self.batch = batch
         self.streams: dict[torch.device, LayerStream] = {}
 
@@ -88,11 +96,24 @@ class StreamLayerMap(LayerMap):
             backend = self.backend(device)
             source, kernels = self.source_on(device).knots, stream_kernels(device, self.config.native)
             if self.config.target == "robust":
-                robust = RobustSettings(self.config.groups, self.config.class_horizon)
-                self.streams[device] = RobustLayerStream(source, self.settings, robust, kernels, backend.target_knots)
+                c = self.config
+                robust = RobustSettings(c.groups, c.class_horizon, c.balance, c.recent_horizon)
+                self.streams[device] = RobustLayerStream(source, self.settings, robust, kernels, backend.target_knots,
+                                                         self._group_source(source))
             else:
                 self.streams[device] = LayerStream(source, self.settings, kernels, backend.target_knots)
         return self.streams[device]
+
+    def _group_source(self, source: torch.Tensor) -> torch.Tensor | None:
+        """``(groups, C, K)``: each group's source knots on ``source``'s device: its inner knots, the layer's
+        ends (those of the tail strategy), the inner ones held between them."""
+        if self.group_quantiles is None:
+            return None
+        g = self.group_quantiles.to(source.device, torch.float32).clone()
+        lo, hi = source[:, :1], source[:, -1:]
+        g[:, :, 1:-1] = torch.minimum(torch.maximum(g[:, :, 1:-1], lo), hi)
+        g[:, :, 0], g[:, :, -1] = source[:, 0], source[:, -1]
+        return g
 
     def reset(self) -> None:
         for stream in self.streams.values():
