@@ -19,7 +19,9 @@ with other jobs the wall time of every method grows with the load, the CPU time 
 
 ``--stream`` measures small batches instead (issue 15): per image, streaming AQR (``aqr-stream``),
 its class-balanced form (``aqr-robust``; ``aqr-robust-no-own`` with ``own_batch=False``, its cost on
-a stream of class runs), bn-ema, rbn, per-batch AQR and the plain forward at ``--stream-batch-sizes`` (1 and 4): each round feeds
+a stream of class runs; ``aqr-robust-classes`` with ``balance=0.5`` and statistics calibrated with class
+groups, whose class-conditional map works only on class runs: ``--stream-runs 32`` feeds every method
+the images in runs of 32 of one class), bn-ema, rbn, per-batch AQR and the plain forward at ``--stream-batch-sizes`` (1 and 4): each round feeds
 every method the same ``--stream-images`` images in batches, round-robin, after ``--stream-warmup``
 images that take the stateful methods past their warm-up; ratios are per round against the plain
 forward, medians over ``--repeats`` rounds.
@@ -78,17 +80,31 @@ MODELS.update({"resnet50": _resnet50, "vit-b16": _vit_b16})
 INPUT_SIZE = {"resnet50": 224, "vit-b16": 224}  # the rest take 32 x 32 images
 # aqr-torch: native=False (no C kernels on CPU); aqr-triton: triton=True (aqr's Triton kernels on a GPU)
 METHODS = ["source", "ttn", "aqr", "aqr-torch", "aqr-triton", "aqr-exact", "tent", "sar", "aqr-stream", "aqr-robust",
-           "aqr-robust-no-own", "bn-ema", "rbn"]
-STREAM_METHODS = ["aqr-stream", "aqr-robust", "aqr-robust-no-own", "bn-ema", "rbn", "aqr"]  # --stream: per image at small batches
+           "aqr-robust-no-own", "aqr-robust-classes", "bn-ema", "rbn"]
+STREAM_METHODS = ["aqr-stream", "aqr-robust", "aqr-robust-no-own", "aqr-robust-classes", "bn-ema", "rbn", "aqr"]  # --stream: per image at small batches
 SLOW_METHODS = ("aqr-exact", "tent", "sar")  # timed at the first batch size only on a GPU
 
 
 def images(n: int, seed: int = 0, size: int = 32) -> torch.Tensor:
     """Source-like images: the clean CIFAR-10 test set when available (32 px), else uniform noise."""
+    return labelled_images(n, seed, size)[0]
+
+
+def labelled_images(n: int, seed: int = 0, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`images` and their labels (random ones for noise)."""
     path = DATA / "cifar10_test.npz" if DATA else None
     if size == 32 and path and path.is_file():
-        return to_float(load_npz_arrays(path)[0][:n])
-    return torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+        x, y = load_npz_arrays(path)
+        return to_float(x[:n]), torch.as_tensor(y[:n]).long()
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def class_runs(labels: torch.Tensor, run: int) -> torch.Tensor:
+    """An order of the images in runs of ``run`` images of one class, the classes taking turns."""
+    chunks = [(i, c, part) for c in labels.unique().tolist()
+              for i, part in enumerate(torch.nonzero(labels == c).squeeze(1).split(run))]
+    return torch.cat([part for _, _, part in sorted(chunks, key=lambda t: (t[0], t[1]))])
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # --clock
@@ -106,7 +122,8 @@ def run_once(fn, x: torch.Tensor, method: str, dtype: str = "fp32", timer=time.p
     return timer() - start
 
 
-def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: int):
+def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: int,
+          grouped: aqr.SourceStats | None = None):
     if method == "aqr":
         return methods.create("aqr", model, stats=stats)
     if method == "aqr-exact":
@@ -121,6 +138,10 @@ def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: in
         return methods.create("aqr", model, stats=stats, target="robust", protocol="online")
     if method == "aqr-robust-no-own":  # the same with the own-batch share shut, as on a stream of class runs
         return methods.create("aqr", model, stats=stats, target="robust", protocol="online", own_batch=False)
+    if method == "aqr-robust-classes":  # with class-conditional source knots (statistics with groups)
+        if grouped is None:
+            raise methods.NotApplicable("aqr-robust-classes is timed with --stream (it needs labelled statistics)")
+        return methods.create("aqr", model, stats=grouped, target="robust", protocol="online", balance=0.5)
     if method == "rbn":
         return methods.create("rbn", model, protocol="online")
     if method == "bn-ema":
@@ -237,15 +258,21 @@ def small_batches(args: argparse.Namespace) -> list[dict]:
     rows = []
     for name in args.models:
         model = MODELS[name]().eval()
-        stats = aqr.calibrate(model, images(2000).split(500))
+        source, labels = labelled_images(2000)
+        stats = aqr.calibrate(model, source.split(500))
+        grouped = None
+        if "aqr-robust-classes" in args.methods:
+            grouped = aqr.calibrate(model, list(zip(source.split(500), labels.split(500))), groups=16)
         total = args.stream_warmup + args.stream_images
-        x = (images(total, seed=1) + 0.1 * torch.randn(total, 3, 32, 32, generator=torch.Generator().manual_seed(2)))
-        x = x.clamp(0, 1)
+        x, y = labelled_images(total, seed=1)
+        x = (x + 0.1 * torch.randn(total, 3, 32, 32, generator=torch.Generator().manual_seed(2))).clamp(0, 1)
+        if args.stream_runs:  # every method sees the images in class runs
+            x = x[class_runs(y, args.stream_runs)]
         for batch in args.stream_batch_sizes:
             runners = {"source": build("source", model, stats, batch)}
             for method in args.methods:
                 try:
-                    runners[method] = build(method, model, stats, batch)
+                    runners[method] = build(method, model, stats, batch, grouped)
                 except methods.NotApplicable:
                     continue
             feed = lambda runner, part: [runner(part[i : i + batch]) for i in range(0, len(part), batch)]  # noqa: E731
@@ -382,6 +409,8 @@ def main() -> None:
     parser.add_argument("--stream-batch-sizes", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--stream-images", type=int, default=256, help="images per round with --stream")
     parser.add_argument("--stream-warmup", type=int, default=512, help="images before the rounds with --stream")
+    parser.add_argument("--stream-runs", type=int, default=0,
+                        help="with --stream: feed the images in runs of this many of one class (0: in their order)")
     args = parser.parse_args()
     if args.device != "cpu":
         args.skip_calibration = True

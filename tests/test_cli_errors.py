@@ -81,6 +81,7 @@ def test_unknown_architecture_and_tail_are_one_line(capsys, files):
     ["calibrate", "{ckpt}", "--data", "{npz}", "--out", "x", "-K", "2"],
     ["calibrate", "{ckpt}", "--data", "{npz}", "--out", "x", "--n-images", "0"],
     ["calibrate", "{ckpt}", "--data", "{npz}", "--out", "x", "--max-samples", "-1"],
+    ["calibrate", "{ckpt}", "--data", "{npz}", "--out", "x", "--groups", "0"],
     ["bench", "--preset", "smoke", "--limit", "-1"],  # ran 7 of 8 cells
     ["bench", "--preset", "smoke", "--limit", "0"],
     ["bench", "--preset", "smoke", "--workers", "0"],
@@ -185,3 +186,14 @@ def test_library_counts_are_checked(files):
     for bad in ({"target_samples": 10**9}, {"grid": 0}, {"grid": 10**7}, {"target_samples": 64.5}):
         with pytest.raises(ValueError):
             AQRConfig(**bad)
+
+
+def test_calibrate_with_groups_writes_class_conditional_knots(capsys, files):
+    import aqr
+
+    out = files["root"] / "groups.aqr.safetensors"
+    assert main(["calibrate", files["ckpt"], "--data", files["npz"], "--out", str(out), "--groups", "4",
+                 "--no-progress"]) == 0
+    stats = aqr.SourceStats.load(out)
+    assert stats.groups == 4 and sum(stats.group_images) == 24  # labels 0-9: groups 0, 1 hold three classes
+    assert stats.group_images == (7, 7, 5, 5)
