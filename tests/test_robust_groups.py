@@ -56,6 +56,8 @@ def test_a_run_of_one_class_is_mapped_onto_its_class_with_balance_below_one(kern
     assert medians["balanced", 0] > -1.5  # one group seen: mapped onto the mixture's middle, between the classes
     # the source side is its own copy: the statistics' knots are untouched
     assert torch.equal(recent.base_source, source) and not torch.equal(recent.source, source)
+    # memory: the groups' source knots and their mixture's, float32
+    assert recent.memory_bytes() == balanced.memory_bytes() + (4 + 1) * c * k * 4
 
 
 def test_the_group_weights_share_balance_equally_and_the_rest_by_recent_share() -> None:

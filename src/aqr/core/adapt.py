@@ -468,7 +468,8 @@ class AQR(nn.Module):
     With ``target="stream"`` each layer keeps a running estimate of its target distribution
     (:mod:`aqr.core.stream`; options ``estimator``, ``horizon``, ``tail_window``, ``rebuild_every``);
     with ``target="robust"`` a class-balanced one (:mod:`aqr.core.robust`; options ``groups``,
-    ``class_horizon``, ``tail_window``, ``rebuild_every``; the logits' argmax assigns each image its class):
+    ``class_horizon``, ``own_batch``, ``balance``, ``tail_window``, ``rebuild_every``; the logits' argmax
+    assigns each image its class; ``balance < 1`` needs statistics calibrated with ``groups``):
     every batch updates it and is mapped with it. The state's memory is fixed (:meth:`memory_bytes`),
     :meth:`reset` returns to the initial state, and a batch enters the state only if every layer
     and the logits were finite (with NaN/Inf, ``on_nonfinite="raise"`` raises and ``"skip"`` returns

@@ -33,9 +33,17 @@ every batch samples the same mixture) would add only its own noise to it. Once c
 the share is 0 and a batch of one class does not map its own content away. The share changes only
 how the batch is mapped: the update it stages is the same.
 
+Class-conditional source knots (``balance < 1``, statistics from ``aqr.calibrate(..., groups=G)``): the
+target is the mixture of the groups' CDFs with weights ``(1 - r) / active + r * share`` (``share``: each
+group's share of the last ``recent_horizon`` predicted images; ``r = (1 - balance) * runs``, ``runs = 1 -``
+:func:`own_batch_share`), and the source side the same mixture of the groups' source knots, so while
+classes come in runs a run is mapped mostly onto its own class: a map of the corruption, not of the
+content. With no runs (``r = 0``) the target is the balanced one and the source the layer's.
+
 Memory per recalibrated channel: the ``"stream"`` state plus, per group, K float32 knots and a pending
 histogram of ``COUNT_CELLS + 4`` counts and two extremes (:meth:`RobustLayerStream.memory_bytes`; 16
-groups at K = 101: 10.9 kB more per channel). Measured, with
+groups at K = 101: 10.9 kB more per channel); with ``balance < 1`` also the groups' source knots and
+their mixture's (K + K / groups floats per group: 6.9 kB at 16 groups). Measured, with
 the designs compared and the cost: ``docs/method.md`` and ``docs/results/noniid``.
 """
 
@@ -154,15 +162,15 @@ class RobustLayerStream(LayerStream):
         return sum(self.group_pending)
 
     def snapshot(self) -> dict[str, object]:
-        return {**super().snapshot(), "source": self.source.clone(), "group_recent": self.group_recent.clone(), "runs": self.runs,
-                "group_knots": self.group_knots.clone(), "group_seen": list(self.group_seen),
+        return {**super().snapshot(), "source": self.source.clone(), "group_recent": self.group_recent.clone(),
+                "runs": self.runs, "group_knots": self.group_knots.clone(), "group_seen": list(self.group_seen),
                 "group_counts": self.group_counts.clone(), "group_min": self.group_min.clone(),
                 "group_max": self.group_max.clone(), "group_pending": list(self.group_pending)}
 
     def memory_bytes(self) -> int:
         mine = (self.group_knots, self.group_counts, self.group_min, self.group_max, self.group_recent)
-        if self.group_source is not None:  # the mixture's source knots (the groups' are the statistics')
-            mine += (self.source,)
+        if self.group_source is not None:  # the groups' source knots and their mixture's
+            mine += (self.group_source, self.source)
         return super().memory_bytes() + sum(t.numel() * t.element_size() for t in mine)
 
     def step(self, x: torch.Tensor, images: int, pre: Affine | None = None,
