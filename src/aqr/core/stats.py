@@ -2,7 +2,7 @@
 
 :class:`SourceStats` holds, per calibrated normalization layer, a :class:`LayerStats`: the
 per-channel source knots with their averaged small-sample extremes, moments and the layer's affine
-parameters. Files are safetensors (no pickle). :func:`aqr.calibrate` (:mod:`aqr.core.calibrate`)
+parameters (and, when calibrated with ``groups``, the knots of each group of source classes). Files are safetensors (no pickle). :func:`aqr.calibrate` (:mod:`aqr.core.calibrate`)
 computes them.
 
 Everything is checked where it is built: a :class:`LayerStats` or :class:`SourceStats` with NaN/Inf
