@@ -551,7 +551,7 @@ int aqr_stream_group_merge(int64_t R, int64_t K, float *gk, const float *bk, con
 typedef struct {
     int64_t M, C, K, grid;
     const float *gk;
-    const double *w; /* (M) weights, >= 0 */
+    const double *w; /* (M) weights, >= 0; NULL: all 1 */
     double total;    /* their sum, > 0 */
     float *kn;
     char *scratch; /* per part: stream_mixture_scratch_bytes */
@@ -622,6 +622,7 @@ static void stream_mixture_part(void *p, int part, int64_t c0, int64_t c1) {
         for (int64_t i = 0; i < n; i++) hl[i] = hr[i] = 0.0;
         for (int64_t g = 0; g < M; g++) { /* each group's CDF at every point, in one walk (both sorted) */
             const float *k = a->gk + (g * C + c) * K;
+            const double wg = a->w ? a->w[g] : 1.0;
             for (int64_t j = 0; j < K; j++) gz[j] = k[j];
             int64_t lt = 0, le = 0;
             for (int64_t i = 0; i < n; i++) {
@@ -630,7 +631,7 @@ static void stream_mixture_part(void *p, int part, int64_t c0, int64_t c1) {
                 while (le < K && gz[le] <= z[i]) le++;
                 double left, right;
                 stream_cdf_at(gz, levels, K, z[i], lt, le, &left, &right);
-                hl[i] += a->w[g] * left, hr[i] += a->w[g] * right;
+                hl[i] += wg * left, hr[i] += wg * right;
             }
         }
         for (int64_t i = 0; i < n; i++) hl[i] /= a->total, hr[i] /= a->total; /* once: equal weights, the mean */
@@ -657,19 +658,12 @@ int aqr_stream_mixture(int64_t M, int64_t C, int64_t K, const float *gk, const d
         total += wg;
     }
     if (!(total > 0 && total <= 1e300)) return STREAM_BAD_ARGUMENT;
-    double *weights = malloc((size_t)M * sizeof(double));
-    if (!weights) return STREAM_NO_MEMORY;
-    for (int64_t g = 0; g < M; g++) weights[g] = w ? w[g] : 1.0;
     const int parts = stream_parts(C, C * M * (K + grid) * 4, nthreads);
     char *scratch = malloc((size_t)(parts * stream_mixture_scratch_bytes(M, K, grid)));
-    if (!scratch) {
-        free(weights);
-        return STREAM_NO_MEMORY;
-    }
-    stream_mixture_args a = {M, C, K, grid, gk, weights, total, kn, scratch};
+    if (!scratch) return STREAM_NO_MEMORY;
+    stream_mixture_args a = {M, C, K, grid, gk, w, total, kn, scratch};
     parallel_for(stream_mixture_part, &a, C, parts);
     free(scratch);
-    free(weights);
     return STREAM_OK;
 }
 

@@ -139,6 +139,13 @@ def check_scan(x: torch.Tensor, images: int, knots: torch.Tensor, source: torch.
         raise ValueError(f"streaming state of {knots.shape[0]} channels for a layer output of {c}")
 
 
+def check_mixture_weights(weights: torch.Tensor | None, groups: int) -> None:
+    """:meth:`StreamKernels.mixture`'s ``weights``: ``None`` or one per group (their values are the
+    kernels' to check)."""
+    if weights is not None and weights.shape != (groups,):
+        raise ValueError(f"mixture: {tuple(weights.shape)} weights for {groups} groups")
+
+
 class StreamKernels(abc.ABC):
     """The operations of streaming AQR on one device (see the module docstring); the last three,
     :meth:`group_merge`, :meth:`mixture` and :meth:`shift_distances`, are ``target="robust"``'s."""

@@ -14,7 +14,7 @@ import torch
 from aqr.backends.base import Affine
 from aqr.backends.native import NativeKernelError, native_takes
 from aqr.backends.stream_base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels,
-                                      StreamTable, TailWindow, check_scan)
+                                      StreamTable, TailWindow, check_mixture_weights, check_scan)
 
 _P, _I, _D, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
 STATUS = {-1: "could not allocate its scratch memory", -2: "was given sizes or counters out of bounds"}
@@ -144,9 +144,8 @@ class NativeStreamKernels(StreamKernels):
         m, c, k = groups.shape
         if knots.shape != (c, k):
             raise ValueError(f"mixture: groups of {c} channels and {k} knots for knots {tuple(knots.shape)}")
+        check_mixture_weights(weights, m)
         if weights is not None:
-            if weights.shape != (m,):
-                raise ValueError(f"mixture: {tuple(weights.shape)} weights for {m} groups")
             weights = weights.detach().to("cpu", torch.float64).contiguous()
         groups = _cpu_float(groups)
         _check(self.lib.aqr_stream_mixture(m, c, k, groups.data_ptr(), _ptr(weights), grid, knots.data_ptr(),

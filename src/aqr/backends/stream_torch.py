@@ -12,7 +12,7 @@ import torch
 
 from aqr.backends.base import Affine
 from aqr.backends.stream_base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels,
-                                      StreamTable, TailWindow, check_scan)
+                                      StreamTable, TailWindow, check_mixture_weights, check_scan)
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -319,11 +319,10 @@ class TorchStreamKernels(StreamKernels):
     def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int,
                 weights: torch.Tensor | None = None) -> None:
         m, _, k = groups.shape
-        if weights is not None:
-            if weights.shape != (m,):
-                raise ValueError(f"mixture: {tuple(weights.shape)} weights for {m} groups")
-            if not bool(torch.isfinite(weights).all() and (weights >= 0).all() and weights.sum() > 0):
-                raise ValueError("mixture: the weights must be finite, >= 0 and not all 0")
+        check_mixture_weights(weights, m)
+        if weights is not None and not bool(torch.isfinite(weights).all() and (weights >= 0).all()
+                                            and weights.sum() > 0):
+            raise ValueError("mixture: the weights must be finite, >= 0 and not all 0")
         knots[:, 1 : k - 1] = mixture_quantiles(groups.double(), k, grid, weights)
 
     def shift_distances(self, counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:

@@ -263,15 +263,14 @@ class RobustLayerStream(LayerStream):
         """The balanced knots from the groups seen so far, the tails from the window, the table from both;
         with ``balance < 1`` both sides are the mixtures with :meth:`group_weights`."""
         active = [g for g in range(self.robust.groups) if self.group_seen[g] > 0]
-        if self.group_source is not None and self.recent_part > 0:
+        if self.group_source is not None and self.recent_part > 0 and active:
             weights = self.group_weights(active)
-            keep = [g for g, w in zip(active, weights.tolist()) if w > MIN_GROUP_WEIGHT * float(weights.max())]
-            if keep:  # (none: no image counted yet, as after the first batch: the balanced mixture)
-                weights = weights[[active.index(g) for g in keep]]
-                self.kernels.mixture(self.group_knots[keep].contiguous(), self.knots, MIXTURE_GRID, weights)
-                self.kernels.mixture(self.group_source[keep].contiguous(), self.source, MIXTURE_GRID, weights)
-                self._finish_rebuild()
-                return
+            kept = weights > MIN_GROUP_WEIGHT * weights.max()
+            keep = [g for g, k in zip(active, kept.tolist()) if k]
+            self.kernels.mixture(self.group_knots[keep].contiguous(), self.knots, MIXTURE_GRID, weights[kept])
+            self.kernels.mixture(self.group_source[keep].contiguous(), self.source, MIXTURE_GRID, weights[kept])
+            self._finish_rebuild()
+            return
         groups = self.group_knots if len(active) == self.robust.groups else self.group_knots[active]
         self.kernels.mixture(groups.contiguous(), self.knots, MIXTURE_GRID)
         if self.group_source is not None:  # balanced: onto the layer's own source knots

@@ -2,8 +2,8 @@
 
 :class:`SourceStats` holds, per calibrated normalization layer, a :class:`LayerStats`: the
 per-channel source knots with their averaged small-sample extremes, moments and the layer's affine
-parameters (and, when calibrated with ``groups``, the knots of each group of source classes). Files are safetensors (no pickle). :func:`aqr.calibrate` (:mod:`aqr.core.calibrate`)
-computes them.
+parameters (and, when calibrated with ``groups``, the knots of each group of source classes). Files
+are safetensors (no pickle). :func:`aqr.calibrate` (:mod:`aqr.core.calibrate`) computes them.
 
 Everything is checked where it is built: a :class:`LayerStats` or :class:`SourceStats` with NaN/Inf
 or decreasing knots, wrong shapes, negative counts or an unknown tail raises :class:`StatsError`
