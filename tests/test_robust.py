@@ -131,9 +131,32 @@ def test_runs_of_one_class_leave_the_target_balanced_where_the_stream_follows_th
         assert abs(s25 - run) < 0.7 and abs(s75 - run) < 0.7  # the stream is the current run
         if i > 0:  # both classes seen: a quarter below -1.5, a quarter above 1.5, whichever the run
             assert r25 < -1.5 and r75 > 1.5
-    # per group and channel: its knots, and its pending histogram (64 + 4 counts) and two extremes; per group
-    # its recent share (float64)
-    assert robust.memory_bytes() == stream.memory_bytes() + 2 * c * (k + 68 + 2) * 4 + 2 * 8
+    # per channel the marginal's knots; per group and channel: its knots, and its pending histogram (64 + 4
+    # counts) and two extremes; per group its recent share (float64)
+    assert robust.memory_bytes() == stream.memory_bytes() + c * k * 4 + 2 * c * (k + 68 + 2) * 4 + 2 * 8
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=lambda k: k.name)
+def test_without_runs_the_target_is_the_running_estimate_of_every_image(kernels) -> None:
+    """Three images of class 0 (at -2) for one of class 1 (at +2), in i.i.d. order: without runs the target
+    is the stream's 3:1 mixture (its median in class 0), with runs the classes' equal mixture (median between
+    them); half the runs, the marginal and the groups half each."""
+    k, c = 21, 2
+    g = torch.Generator().manual_seed(4)
+    source = torch.quantile(torch.randn(20000, generator=g), torch.linspace(0, 1, k))[None].repeat(c, 1).contiguous()
+    layers = {runs: RobustLayerStream(source, StreamSettings(), RobustSettings(groups=2), kernels, _quantile_knots(k))
+              for runs in (0.0, 0.5, 1.0)}
+    for _ in range(60):
+        labels = (torch.rand(8, generator=g) < 0.25).long()
+        x = torch.randn(8, c, 30, generator=g) * 0.5 + (4 * labels - 2)[:, None, None]
+        for runs, layer in layers.items():
+            layer.commit(layer.step(x, 8)[1], labels, runs=runs)
+    median = {runs: float(layer.knots[:, k // 2].mean()) for runs, layer in layers.items()}
+    assert median[0.0] < -1.5 and abs(median[1.0]) < 1.0
+    assert layers[0.5].component_weights([0, 1]).tolist() == pytest.approx([0.5, 0.25, 0.25])
+    assert layers[0.0].component_weights([0, 1]).tolist() == pytest.approx([1.0, 0.0, 0.0])
+    marginal = layers[0.0].marginal[0, :, 1:-1]  # the target's inner knots are the marginal's
+    assert float((layers[0.0].knots[:, 1:-1] - marginal).abs().max()) < 0.05
 
 
 def test_small_batches_pool_until_the_rebuild_as_one_batch_would() -> None:

@@ -5,8 +5,8 @@ from this batch's quantiles onto the stored source quantiles (:func:`aqr.quantil
 learned and nothing persists between batches. With ``target="stream"``, :class:`AQR` instead keeps
 a running estimate of each layer's target distribution across batches and maps every batch with it
 (:mod:`aqr.core.stream`), for batches down to one image; with ``target="robust"``, the running
-estimate is an equal mixture of per-class ones (:mod:`aqr.core.robust`), for streams whose classes
-come in runs.
+estimate is, while the predicted classes come in runs, a mixture of per-class ones
+(:mod:`aqr.core.robust`), for streams whose classes come in runs.
 
 :class:`AQR` never changes the user's model: it runs a structural twin of it (:mod:`aqr.core.twin`)
 whose selected norm layers map their outputs, so several threads may call one ``AQR`` at once and
@@ -81,8 +81,9 @@ class AQRConfig:
         target: ``"batch"`` (default): each batch's target quantiles are its own (per-batch AQR);
             ``"stream"``: a running estimate per layer across batches (:mod:`aqr.core.stream`; fast
             mode, tails ``"standard"``/``"average"``), for small batches; :class:`AQR` then has a
-            ``reset()`` and serializes its calls; ``"robust"``: the same, class-balanced (the equal
-            mixture of running estimates per group of predicted classes, :mod:`aqr.core.robust`), for
+            ``reset()`` and serializes its calls; ``"robust"``: the same, class-balanced while the
+            predicted classes come in runs (a mixture of running estimates per group of predicted
+            classes; without runs the running estimate of all images, :mod:`aqr.core.robust`), for
             streams whose classes come in runs; the model must return logits ``(N, classes)``.
         estimator: the stream's estimate, ``"cdf-ema"`` (EMA of the per-channel CDFs; default) or
             ``"knot-ema"`` (EMA of the batches' knots; biased at small batches).
@@ -110,6 +111,8 @@ class AQRConfig:
             proportion to its share of the last ``recent_horizon`` images (an EMA), and the target is
             mapped onto the same mixture of the groups' own source knots, so a run of one class is
             mapped mostly onto its class (needs statistics from ``aqr.calibrate(..., groups=groups)``).
+            Either way the groups weigh ``runs`` in the target, the running estimate of all images
+            ``1 - runs`` (``runs``: how clearly the recent predictions come in runs).
         recent_horizon: ``balance < 1``: the EMA horizon of the groups' shares, in images.
     """
 

@@ -1,21 +1,27 @@
-"""Class-balanced streaming AQR: each layer's target as the equal mixture of per-class running estimates.
+"""Class-balanced streaming AQR: while classes come in runs, each layer's target is a mixture of per-class running estimates.
 
 On a stream whose classes come in runs (a camera watching one object), the recent images' per-channel
 distributions differ from the source's because of their content: the source statistics pool every
 class, a run of one class does not. Streaming AQR (:mod:`aqr.core.stream`) then maps the content
 away, as per-batch AQR and test-time BatchNorm do. ``aqr.AQR(model, stats, target="robust")`` keeps,
 per layer and channel, one running CDF per *group* of predicted classes (class ``y`` in group
-``y % groups``), and maps with the quantiles of their equal mixture, so a run of one class moves one
-group's share (``1 / active groups``) of the target, not all of it.
+``y % groups``), and, while the recent predicted classes come in runs, maps with the quantiles of their
+equal mixture, so a run of one class moves one group's share (``1 / active groups``) of the target, not
+all of it. While they do not (an i.i.d. or a mixed stream) it maps with the running CDF of every image,
+the *marginal* (over :data:`MARGINAL_HORIZON` images), as ``"stream"`` does: there the predicted classes
+are the model's errors as much as the content, and balancing them reweights the corruptions. In between,
+the target is the mixture of both: ``runs`` (``1 -`` :func:`own_batch_share`) for the groups, ``1 - runs``
+for the marginal.
 
 Per batch and layer (:meth:`RobustLayerStream.step`): one pass maps the batch through the table of
-the balanced knots, takes each image's extremes and counts every ``COUNT_STRIDE``-th value of each
+the target knots, takes each image's extremes and counts every ``COUNT_STRIDE``-th value of each
 image on the bins of those knots (the scan's ``IMAGE_COUNT`` mode; the C kernels on CPU). After
 the forward pass (:meth:`RobustLayerStream.commit`) the logits' argmax assigns each image to its
 group and its histogram joins the group's pending one. Every ``rebuild_every`` images each group with
 pending images merges them into its CDF (an EMA of CDFs with ``class_horizon`` images of that group:
 ``1 - (1 - 1/H_c)^n`` for ``n`` new images, at most :data:`MAX_GROUP_STEP` once the group has a
-state), the balanced knots become the inner quantiles of the mean of the groups' CDFs seen so far,
+state), so does the marginal with all of them, the target knots become the inner quantiles of the
+mixture of the marginal and the groups' CDFs seen so far (:meth:`RobustLayerStream.component_weights`),
 with the Average Sample Tails of the recent window as their ends (as ``"stream"``), and the
 table is rebuilt (the kernels' ``group_merge`` and ``mixture``, in C on CPU). A batch is mapped
 with the state its predecessors left (its classes are known only after its forward pass); the
@@ -26,7 +32,7 @@ one batch behind streaming AQR, which merges a batch into its estimate before ma
 streams that costs the first batches after every change of corruption. While the recent predicted
 classes show no runs (:func:`own_batch_share`: the last :data:`RUN_WINDOW` consecutive predictions
 repeat no more often than independent draws would), a batch of ``rebuild_every`` or more images is
-mapped with the balanced knots merged with its own histogram at streaming AQR's batch weight, times
+mapped with the target knots merged with its own histogram at streaming AQR's batch weight, times
 the part of its distance to the target that sampling does not explain (:func:`shift_share` of
 :func:`shift_ratio`, per layer): a batch drawn from the target (a steady stream, or a mixed one whose
 every batch samples the same mixture) would add only its own noise to it. Once classes come in runs,
@@ -34,15 +40,15 @@ the share is 0 and a batch of one class does not map its own content away. The s
 how the batch is mapped: the update it stages is the same.
 
 Class-conditional source knots (``balance < 1``, statistics from ``aqr.calibrate(..., groups=G)``): the
-target is the mixture of the groups' CDFs with weights ``(1 - r) / active + r * share`` (``share``: each
-group's share of the last ``recent_horizon`` predicted images; ``r = (1 - balance) * runs``, ``runs = 1 -``
-:func:`own_batch_share`), and the source side the same mixture of the groups' source knots, so while
-classes come in runs a run is mapped mostly onto its own class: a map of the corruption, not of the
-content. With no runs (``r = 0``) the target is the balanced one and the source the layer's.
+groups' part of the target weighs each group by ``balance / active + (1 - balance) * share`` (``share``: its
+share of the last ``recent_horizon`` predicted images), and the source side is the same mixture of the
+layer's source knots (the marginal's counterpart) and the groups' source knots, so while classes come in
+runs a run is mapped mostly onto its own class: a map of the corruption, not of the content. With no runs
+the target is the marginal and the source the layer's.
 
-Memory per recalibrated channel: the ``"stream"`` state plus, per group, K float32 knots and a pending
-histogram of ``COUNT_CELLS + 4`` counts and two extremes (:meth:`RobustLayerStream.memory_bytes`; 16
-groups at K = 101: 10.9 kB more per channel); with ``balance < 1`` also the groups' source knots and
+Memory per recalibrated channel: the ``"stream"`` state plus the marginal's K float32 knots and, per group,
+K float32 knots and a pending histogram of ``COUNT_CELLS + 4`` counts and two extremes
+(:meth:`RobustLayerStream.memory_bytes`; 16 groups at K = 101: 11.3 kB more per channel); with ``balance < 1`` also the groups' source knots and
 their mixture's (K + K / groups floats per group: 6.9 kB at 16 groups). Measured, with
 the designs compared and the cost: ``docs/method.md`` and ``docs/results/noniid``.
 """
@@ -99,6 +105,11 @@ def group_step(images: int, seen: int, horizon: float) -> float:
     return weight if seen == 0 else min(weight, MAX_GROUP_STEP)
 
 
+# The marginal's EMA horizon, in images. Measured on the ViT's 15-corruption streams at batch 64 (mixed,
+# i.i.d.): 128: 51.56, 58.83; 256: 51.78, 58.51; 512: 51.91, 58.29; 1024: 51.93, 57.61 (the equal
+# mixture of the groups: 51.59, 58.09): a stream of mixed corruptions wants a long horizon, changes of
+# corruption a short one.
+MARGINAL_HORIZON = 512.0
 MIXTURE_GRID = 192  # points between the groups' lowest p1 and highest p99 where the mixture is evaluated
 
 
@@ -114,7 +125,7 @@ class _RobustStaged:
 
 
 class RobustLayerStream(LayerStream):
-    """One layer's class-balanced running target (see the module docs); the balanced knots, their table
+    """One layer's class-balanced running target (see the module docs); the target knots, their table
     and the tail window are :class:`~aqr.core.stream.LayerStream`'s."""
 
     def __init__(self, source: torch.Tensor, settings: StreamSettings, robust: RobustSettings,
@@ -132,18 +143,23 @@ class RobustLayerStream(LayerStream):
         self.runs = 1.0  # of the last commit
         self.group_knots = torch.zeros(robust.groups, c, k, device=source.device)
         self.group_seen = [0] * robust.groups
-        # images committed since the last rebuild, per group: histograms on the balanced knots' bins
+        # images committed since the last rebuild, per group: histograms on the target knots' bins
         # (which do not change until the rebuild), extremes, counts
         self.group_counts = torch.zeros(robust.groups, c, COUNT_CELLS + EDGE_BINS, dtype=torch.int32,
                                         device=source.device)
         self.group_min = torch.empty(robust.groups, c, device=source.device)
         self.group_max = torch.empty(robust.groups, c, device=source.device)
+        # the running CDF of every image, whatever its class (as target="stream"): the target while no runs
+        self.marginal = torch.zeros(1, c, k, device=source.device)
+        self.marginal_seen = 0
         super().__init__(source.clone() if group_source is not None else source, settings, kernels, batch_knots)
 
     def reset(self) -> None:
         super().reset()
         self.group_knots.zero_()
         self.group_seen = [0] * self.robust.groups
+        self.marginal.zero_()
+        self.marginal_seen = 0
         self.group_recent.zero_()
         self.runs = 1.0
         if self.group_source is not None:
@@ -158,25 +174,26 @@ class RobustLayerStream(LayerStream):
 
     @property
     def pending(self) -> int:
-        """Images committed since the balanced knots were last rebuilt."""
+        """Images committed since the target knots were last rebuilt."""
         return sum(self.group_pending)
 
     def snapshot(self) -> dict[str, object]:
         return {**super().snapshot(), "source": self.source.clone(), "group_recent": self.group_recent.clone(),
                 "runs": self.runs, "group_knots": self.group_knots.clone(), "group_seen": list(self.group_seen),
                 "group_counts": self.group_counts.clone(), "group_min": self.group_min.clone(),
-                "group_max": self.group_max.clone(), "group_pending": list(self.group_pending)}
+                "group_max": self.group_max.clone(), "group_pending": list(self.group_pending),
+                "marginal": self.marginal.clone(), "marginal_seen": self.marginal_seen}
 
     def memory_bytes(self) -> int:
-        mine = (self.group_knots, self.group_counts, self.group_min, self.group_max, self.group_recent)
+        mine = (self.group_knots, self.group_counts, self.group_min, self.group_max, self.group_recent, self.marginal)
         if self.group_source is not None:  # the groups' source knots and their mixture's
             mine += (self.group_source, self.source)
         return super().memory_bytes() + sum(t.numel() * t.element_size() for t in mine)
 
     def step(self, x: torch.Tensor, images: int, pre: Affine | None = None,
              own: float = 0.0) -> tuple[torch.Tensor | None, _RobustStaged | None]:
-        """Map ``x`` (A, C, B) with the balanced knots; stage its per-image histograms and extremes.
-        ``own`` in [0, 1]: a batch of ``rebuild_every`` or more images is mapped with the balanced knots
+        """Map ``x`` (A, C, B) with the target knots; stage its per-image histograms and extremes.
+        ``own`` in [0, 1]: a batch of ``rebuild_every`` or more images is mapped with the target knots
         merged with its own histogram at ``own`` times :func:`shift_share` times streaming AQR's batch
         weight."""
         first = None
@@ -197,7 +214,7 @@ class RobustLayerStream(LayerStream):
 
     def _step_own(self, x: torch.Tensor, images: int, pre: Affine | None,
                   own: float) -> tuple[torch.Tensor | None, _RobustStaged | None]:
-        """The batch counted on the balanced knots' bins, merged into a copy of them, then mapped with it."""
+        """The batch counted on the target knots' bins, merged into a copy of them, then mapped with it."""
         kern = self.kernels
         r = kern.scan(x, images, pre, self.knots, self.source, self.table, IMAGE_COUNT, COUNT_STRIDE, COUNT_CELLS)
         if not r.finite:
@@ -258,36 +275,42 @@ class RobustLayerStream(LayerStream):
         self.group_knots[sel] = knots.reshape(p, c, k)
         for g in present:
             self.group_seen[g] += self.group_pending[g]
+        images = self.pending
+        weight = group_step(images, self.marginal_seen, MARGINAL_HORIZON)
+        self.kernels.group_merge(self.marginal[0], self.knots, self.group_counts[sel].sum(0, dtype=torch.int32),
+                                 self.group_min[sel].amin(0), self.group_max[sel].amax(0),
+                                 torch.full((c,), weight, dtype=torch.float64))
+        self.marginal_seen += images
 
     def _rebuild_balanced(self) -> None:
-        """The balanced knots from the groups seen so far, the tails from the window, the table from both;
-        with ``balance < 1`` both sides are the mixtures with :meth:`group_weights`."""
+        """The target knots from the marginal and the groups seen so far (:meth:`component_weights`), the
+        tails from the window, the table from both; with ``balance < 1`` the source side is the same
+        mixture of the layer's and the groups' source knots."""
         active = [g for g in range(self.robust.groups) if self.group_seen[g] > 0]
-        if self.group_source is not None and self.recent_part > 0 and active:
-            weights = self.group_weights(active)
-            kept = weights > MIN_GROUP_WEIGHT * weights.max()
-            keep = [g for g, k in zip(active, kept.tolist()) if k]
-            self.kernels.mixture(self.group_knots[keep].contiguous(), self.knots, MIXTURE_GRID, weights[kept])
-            self.kernels.mixture(self.group_source[keep].contiguous(), self.source, MIXTURE_GRID, weights[kept])
-            self._finish_rebuild()
-            return
-        groups = self.group_knots if len(active) == self.robust.groups else self.group_knots[active]
-        self.kernels.mixture(groups.contiguous(), self.knots, MIXTURE_GRID)
-        if self.group_source is not None:  # balanced: onto the layer's own source knots
-            self.source.copy_(self.base_source)
+        weights = self.component_weights(active)
+        kept = weights > MIN_GROUP_WEIGHT * weights.max()
+        parts = [self.marginal, self.group_knots[active]]
+        self.kernels.mixture(torch.cat(parts)[kept].contiguous(), self.knots, MIXTURE_GRID, weights[kept])
+        if self.group_source is not None:
+            if bool(kept[0]) and int(kept.sum()) == 1:
+                self.source.copy_(self.base_source)
+            else:
+                sources = torch.cat([self.base_source[None], self.group_source[active]])
+                self.kernels.mixture(sources[kept].contiguous(), self.source, MIXTURE_GRID, weights[kept])
         self._finish_rebuild()
 
-    @property
-    def recent_part(self) -> float:
-        """The part of the groups' weights that follows their recent shares: ``(1 - balance) * runs``."""
-        return (1.0 - self.robust.balance) * self.runs
+    def component_weights(self, active: list[int]) -> torch.Tensor:
+        """The weights (float64, sum 1) of the marginal and the ``active`` groups in the mixtures:
+        ``1 - runs`` for the marginal, ``runs`` for the groups, shared by :meth:`group_weights`."""
+        runs = self.runs if active else 0.0
+        return torch.cat([torch.tensor([1.0 - runs], dtype=torch.float64), runs * self.group_weights(active)])
 
     def group_weights(self, active: list[int]) -> torch.Tensor:
-        """The weights of the ``active`` groups in both mixtures: :attr:`recent_part` in proportion to each
-        group's share of the last ``recent_horizon`` images, the rest shared equally (float64, sum 1)."""
+        """The ``active`` groups' weights among themselves (float64, sum 1): ``1 - balance`` in proportion
+        to each group's share of the last ``recent_horizon`` images, ``balance`` shared equally."""
         recent = self.group_recent[active]
         total = float(recent.sum())
-        part = self.recent_part
+        part = 1.0 - self.robust.balance
         even = torch.full((len(active),), 1.0 / max(len(active), 1), dtype=torch.float64)
         return even if total <= 0 else (1 - part) * even + part * recent / total
 
