@@ -159,6 +159,28 @@ def test_without_runs_the_target_is_the_running_estimate_of_every_image(kernels)
     assert float((layers[0.0].knots[:, 1:-1] - marginal).abs().max()) < 0.05
 
 
+@pytest.mark.parametrize("kernels", KERNELS, ids=lambda k: k.name)
+def test_the_marginal_follows_a_shift_the_test_sees_at_the_streams_pace(kernels) -> None:
+    """After 40 steady batches the stream jumps by +3: with the own-batch share open the shift test sees it
+    and the marginal moves at the stream's pace (39 % of the way for 64 images at horizon 128), with it
+    shut only at its own long horizon (12 % at 512 images)."""
+    k, c = 21, 3
+    g = torch.Generator().manual_seed(6)
+    source = torch.quantile(torch.randn(20000, generator=g), torch.linspace(0, 1, k))[None].repeat(c, 1).contiguous()
+    layers = {own: RobustLayerStream(source, StreamSettings(), RobustSettings(), kernels, _quantile_knots(k))
+              for own in (0.0, 1.0)}
+    for shift in [0.0] * 40 + [3.0]:
+        x = torch.randn(64, c, 40, generator=g) + shift
+        labels = torch.randint(0, 10, (64,), generator=g)
+        for own, layer in layers.items():
+            before = float(layer.marginal[0, :, k // 2].mean())
+            _, staged = layer.step(x, 64, own=own)
+            layer.commit(staged, labels, runs=0.0)
+    assert abs(before) < 0.2
+    moved = {own: float(layer.marginal[0, :, k // 2].mean()) - before for own, layer in layers.items()}
+    assert 0.6 < moved[1.0] < 2.0 and moved[0.0] < 0.4
+
+
 def test_small_batches_pool_until_the_rebuild_as_one_batch_would() -> None:
     """Batches of fewer than rebuild_every images wait in their groups' pending histograms: two batches of
     4 after the first leave the state one batch of the same 8 images leaves."""
