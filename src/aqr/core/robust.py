@@ -1,4 +1,4 @@
-"""Class-balanced streaming AQR: while classes come in runs, each layer's target is a mixture of per-class running estimates.
+"""Class-balanced streaming AQR: while classes come in runs, the target mixes per-class running estimates.
 
 On a stream whose classes come in runs (a camera watching one object), the recent images' per-channel
 distributions differ from the source's because of their content: the source statistics pool every
@@ -48,9 +48,10 @@ the target is the marginal and the source the layer's.
 
 Memory per recalibrated channel: the ``"stream"`` state plus the marginal's K float32 knots and, per group,
 K float32 knots and a pending histogram of ``COUNT_CELLS + 4`` counts and two extremes
-(:meth:`RobustLayerStream.memory_bytes`; 16 groups at K = 101: 11.3 kB more per channel); with ``balance < 1`` also the groups' source knots and
-their mixture's (K + K / groups floats per group: 6.9 kB at 16 groups). Measured, with
-the designs compared and the cost: ``docs/method.md`` and ``docs/results/noniid``.
+(:meth:`RobustLayerStream.memory_bytes`; 16 groups at K = 101: 11.3 kB more per channel); with
+``balance < 1`` also the groups' source knots and their mixture's (K + K / groups floats per group:
+6.9 kB at 16 groups). Measured, with the designs compared and the cost: ``docs/method.md`` and
+``docs/results/noniid``.
 """
 
 from __future__ import annotations
