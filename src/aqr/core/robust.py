@@ -152,9 +152,9 @@ class RobustLayerStream(LayerStream):
                                         device=source.device)
         self.group_min = torch.empty(robust.groups, c, device=source.device)
         self.group_max = torch.empty(robust.groups, c, device=source.device)
-        # the running CDF of every image, whatever its class (as target="stream"): the target while no runs
+        # the running CDF of every image, whatever its class (as target="stream"): the target while no runs;
+        # it has absorbed every committed image but the pending ones (``seen - pending``)
         self.marginal = torch.zeros(1, c, k, device=source.device)
-        self.marginal_seen = 0
         super().__init__(source.clone() if group_source is not None else source, settings, kernels, batch_knots)
 
     def reset(self) -> None:
@@ -162,7 +162,6 @@ class RobustLayerStream(LayerStream):
         self.group_knots.zero_()
         self.group_seen = [0] * self.robust.groups
         self.marginal.zero_()
-        self.marginal_seen = 0
         self.group_recent.zero_()
         self.runs = 1.0
         if self.group_source is not None:
@@ -186,8 +185,7 @@ class RobustLayerStream(LayerStream):
                 "runs": self.runs, "group_knots": self.group_knots.clone(), "group_seen": list(self.group_seen),
                 "group_counts": self.group_counts.clone(), "group_min": self.group_min.clone(),
                 "group_max": self.group_max.clone(), "group_pending": list(self.group_pending),
-                "marginal": self.marginal.clone(), "marginal_seen": self.marginal_seen,
-                "pending_shift": self.pending_shift}
+                "marginal": self.marginal.clone(), "pending_shift": self.pending_shift}
 
     def memory_bytes(self) -> int:
         mine = (self.group_knots, self.group_counts, self.group_min, self.group_max, self.group_recent, self.marginal)
@@ -273,24 +271,24 @@ class RobustLayerStream(LayerStream):
         present = [g for g in range(self.robust.groups) if self.group_pending[g] > 0]
         sel = torch.tensor(present, device=self.knots.device)
         p = len(present)
+        counts, lo, hi = self.group_counts[sel], self.group_min[sel], self.group_max[sel]
         weights = torch.tensor([group_step(self.group_pending[g], self.group_seen[g], self.robust.class_horizon)
                                 for g in present], dtype=torch.float64)
         knots = self.group_knots[sel].reshape(p * c, k)
-        self.kernels.group_merge(knots, self.knots.repeat(p, 1), self.group_counts[sel].reshape(p * c, bins),
-                                 self.group_min[sel].reshape(-1), self.group_max[sel].reshape(-1),
-                                 weights.repeat_interleave(c))
+        self.kernels.group_merge(knots, self.knots.repeat(p, 1), counts.reshape(p * c, bins), lo.reshape(-1),
+                                 hi.reshape(-1), weights.repeat_interleave(c))
         self.group_knots[sel] = knots.reshape(p, c, k)
         for g in present:
             self.group_seen[g] += self.group_pending[g]
+        # the marginal: all of them (``seen`` already counts them)
         images = self.pending
-        weight = group_step(images, self.marginal_seen, MARGINAL_HORIZON)
-        if self.pending_shift > 0 and self.marginal_seen > 0:  # a shift the test saw: follow at the stream's pace
-            fast = self.pending_shift * batch_weight(images, self.marginal_seen, self.settings.horizon)
+        before = self.seen - images
+        weight = group_step(images, before, MARGINAL_HORIZON)
+        if self.pending_shift > 0 and before > 0:  # a shift the test saw: follow at the stream's pace
+            fast = self.pending_shift * batch_weight(images, before, self.settings.horizon)
             weight = max(weight, min(fast, MAX_GROUP_STEP))
-        self.kernels.group_merge(self.marginal[0], self.knots, self.group_counts[sel].sum(0, dtype=torch.int32),
-                                 self.group_min[sel].amin(0), self.group_max[sel].amax(0),
-                                 torch.full((c,), weight, dtype=torch.float64))
-        self.marginal_seen += images
+        self.kernels.group_merge(self.marginal[0], self.knots, counts.sum(0, dtype=torch.int32), lo.amin(0),
+                                 hi.amax(0), torch.full((c,), weight, dtype=torch.float64))
 
     def _rebuild_balanced(self) -> None:
         """The target knots from the marginal and the groups seen so far (:meth:`component_weights`), the
