@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__version__ = "0.1.0"
+from aqr._version import __version__  # noqa: E402
 
 from aqr.core.adapt import AQR, AQRConfig, recalibrating  # noqa: E402
 from aqr.core.calibrate import calibrate, dkw_epsilon  # noqa: E402

@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from aqr.backends.subsets import SubsetCache
-from aqr.core.qmap import PARAMETRIC_TAILS, TAILS, gaussian_z
+from aqr.core.qmap import PARAMETRIC_TAILS, check_tail, gaussian_z
 
 TAIL_CODES = {"standard": 0, "average": 0, "none": 1, "clip": 2, "interval": 3, "gaussian": 4, "clip-source": 5}  # as the kernels read them
 Affine = tuple[torch.Tensor, torch.Tensor]  # per-channel (scale, shift), float32 (C,): read scale * x + shift
@@ -58,8 +58,7 @@ class LayerSource:
     def create(cls, knots: torch.Tensor, tail: str, loc: torch.Tensor | None, scale: torch.Tensor | None,
                gaussian_p: float, cells: int) -> LayerSource:
         """Check the tail and its inputs, cast to float32 and compute the Gaussian tail's probits once."""
-        if tail not in TAILS:
-            raise ValueError(f"unknown tail strategy {tail!r}; expected one of {', '.join(TAILS)}")
+        check_tail(tail)
         if tail in PARAMETRIC_TAILS and (scale is None or (tail == "gaussian" and loc is None)):
             raise ValueError(f'tail="{tail}" needs the source moments (loc and scale)')
         if cells < 1:

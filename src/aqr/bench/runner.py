@@ -468,7 +468,7 @@ def provenance(cell: Cell, files: dict[str, str], key: str, result: CellResult |
     ``host`` is where the grid's driver ran; ``node``, ``threads`` and ``device`` where and how the
     cell ran (from its ``result``), ``executor`` what ran it and ``run`` which driver.
     """
-    from aqr import __version__
+    from aqr._version import __version__
 
     result = result or CellResult("ok")
     order = "numpy default_rng(seed).permutation(pool)[:n_images]"
@@ -729,7 +729,7 @@ def _count(summary: GridSummary, cell: Cell, result: CellResult) -> None:
 
 
 def _version() -> str:
-    from aqr import __version__
+    from aqr._version import __version__
 
     return __version__
 

@@ -36,7 +36,7 @@ COMMANDS: dict[str, str] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every available sub-command registered."""
-    from aqr import __version__
+    from aqr._version import __version__
 
     parser = argparse.ArgumentParser(prog="aqr", description="Test-time adaptation by Adaptive Quantile Recalibration.")
     parser.add_argument("--version", action="version", version=f"aqr {__version__}")

@@ -31,7 +31,7 @@ from aqr.backends import Affine, LayerBackend, LayerSource, SubsetCache, choose_
 from aqr.backends.subsets import MAX_SAMPLES as MAX_TARGET_SAMPLES
 from aqr.core.hooks import instrumented
 from aqr.core.layers import LayerError, NonFiniteActivationError, as_acb, check_named_layers, check_output, select_layers
-from aqr.core.qmap import DEFAULT_GAUSSIAN_P, TAILS, channel_quantiles, quantile_map
+from aqr.core.qmap import DEFAULT_GAUSSIAN_P, channel_quantiles, check_tail, quantile_map
 from aqr.core.stats import SOURCE_MOMENTS, SourceStats
 from aqr.core.twin import structural_twin
 
@@ -145,8 +145,8 @@ class AQRConfig:
     def __post_init__(self) -> None:
         if self.match not in MATCHES:
             raise ValueError(f"match must be one of {MATCHES}, got {self.match!r}")
-        if self.tail is not None and self.tail not in TAILS:
-            raise ValueError(f"unknown tail strategy {self.tail!r}; expected one of {', '.join(TAILS)}")
+        if self.tail is not None:
+            check_tail(self.tail)
         if self.source_moments not in SOURCE_MOMENTS:
             raise ValueError(f"source_moments must be one of {SOURCE_MOMENTS}, got {self.source_moments!r}")
         if self.on_nonfinite not in NONFINITE_POLICIES:

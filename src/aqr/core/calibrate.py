@@ -34,7 +34,7 @@ from aqr.core.layers import (
     norm_layers,
     select_layers,
 )
-from aqr.core.qmap import TAILS, sort_rows, sorted_quantiles
+from aqr.core.qmap import check_tail, sort_rows, sorted_quantiles
 from aqr.core.stats import TAIL_UNITS, LayerStats, SourceStats, weights_summary
 from aqr.util.compiled import run_compiled
 
@@ -279,8 +279,7 @@ def calibrate(
             classes onto them): source class ``y`` in group ``y % groups``, ``max_samples // groups``
             values per channel and group. Needs ``(input, label)`` batches of integer labels.
     """
-    if tail not in TAILS:
-        raise ValueError(f"unknown tail strategy {tail!r}; expected one of {', '.join(TAILS)}")
+    check_tail(tail)
     if num_quantiles < 3:
         raise ValueError(f"num_quantiles must be >= 3, got {num_quantiles}")
     if max_samples < 2:

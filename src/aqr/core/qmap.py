@@ -30,6 +30,12 @@ Tail = Literal["standard", "average", "none", "clip", "clip-source", "interval",
 TAILS: tuple[str, ...] = ("standard", "average", "none", "clip", "clip-source", "interval", "gaussian")
 PARAMETRIC_TAILS: tuple[str, ...] = ("interval", "gaussian")  # the tails that read the batch's mean and std
 
+
+def check_tail(tail: object, name: str = "tail") -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``tail`` is one of :data:`TAILS`."""
+    if tail not in TAILS:
+        raise ValueError(f"unknown {name} strategy {tail!r}; expected one of {', '.join(TAILS)}")
+
 # Default probability that stands in for p0 / p100 in the Gaussian tail (the probit of 0 and 1 is
 # infinite). With the same p on both sides the tail map does not depend on it (see `_gaussian_tails`).
 DEFAULT_GAUSSIAN_P = 1e-3
@@ -195,8 +201,7 @@ def quantile_map(
     Returns:
         A tensor shaped like ``x``, in ``x``'s dtype (computed in float32 or wider).
     """
-    if tail not in TAILS:
-        raise ValueError(f"unknown tail strategy {tail!r}; expected one of {', '.join(TAILS)}")
+    check_tail(tail)
     if source_q.ndim != 2:
         raise ValueError(f"source_q must be (channels, quantiles), got shape {tuple(source_q.shape)}")
     c, k = source_q.shape

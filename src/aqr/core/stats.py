@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aqr import __version__
+from aqr._version import __version__
 from aqr.core.layers import LayerInfo, fingerprint, norm_layers
 from aqr.core.qmap import TAILS
 from aqr.util.files import atomic_write
