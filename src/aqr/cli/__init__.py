@@ -75,7 +75,7 @@ def error_line(err: BaseException) -> str:
 
     message = err.args[0] if isinstance(err, KeyError) and err.args else err
     text = " ".join(str(message).split()) or type(err).__name__
-    expected = (UsageError, ValueError, KeyError, TypeError, OSError, ImportError, RuntimeError)
+    expected = (UsageError, ValueError, KeyError, TypeError, OSError, ImportError, RuntimeError, MemoryError)
     return text if isinstance(err, expected) else f"{type(err).__name__}: {text}"
 
 

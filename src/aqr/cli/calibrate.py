@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import add_image_arguments, add_model_arguments, count, load_model, torch_threads
+from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, check_writable_file, count, load_model,
+                            torch_threads)
 from aqr.core.calibrate import DEFAULT_TAIL_UNIT, TAIL_UNITS
 
 
@@ -46,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
     from aqr.core.calibrate import calibrate
     from aqr.data.images import is_image_source
 
+    if args.num_quantiles > args.max_samples:
+        raise UsageError(f"--num-quantiles {args.num_quantiles} must be at most --max-samples {args.max_samples}, "
+                         "the values kept per channel that the knots are read from")
+    check_writable_file(args.out, "--out")
     with torch_threads(args.threads):
         model = load_model(args)
         spec = ModelSpec("cli", args.model, args.checkpoint, args.data, args.indices, args.image_size, args.resize)

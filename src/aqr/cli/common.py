@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from aqr.util.threads import torch_threads  # noqa: F401  (the commands import it from here)
 
+MAX_IMAGE_SIDE = 4096  # --image-size / --resize: larger sides only exhaust memory (aqr.data.images checks it too)
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -68,6 +70,19 @@ def amount(minimum: float = 0.0, *, above: bool = False) -> Callable[[str], floa
     return parse
 
 
+def check_writable_file(path: str, option: str) -> None:
+    """Raise :class:`UsageError` before any work when ``path`` cannot be written as a file: it is a folder,
+    or one of its parents is a file (missing parent folders are made when it is written)."""
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{option} {path} is a folder; give a file name")
+    blocking = next((parent for parent in target.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise UsageError(f"{option} {path}: {blocking} is a file, not a folder")
+
+
 def names(text: str) -> tuple[str, ...]:
     """``"a, b,c"`` -> ``("a", "b", "c")``."""
     return tuple(v.strip() for v in text.split(",") if v.strip())
@@ -92,9 +107,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_image_arguments(p: argparse.ArgumentParser, workers: bool = True) -> None:
     """``--image-size`` / ``--resize`` (override the model's preprocessing of image files) and ``--workers``."""
-    p.add_argument("--image-size", type=count(1), default=None,
+    p.add_argument("--image-size", type=count(1, MAX_IMAGE_SIDE), default=None,
                    help="image files: centre crop to N x N (default: the model's, e.g. 224 for timm's ResNet-50)")
-    p.add_argument("--resize", type=count(1), default=None,
+    p.add_argument("--resize", type=count(1, MAX_IMAGE_SIDE), default=None,
                    help="image files: shorter side to N before the crop (default: the model's ratio to the crop)")
     if workers:
         p.add_argument("--workers", type=count(0), default=0, help="DataLoader processes decoding image files (default 0)")

@@ -37,6 +37,7 @@ from aqr.core.layers import (
 from aqr.core.qmap import check_tail, sort_rows, sorted_quantiles
 from aqr.core.stats import TAIL_UNITS, LayerStats, SourceStats, weights_summary
 from aqr.util.compiled import run_compiled
+from aqr.util.memory import check_memory
 
 DEFAULT_TAIL_UNIT = "images"
 TAIL_INPUTS_KEPT = 10_000  # inputs whose per-channel extremes are kept (a uniform sample beyond)
@@ -284,6 +285,9 @@ def calibrate(
         raise ValueError(f"num_quantiles must be >= 3, got {num_quantiles}")
     if max_samples < 2:
         raise ValueError(f"max_samples must be >= 2, got {max_samples}")
+    if num_quantiles > max_samples:
+        raise ValueError(f"num_quantiles ({num_quantiles}) must be at most max_samples ({max_samples}), "
+                         "the values kept per channel that the knots are read from")
     if tail_batch < 1 or tail_repeats < 1:
         raise ValueError("tail_batch and tail_repeats must be positive")
     if tail_unit not in TAIL_UNITS:
@@ -298,6 +302,8 @@ def calibrate(
         if any(is_norm(m) for m in model.modules()):  # the warning named them
             raise LayerError(f"{type(model).__name__} has no normalization layer AQR can recalibrate")
         raise LayerError(f"{type(model).__name__} has no BatchNorm, GroupNorm or LayerNorm layer to calibrate")
+    check_memory(calibration_bytes(all_infos, max_samples, num_quantiles, tail_unit == "images", groups),
+                 f"calibrating {len(all_infos)} layers with max_samples={max_samples}")
     if device is None:
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
@@ -313,6 +319,8 @@ def calibrate(
             if max_batches is not None and b >= max_batches:
                 break
             x = _inputs(batch).to(device)
+            if x.ndim > 0 and x.shape[0] == 0:
+                continue  # an empty batch adds nothing (and has no shape for the layers to report)
             if groups is not None:
                 current["group"] = _batch_groups(_labels(batch), x, groups)
                 for g, n in enumerate(torch.bincount(current["group"], minlength=groups).tolist()):
@@ -340,7 +348,7 @@ def calibrate(
             with torch.no_grad():
                 model(x)
     if order is None:
-        raise ValueError("the source data yielded no batch")
+        raise ValueError("the source data yielded no images (no batch, or only empty ones)")
     stats = {
         name: c.finish(modules[name], num_quantiles, tail_batch, tail_repeats) for name, c in collectors.items()
     }
@@ -363,6 +371,20 @@ def calibrate(
         groups=groups,
         group_images=None if groups is None else tuple(group_images),
     )
+
+
+def calibration_bytes(infos: Sequence[LayerInfo], max_samples: int, num_quantiles: int, per_input: bool,
+                      groups: int | None) -> int:
+    """An upper estimate of the memory :func:`calibrate` takes for these layers: per channel the kept
+    sample (float32 values, their keys and the copy a merge or the final sort makes), the per-input
+    extremes and the class groups' samples."""
+    channels = sum(info.channels for info in infos)
+    per_channel = 3 * 4 * max_samples + 8 * num_quantiles
+    if per_input:
+        per_channel += 3 * 8 * TAIL_INPUTS_KEPT
+    if groups is not None:
+        per_channel += 3 * 4 * max(2, max_samples // groups) * groups
+    return channels * per_channel
 
 
 def _batch_groups(labels: torch.Tensor | None, x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 from aqr.data.arrays import to_float
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".bmp", ".webp")
+MAX_SIDE = 4096  # a larger crop or resize only exhausts memory (a 100,000-pixel side is 30 GB a batch)
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
 
 
@@ -41,6 +42,9 @@ class Preprocess:
     def __post_init__(self) -> None:
         if self.crop < 1 or self.resize < 1:
             raise ValueError(f"image size and resize must be positive, got crop {self.crop}, resize {self.resize}")
+        if max(self.crop, self.resize) > MAX_SIDE:
+            raise ValueError(f"image size and resize must be at most {MAX_SIDE} pixels, got crop {self.crop}, "
+                             f"resize {self.resize}")
         if self.resize < self.crop:
             raise ValueError(f"--resize {self.resize} is smaller than the image size {self.crop}: "
                              "the centre crop would leave the resized image")
