@@ -20,6 +20,7 @@ import os
 import sys
 
 DEBUG_ENV = "AQR_DEBUG"  # set to 1: tracebacks instead of one-line errors
+WORKER_TRACEBACK = "Original Traceback (most recent call last):"  # how torch's DataLoader re-raises a worker's error
 
 # name of the command -> module that implements it
 COMMANDS: dict[str, str] = {
@@ -73,8 +74,11 @@ def error_line(err: BaseException) -> str:
     """The error as one line: its message (a KeyError's without quotes), with the type for unexpected kinds."""
     from aqr.cli.common import UsageError
 
-    message = err.args[0] if isinstance(err, KeyError) and err.args else err
-    text = " ".join(str(message).split()) or type(err).__name__
+    message = str(err.args[0] if isinstance(err, KeyError) and err.args else err)
+    if WORKER_TRACEBACK in message:  # a DataLoader worker's error carries its whole traceback: keep its last line
+        last = [line for line in message.split(WORKER_TRACEBACK, 1)[1].splitlines() if line.strip()][-1:]
+        message = last[0].split(": ", 1)[-1] if last else message
+    text = " ".join(message.split()) or type(err).__name__
     expected = (UsageError, ValueError, KeyError, TypeError, OSError, ImportError, RuntimeError, MemoryError)
     return text if isinstance(err, expected) else f"{type(err).__name__}: {text}"
 

@@ -35,7 +35,7 @@ from aqr.core.layers import (
     select_layers,
 )
 from aqr.core.qmap import check_tail, sort_rows, sorted_quantiles
-from aqr.core.stats import TAIL_UNITS, LayerStats, SourceStats, weights_summary
+from aqr.core.stats import MAX_TAIL_DRAW, TAIL_UNITS, LayerStats, SourceStats, weights_summary
 from aqr.util.compiled import run_compiled
 from aqr.util.memory import check_memory
 
@@ -288,8 +288,9 @@ def calibrate(
     if num_quantiles > max_samples:
         raise ValueError(f"num_quantiles ({num_quantiles}) must be at most max_samples ({max_samples}), "
                          "the values kept per channel that the knots are read from")
-    if tail_batch < 1 or tail_repeats < 1:
-        raise ValueError("tail_batch and tail_repeats must be positive")
+    for name, value in (("tail_batch", tail_batch), ("tail_repeats", tail_repeats)):
+        if not 1 <= value <= MAX_TAIL_DRAW:
+            raise ValueError(f"{name} must be in [1, {MAX_TAIL_DRAW}], got {value}")
     if tail_unit not in TAIL_UNITS:
         raise ValueError(f"tail_unit must be one of {TAIL_UNITS}, got {tail_unit!r}")
     if max_batches is not None and max_batches < 1:

@@ -40,9 +40,16 @@ class StatsError(ValueError):
     """Statistics that are unusable: a bad file, or statistics of another model."""
 
 
-def _integer(value: object, where: str, key: str, minimum: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+#: the largest tail_batch / tail_repeats a statistics file may hold (what the streaming targets accept)
+MAX_TAIL_DRAW = 1 << 20
+
+
+def _integer(value: object, where: str, key: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    if (not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)):
         bound = "" if minimum is None else f" >= {minimum}"
+        if maximum is not None:
+            bound = f" in [{minimum}, {maximum}]"
         raise StatsError(f"{where}{key!r} must be an integer{bound}, got {value!r}")
     return value
 
@@ -180,8 +187,8 @@ class SourceStats:
         k = _integer(self.num_quantiles, "", "num_quantiles", 3)
         _choice(self.tail, "", "tail", TAILS)
         _choice(self.tail_unit, "", "tail_unit", TAIL_UNITS)
-        _integer(self.tail_batch, "", "tail_batch", 1)
-        _integer(self.tail_repeats, "", "tail_repeats", 1)
+        _integer(self.tail_batch, "", "tail_batch", 1, MAX_TAIL_DRAW)
+        _integer(self.tail_repeats, "", "tail_repeats", 1, MAX_TAIL_DRAW)
         _integer(self.max_samples, "", "max_samples", 2)
         _integer(self.seed, "", "seed")
         _text(self.aqr_version, "", "aqr_version")

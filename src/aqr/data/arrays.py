@@ -77,6 +77,11 @@ def load_npz_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """Read ``x`` (uint8 N,H,W,3) and ``y`` (integer N) from an .npz file, validated; no pickle."""
     path = Path(path)
     require_file(path, "an .npz with 'x' uint8 (N, H, W, 3) and 'y' int64 (N,)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # an .npz is a zip archive (an empty one: the second)
+        raise ValueError(f"{path}: not an .npz archive (a zip of .npy arrays 'x' and 'y'); "
+                         f"it starts with {magic!r}")
     try:
         with np.load(path, allow_pickle=False) as npz:
             missing = [k for k in ("x", "y") if k not in npz.files]

@@ -129,6 +129,8 @@ def generate_cifar_c(
     images = np.ascontiguousarray(images)
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
         raise ValueError(f"images must be uint8 (N, H, W, 3), got {images.dtype} {images.shape}")
+    if len(images) == 0:
+        raise ValueError("no images to corrupt: the source (after --limit) is empty")
     labels = np.asarray(labels)
     if labels.shape != (len(images),):
         raise ValueError(f"labels must have shape ({len(images)},), got {labels.shape}")

@@ -117,10 +117,16 @@ def generate_imagenet_c(source: ImageFolder, out_dir: str | Path, config: Folder
 
     pset, severities = check_request(config.params, config.corruptions, config.severities, config.frost_dir)
     chosen = np.arange(len(source)) if indices is None else np.asarray(indices, dtype=np.int64)
+    if len(chosen) == 0:
+        raise ValueError("no images to corrupt: the source (after --n-images / --limit) is empty")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     settings = {**_settings(config), "n": int(len(chosen))}
     manifest = _read_manifest(out)
+    # What this call creates, removed again if it fails before any folder is finished: a rerun (say,
+    # after a bad image was removed from the source) then starts afresh instead of meeting a manifest
+    # of other settings and half-written folders.
+    created = [path for path in (out / MANIFEST, *(out / c for c in config.corruptions)) if not path.exists()]
     if manifest and manifest.get("settings") != settings:
         raise ValueError(f"{out} holds images made with other settings ({manifest.get('settings')}); "
                          f"choose another --out or remove it (this run: {settings})")
@@ -189,9 +195,24 @@ def generate_imagenet_c(source: ImageFolder, out_dir: str | Path, config: Folder
                         nxt = next(queue, None)
                         if nxt is not None:
                             pending[pool.submit(_write_chunk, *nxt)] = nxt[:2]
+    except BaseException:
+        if not manifest["done"]:
+            _remove(created)
+        raise
     finally:
         if bar is not None:
             bar.close()
         _WORKER.clear()
     return timings
+
+
+def _remove(paths: Sequence[Path]) -> None:
+    """Delete these files and folders (with what they hold), those that exist."""
+    import shutil
+
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink(missing_ok=True)
 
