@@ -70,6 +70,26 @@ def test_a_dead_process_on_this_host_holds_nothing(tmp_path: Path) -> None:
     claims.close()
 
 
+def test_a_run_in_another_pid_namespace_of_the_same_host_keeps_its_claims(tmp_path: Path) -> None:
+    """Containers on the host network share a host name but not their process ids: only the lease counts."""
+    path = _db(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)                             # no such process here; in the other namespace it may run
+    here = Claims(path, lease_s=3600, namespace="box|boot-1|pid:[1]")
+    there = "box|boot-1|pid:[2]"                       # same host name and boot, another PID namespace
+    here._conn.execute("INSERT INTO claims VALUES ('k', ?, ?, ?, ?)", (f"{there}:{pid}:x", there, pid, time.time() + 3600))
+    assert here.claim("k") == BUSY
+    mine = "box|boot-1|pid:[1]"                        # the same namespace: a dead process holds nothing
+    here._conn.execute("INSERT INTO claims VALUES ('j', ?, ?, ?, ?)", (f"{mine}:{pid}:x", mine, pid, time.time() + 3600))
+    assert here.claim("j") == CLAIMED
+    unknown = Claims(path, lease_s=3600, namespace="box|?|?")  # namespace unreadable: judge no process
+    unknown._conn.execute("INSERT INTO claims VALUES ('u', ?, ?, ?, ?)",
+                          (f"box|?|?:{pid}:x", "box|?|?", pid, time.time() + 3600))
+    assert unknown.claim("u") == BUSY
+    here.close()
+    unknown.close()
+
+
 def test_stored_rows_are_done_and_old_errors_are_retried(tmp_path: Path) -> None:
     path = _db(tmp_path)
     cell = _cell().to_dict()

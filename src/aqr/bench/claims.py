@@ -3,8 +3,10 @@
 A run claims a cell (a row of the database's ``claims`` table: key, owner, lease expiry) just
 before it starts the cell, keeps its leases alive while it runs (a heartbeat thread), and releases
 the claim once the result row is stored. Another run skips a cell claimed by someone else until the
-lease expires (its owner was killed or hangs) or, on the same host, the owner's process is gone;
-then it takes the cell over. A cell whose row was written after this run started counts as done
+lease expires (its owner was killed or hangs) or, in the same process namespace of the same boot of
+the same host, the owner's process is gone; then it takes the cell over. Runs in other PID namespaces
+(containers sharing a host name) cannot see each other's processes, so between them only the lease
+counts. A cell whose row was written after this run started counts as done
 for this run whatever its status, so an ``error`` row another run just wrote is not run again at
 once (a later run retries it, as it retries any error row).
 """
@@ -25,11 +27,24 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS claims (
     key TEXT PRIMARY KEY,
     owner TEXT NOT NULL,             -- host:pid:random of the claiming run
-    host TEXT NOT NULL,
+    host TEXT NOT NULL,              -- where pid means something: host name, boot id and PID namespace
     pid INTEGER NOT NULL,
     expires REAL NOT NULL            -- time.time() after which anyone may take the cell over
 );
 """
+
+
+def _read(path: str) -> str:
+    try:
+        return os.readlink(path) if os.path.islink(path) else Path(path).read_text().strip()
+    except OSError:
+        return "?"
+
+
+def process_namespace() -> str:
+    """Where this process's id means something: the host name, this boot's id and the PID namespace
+    (``host|boot|pid:[inode]``). Two runs may judge each other's processes only when these are equal."""
+    return f"{platform.node()}|{_read('/proc/sys/kernel/random/boot_id')}|{_read('/proc/self/ns/pid')}"
 
 
 def process_alive(pid: int) -> bool:
@@ -50,12 +65,13 @@ class Claims:
     ``lease_s / 3`` seconds; on exit it stops and every claim still held is released.
     """
 
-    def __init__(self, path: str | Path, lease_s: float = 120.0) -> None:
+    def __init__(self, path: str | Path, lease_s: float = 120.0, namespace: str | None = None) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         self.path = Path(path)
         self.lease_s = float(lease_s)
-        self.host = platform.node()
+        # the process namespace (default: process_namespace()); an unknown one ('?' parts) judges no process
+        self.host = namespace if namespace is not None else process_namespace()
         self.pid = os.getpid()
         self.owner = f"{self.host}:{self.pid}:{uuid.uuid4().hex[:8]}"
         self.started = time.time()
@@ -93,9 +109,10 @@ class Claims:
         return state
 
     def _gone(self, host: str, pid: int) -> bool:
-        # Another process of this host that no longer exists holds nothing (a SIGKILLed run's
-        # claims need not wait for their leases). A reused pid only means waiting for the lease.
-        return host == self.host and pid != self.pid and not process_alive(pid)
+        # Another process of this namespace that no longer exists holds nothing (a SIGKILLed run's
+        # claims need not wait for their leases). A reused pid only means waiting for the lease; a
+        # claim from another namespace (or one that could not be read) waits for its lease too.
+        return host == self.host and "?" not in host and pid != self.pid and not process_alive(pid)
 
     def release(self, key: str) -> None:
         """Give the cell back (after its row is stored, or when it will not be run)."""
