@@ -142,3 +142,17 @@ def test_cli_on_a_running_cluster_resumes_after_a_sigkilled_driver(cluster: str,
     cmd = _bench_command(grid, tmp_path, "--executor", "ray", "--ray-address", cluster)
     rows = _sigkill_and_resume(cmd, tmp_path / "r.db", grid, 2)
     assert {r.provenance["executor"] for r in rows} == {"ray"}
+
+
+def test_an_unreachable_ray_address_is_one_line_and_quick(tiny: GridSpec, tmp_path: Path) -> None:
+    """An address where nothing listens: exit 1 with one line well within a minute, no database cells run."""
+    import subprocess
+    import sys
+
+    command = _bench_command(tiny, tmp_path, "--executor", "ray", "--ray-address", "127.0.0.1:1")
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - started < 60
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 1, done.stderr
+    assert lines[-1].startswith("aqr bench: error: cannot reach the Ray cluster at 127.0.0.1:1"), lines

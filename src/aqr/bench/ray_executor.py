@@ -69,6 +69,28 @@ class RayOptions:
             raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
 
 
+CONNECT_TIMEOUT_S = 20.0  # how long an explicit --ray-address may take to accept a connection
+
+
+def check_reachable(address: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise ``ConnectionError`` within ``timeout`` seconds when an explicit ``host:port`` (or
+    ``ray://host:port``) address accepts no TCP connection; Ray itself would retry for many minutes.
+    ``None``, ``auto`` and ``local`` are Ray's to resolve."""
+    import socket
+
+    if not address or address in ("auto", "local"):
+        return
+    where = address.split("://", 1)[-1]
+    host, sep, port = where.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--ray-address {address!r} must be host:port, ray://host:port, auto or local")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as err:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address} ({err.strerror or err})") from None
+
+
 def import_ray() -> Any:
     """The ``ray`` module, or an ImportError that says how to install it."""
     try:
@@ -168,6 +190,7 @@ class RayExecutor:
             if options.ship_code:
                 init.setdefault("runtime_env", {"py_modules": [str(Path(aqr.__file__).parent)],
                                                 "excludes": ["__pycache__"]})
+            check_reachable(options.address)
             try:
                 ray.init(address=options.address, **init)
             except ConnectionError as err:
