@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(module_name).register(sub)
     for command in sub.choices.values():  # also after the command; SUPPRESS keeps a --debug given before
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+    from aqr.cli.common import use_help_formatter
+
+    use_help_formatter(parser)  # every command's --help shows its defaults
     return parser
 
 

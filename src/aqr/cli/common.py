@@ -22,6 +22,28 @@ class UsageError(Exception):
     """A command's arguments do not fit together; the CLI prints the message and exits with status 2."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (their line breaks kept) and each option's default after its help, unless
+    the help already speaks of its default or there is none to show (``None``, a flag's ``False``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default" in text or default is None or default is False
+                or default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction)):
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def use_help_formatter(parser: argparse.ArgumentParser) -> None:
+    """Give ``parser`` and every sub-command parser below it :class:`HelpFormatter`."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                use_help_formatter(child)
+
+
 def count(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
     """An argparse ``type``: an integer of at least ``minimum`` (and at most ``maximum``), else a usage error."""
 
@@ -105,12 +127,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     add_threads(p)
 
 
-def add_image_arguments(p: argparse.ArgumentParser, workers: bool = True) -> None:
-    """``--image-size`` / ``--resize`` (override the model's preprocessing of image files) and ``--workers``."""
+def add_image_arguments(p: argparse.ArgumentParser, workers: bool = True, model: bool = True) -> None:
+    """``--image-size`` / ``--resize`` (override the preprocessing of image files: the model's, or with
+    ``model=False`` ImageNet-C's) and ``--workers``."""
+    crop = "the model's, e.g. 224 for timm's ResNet-50" if model else "224, as ImageNet-C"
+    ratio = "the model's ratio to the crop" if model else "256 for a 224 crop, the same ratio otherwise"
     p.add_argument("--image-size", type=count(1, MAX_IMAGE_SIDE), default=None,
-                   help="image files: centre crop to N x N (default: the model's, e.g. 224 for timm's ResNet-50)")
+                   help=f"image files: centre crop to N x N (default: {crop})")
     p.add_argument("--resize", type=count(1, MAX_IMAGE_SIDE), default=None,
-                   help="image files: shorter side to N before the crop (default: the model's ratio to the crop)")
+                   help=f"image files: shorter side to N before the crop (default: {ratio})")
     if workers:
         p.add_argument("--workers", type=count(0), default=0, help="DataLoader processes decoding image files (default 0)")
 
@@ -121,6 +146,8 @@ def load_model(args: argparse.Namespace) -> nn.Module:
     A ``timm:``/``torchvision:`` name needs ``--pretrained`` (weights from the local cache) or
     ``--checkpoint FILE``, so random weights are never evaluated by accident.
     """
+    from pathlib import Path
+
     from aqr import models
 
     external = args.model.startswith(models.EXTERNAL_PREFIXES)
@@ -131,6 +158,9 @@ def load_model(args: argparse.Namespace) -> nn.Module:
     if external and not (args.pretrained or args.checkpoint):
         raise UsageError(f"{args.model} needs weights: --pretrained (from timm's / torch hub's local cache) "
                          "or --checkpoint FILE (safetensors or a weights-only state dict)")
+    if args.checkpoint is None and args.model in models.available() and not Path(args.model).is_file():
+        raise UsageError(f"{args.model} is an architecture without weights: add --checkpoint FILE, or name a zoo "
+                         f"model ({', '.join(models.zoo())})")
     model = models.load(args.model, checkpoint=args.checkpoint)
     return model.to(args.device) if args.device else model
 

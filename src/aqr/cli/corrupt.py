@@ -1,16 +1,4 @@
-"""``aqr corrupt``: write the 19 common corruptions of a clean image set, seeded, parallel and resumable.
-
-From an ``.npz``: the CIFAR-10-C layout (:mod:`aqr.data.cifar_c`): one ``<corruption>.npy`` per
-corruption holding one block of all images per requested severity, in the order given by
-``--severities`` (the released layout when all five are requested), plus ``labels.npy`` and
-``manifest.json`` (which :func:`aqr.data.load_cifar_c` uses to find a severity's block).
-
-From an image folder (``DIR/<class>/*.JPEG``, e.g. the ImageNet validation set) or a list of image
-paths: the released ImageNet-C layout (:mod:`aqr.data.imagenet_c`),
-``OUT/<corruption>/<severity>/<class>/<name>.JPEG``, each image resized (shorter side 256),
-centre-cropped to 224 (``--resize`` / ``--image-size``), corrupted with ``--params imagenet``.
-Existing files are kept, so an interrupted run resumes.
-"""
+"""``aqr corrupt``: write the 19 common corruptions of a clean image set, seeded, parallel and resumable."""
 
 from __future__ import annotations
 
@@ -21,13 +9,28 @@ from aqr.cli.common import UsageError, add_image_arguments, count
 from aqr.data.corruption_params import CORRUPTIONS, PARAM_SETS
 
 
+DESCRIPTION = """\
+Write the 19 common corruptions of a clean image set, seeded, parallel and resumable.
+
+From an .npz (x uint8 N x H x W x 3, y labels): the CIFAR-10-C layout, one <corruption>.npy per
+corruption holding one block of all images per requested severity, in the order of --severities
+(the released layout when all five are requested), plus labels.npy and manifest.json (which tells
+`aqr evaluate --cifar-c` where a severity's block is).
+
+From an image folder (DIR/<class>/*.JPEG, e.g. the ImageNet validation set) or a text file listing
+image paths: the released ImageNet-C layout, OUT/<corruption>/<severity>/<class>/<name>.JPEG, each
+image resized (shorter side 256) and centre-cropped to 224 (--resize, --image-size), corrupted
+with --params imagenet.
+
+Finished files are kept, so an interrupted run resumes where it stopped."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``corrupt`` sub-command."""
     p = subparsers.add_parser(
         "corrupt",
         help="generate the CIFAR-10-C / ImageNet-C corruptions of an image set (.npz or image folder)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=DESCRIPTION,
     )
     p.add_argument("--data", required=True,
                    help=".npz with x uint8 (N,H,W,3) and y int labels, or an image folder (DIR/<class>/*.JPEG) or list")
@@ -42,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=count(1), default=1, help="worker processes")
     p.add_argument("--params", choices=sorted(PARAM_SETS), default=None,
                    help="severity table: cifar (32 px; default for .npz) or imagenet (224 px; default for image folders)")
-    add_image_arguments(p, workers=False)
+    add_image_arguments(p, workers=False, model=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

@@ -12,8 +12,9 @@ from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("evaluate", help="accuracy of each method on one corruption and severity",
-                              description="Evaluate Source/TTN/TENT/SAR/AQR (episodic) on one CIFAR-C or ImageNet-C "
-                                          "corruption and severity, or on clean images.")
+                              description="Evaluate methods (default Source/TTN/TENT/SAR/AQR) on one CIFAR-C or "
+                                          "ImageNet-C corruption and severity, or on clean images: episodic (each "
+                                          "batch from the model as given) unless --protocol online.")
     add_model_arguments(p)
     p.add_argument("--stats", default=None, help="statistics file from `aqr calibrate` (needed by aqr)")
     where = p.add_mutually_exclusive_group(required=True)
@@ -27,9 +28,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_image_arguments(p)
     p.add_argument("--methods", default="source,ttn,tent,sar,aqr",
                    help="comma list; options after a colon, e.g. 'aqr:tail=gaussian,K=11'")
-    p.add_argument("--batch-size", type=count(1), default=128)
-    p.add_argument("--protocol", default="episodic", choices=("episodic", "online"))
-    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--batch-size", type=count(1), default=128, help="test images per batch")
+    p.add_argument("--protocol", default="episodic", choices=("episodic", "online"),
+                   help="episodic: every batch adapts from the model as given; online: the state carries over "
+                        "batches (needed by aqr:target=stream / robust)")
+    p.add_argument("--seed", type=count(0), default=0, help="seeds the methods' randomness")
     p.add_argument("--json", action="store_true", help="print {method: accuracy} as JSON")
     p.set_defaults(func=run)
 
@@ -81,9 +84,15 @@ def _run(args: argparse.Namespace) -> int:
     from aqr.core.stats import SourceStats
     from aqr.methods import NotApplicable, create, method_class
 
+    specs = method_specs(args.methods)
+    for spec in specs:  # every method is checked before any file is read or any method runs
+        method_class(spec.name)
+        if args.protocol == "episodic" and spec.options.get("target") in ("stream", "robust"):
+            raise UsageError(f"{spec.name}:target={spec.options['target']} keeps a running estimate across batches; "
+                             "in the episodic protocol it restarts every batch (per-batch AQR): add --protocol online")
     stats = SourceStats.load(args.stats) if args.stats else None
-    chosen = []  # every method is checked before any runs
-    for spec in method_specs(args.methods):
+    chosen = []
+    for spec in specs:
         label = spec.name + (f"[{','.join(f'{k}={v}' for k, v in spec.options.items())}]" if spec.options else "")
         cls = method_class(spec.name)
         options = dict(spec.options)

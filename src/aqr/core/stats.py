@@ -123,6 +123,11 @@ class LayerStats:
     # source images holds the layer's quantiles. None unless calibrated with groups.
     group_quantiles: torch.Tensor | None = None
 
+    def __repr__(self) -> str:
+        groups = "" if self.group_quantiles is None else f", {self.group_quantiles.shape[0]} groups"
+        return (f"LayerStats({self.info.name!r}, {self.info.kind}, {self.info.channels} channels, "
+                f"K={self.quantiles.shape[1]}, {self.sample_size} of {self.num_values} values kept{groups})")
+
     def __post_init__(self) -> None:
         """Raise :class:`StatsError` naming the layer and the field that is unusable."""
         where = f"layer {self.info.name!r}: "
@@ -220,6 +225,13 @@ class SourceStats:
             if not isinstance(t, torch.Tensor) or t.ndim != 2 or t.shape[1] != 2:
                 raise StatsError(f"weights_summary has shape {tuple(getattr(t, 'shape', ()))}, expected (T, 2)")
             _check_tensor(t, "", "weights_summary", tuple(t.shape))
+
+    def __repr__(self) -> str:
+        channels = sum(layer.info.channels for layer in self.layers.values())
+        groups = "" if self.groups is None else f", groups={self.groups}"
+        return (f"SourceStats({len(self.layers)} layers, {channels} channels, K={self.num_quantiles}, "
+                f"tail={self.tail!r}, tail_unit={self.tail_unit!r}, max_samples={self.max_samples}{groups}, "
+                f"aqr {self.aqr_version})")
 
     # ---- access -------------------------------------------------------------------------------
     @property

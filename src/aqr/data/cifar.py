@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from aqr.data.arrays import ArrayImageDataset, check_images, check_labels, load_npz, require_file
+from aqr.data.corruption_params import check_corruption_name
 
 
 class _SafeArray:
@@ -171,6 +172,8 @@ def load_cifar_c(
     """
     root = Path(root)
     path = root / f"{corruption}.npy"
+    if not path.is_file():
+        check_corruption_name(corruption)
     require_file(path, f"uint8 array (5*N, H, W, 3) of corruption '{corruption}' in a CIFAR-C folder")
     label_path = root / "labels.npy"
     require_file(label_path, "integer labels of shape (N,) or (5*N,)")

@@ -145,3 +145,15 @@ def get_param_set(name: str | ParamSet) -> ParamSet:
         return PARAM_SETS[name]
     except KeyError:
         raise ValueError(f"unknown parameter set {name!r}; expected one of {', '.join(PARAM_SETS)}") from None
+
+
+def check_corruption_name(name: str) -> None:
+    """Raise ``ValueError`` naming the known corruptions (and the closest one) when ``name`` is not one
+    of :data:`CORRUPTIONS`; called where a corruption's file is missing, so custom files still load."""
+    import difflib
+
+    if name in CORRUPTIONS:
+        return
+    close = difflib.get_close_matches(name, CORRUPTIONS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"unknown corruption {name!r}{hint}; known: {', '.join(CORRUPTIONS)}")

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from aqr.data.corruption_params import check_corruption_name
 from aqr.data.images import ImageFolder, Preprocess, read_image
 from aqr.util.files import atomic_write
 
@@ -41,6 +42,8 @@ class ImageNetCFolder(ImageFolder):
                  preprocess: Preprocess | None = None) -> None:
         folder = Path(root) / corruption / str(severity)
         if not folder.is_dir():
+            if not (Path(root) / corruption).is_dir():
+                check_corruption_name(corruption)
             raise FileNotFoundError(f"{folder}: folder not found (expected <root>/<corruption>/<severity>/<wnid>/*.JPEG)")
         super().__init__(folder, preprocess or Preprocess(crop=crop, resize=resize))
 
