@@ -106,9 +106,9 @@ def load_model(args: argparse.Namespace) -> nn.Module:
     A ``timm:``/``torchvision:`` name needs ``--pretrained`` (weights from the local cache) or
     ``--checkpoint FILE``, so random weights are never evaluated by accident.
     """
-    from aqr import models
+    from aqr.models import EXTERNAL_PREFIXES, load
 
-    external = args.model.startswith(models.EXTERNAL_PREFIXES)
+    external = args.model.startswith(EXTERNAL_PREFIXES)
     if args.pretrained and not external:
         raise UsageError(f"--pretrained applies to timm:/torchvision: names, not {args.model!r}")
     if args.pretrained and args.checkpoint:
@@ -116,7 +116,7 @@ def load_model(args: argparse.Namespace) -> nn.Module:
     if external and not (args.pretrained or args.checkpoint):
         raise UsageError(f"{args.model} needs weights: --pretrained (from timm's / torch hub's local cache) "
                          "or --checkpoint FILE (safetensors or a weights-only state dict)")
-    model = models.load(args.model, checkpoint=args.checkpoint)
+    model = load(args.model, checkpoint=args.checkpoint)
     return model.to(args.device) if args.device else model
 
 
