@@ -1,4 +1,4 @@
-"""Methods on a continual CIFAR-10-C stream in i.i.d., class-correlated and mixed orders (issue 16).
+"""Methods on a continual CIFAR-10-C stream in i.i.d., class-correlated and mixed orders.
 
 One stream per order: the corruptions in the given (continual) order at one severity, each a block of
 the same ``--n`` test images drawn from 5000-9999 with ``--seed``, put in the order by

@@ -17,7 +17,7 @@ process doing only that calibration against one doing only the forward pass.
 ``--clock cpu`` times with the process's CPU time instead of wall time (CPU only): on a machine shared
 with other jobs the wall time of every method grows with the load, the CPU time much less.
 
-``--stream`` measures small batches instead (issue 15): per image, streaming AQR (``aqr-stream``),
+``--stream`` measures small batches instead: per image, streaming AQR (``aqr-stream``),
 its class-balanced form (``aqr-robust``; ``aqr-robust-no-own`` with ``own_batch=False``, its cost on
 a stream of class runs; ``aqr-robust-classes`` with ``balance=0.5`` and statistics calibrated with class
 groups, whose class-conditional map works only on class runs: ``--stream-runs 32`` feeds every method

@@ -286,7 +286,8 @@ class ImageNormNet(nn.Module):
 
 
 def test_unsupported_layers_that_are_not_selected_are_skipped_with_one_warning():
-    """Issue 14, item 6: a LayerNorm over several dims used to block the whole model."""
+    """A LayerNorm over several dims that no selected layer needs is skipped with one warning, so it
+    cannot block the rest of the model."""
     import warnings
 
     model = ImageNormNet().eval()

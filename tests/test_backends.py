@@ -73,9 +73,9 @@ def _tied_batch(shape: tuple[int, int, int], tie: float = 0.3, seed: int = 21) -
 @pytest.mark.parametrize("tail", TAILS)
 @pytest.mark.parametrize("shape", [(32, 3, 64), (2000, 3, 1)])  # channel-major and channels-last
 def test_tied_values_and_their_neighbours_follow_the_tie_rule(tail, shape):
-    """Issue 14, item 7: a value equal to a run of tied target knots maps to the source at the run's
-    middle level, as in the exact map; values within a cell of it follow the exact map too (the
-    table used to draw a line across the jump: 0.18 source std off on the tie, 1.3 beside it)."""
+    """A value equal to a run of tied target knots maps to the source at the run's middle level, as in
+    the exact map; values within a cell of it follow the exact map too (a table that draws a line
+    across the jump is 0.18 source std off on the tie and 1.3 beside it)."""
     tie = 0.3
     source, x = _source(tail, c=3, k=101, cells=1024), _tied_batch(shape, tie)
     rows = x.transpose(0, 1).reshape(3, -1)

@@ -1,4 +1,4 @@
-"""Issue 14, items 4 and 5: every count, size and index is checked, and a command that fails prints
+"""Every count, size and index is checked, and a command that fails prints
 one line on stderr and exits 2 (usage) or 1 (runtime), with a traceback only when asked for."""
 
 from __future__ import annotations

@@ -67,16 +67,16 @@ def test_global_statistics_take_one_ema_step_on_the_memory() -> None:
         h2 = model[3](a1)
         g_mean2 = (1 - m) * bn2.running_mean + m * h2.mean((0, 2, 3))
         g_var2 = (1 - m) * bn2.running_var + m * h2.var((0, 2, 3), unbiased=False)
-    for got, want in ((layer1.global_mean, g_mean1), (layer1.global_var, g_var1), (layer2.global_mean, g_mean2),
-                      (layer2.global_var, g_var2)):
+    for got, want in ((layer1.mean, g_mean1), (layer1.var, g_var1), (layer2.mean, g_mean2),
+                      (layer2.var, g_var2)):
         assert torch.allclose(got, want, atol=1e-6)
-    assert not torch.allclose(layer1.global_mean, bn1.running_mean)
+    assert not torch.allclose(layer1.mean, bn1.running_mean)
     # the next batch is scored with the global statistics, as an eval-mode BatchNorm holding them
     expected = copy.deepcopy(model)
     with torch.no_grad():
         for bn, layer in ((expected[1], layer1), (expected[4], layer2)):
-            bn.running_mean.copy_(layer.global_mean)
-            bn.running_var.copy_(layer.global_var)
+            bn.running_mean.copy_(layer.mean)
+            bn.running_var.copy_(layer.var)
     y = shifted(8, seed=2)
     assert torch.allclose(rbn(y), expected(y), atol=1e-5)
 
@@ -87,7 +87,7 @@ def test_statistics_move_each_time_update_every_images_were_offered() -> None:
     history = []
     for k in range(5):
         rbn(shifted(5, seed=k))
-        history.append((rbn.offered, rbn.updates, layer.global_mean.clone()))
+        history.append((rbn.offered, rbn.updates, layer.mean.clone()))
     assert [(o, u) for o, u, _ in history] == [(5, 0), (10, 1), (15, 1), (20, 2), (25, 3)]
     assert torch.equal(history[0][2], layer.source_mean)
     assert not torch.equal(history[1][2], history[0][2])
@@ -108,7 +108,7 @@ def test_user_model_is_unchanged_and_reset_restores_the_start() -> None:
     rbn.reset()
     assert len(rbn.memory) == 0 and rbn.offered == 0 and rbn.updates == 0
     for layer in rbn.layers:
-        assert torch.equal(layer.global_mean, layer.source_mean) and torch.equal(layer.global_var, layer.source_var)
+        assert torch.equal(layer.mean, layer.source_mean) and torch.equal(layer.var, layer.source_var)
     again = [rbn(x) for x in batches]
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
@@ -141,7 +141,7 @@ def test_non_finite_images_never_enter_the_statistics() -> None:
     assert rbn.offered == 6 and torch.isfinite(rbn.memory.items()).all()
     rbn(shifted(8, seed=4))
     assert rbn.updates == 1
-    assert all(torch.isfinite(layer.global_mean).all() and torch.isfinite(layer.global_var).all()
+    assert all(torch.isfinite(layer.mean).all() and torch.isfinite(layer.var).all()
                for layer in rbn.layers)
 
 
@@ -155,7 +155,7 @@ def test_runs_on_the_cifar_resnet_and_batchnorm1d() -> None:
     mlp = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).eval()
     rbn = create("rbn", mlp, protocol="online", capacity=4)
     rbn(torch.randn(4, 6) * 3)
-    assert rbn.updates == 1 and not torch.equal(rbn.layers[0].global_mean, rbn.layers[0].source_mean)
+    assert rbn.updates == 1 and not torch.equal(rbn.layers[0].mean, rbn.layers[0].source_mean)
 
 
 def test_threads_sharing_one_rbn_see_a_serial_order() -> None:
@@ -188,7 +188,7 @@ def test_threads_sharing_one_rbn_see_a_serial_order() -> None:
     for k in order:  # replaying the order the lock let them through gives the same outputs and state
         assert torch.equal(serial(batches[k]), outputs[k])
     for a, b in zip(serial.layers, rbn.layers):
-        assert torch.equal(a.global_mean, b.global_mean) and torch.equal(a.global_var, b.global_var)
+        assert torch.equal(a.mean, b.mean) and torch.equal(a.var, b.var)
 
 
 def test_a_copy_gets_its_own_state_and_lock() -> None:
@@ -198,4 +198,4 @@ def test_a_copy_gets_its_own_state_and_lock() -> None:
     assert twin._lock is not rbn._lock
     x = shifted(8, seed=2)
     assert torch.equal(twin(x), rbn(x))
-    assert torch.equal(twin.layers[0].global_mean, rbn.layers[0].global_mean)
+    assert torch.equal(twin.layers[0].mean, rbn.layers[0].mean)

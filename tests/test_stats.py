@@ -348,8 +348,9 @@ EDITS = {  # how a file is broken -> what the error must name
 
 @pytest.mark.parametrize("case", list(EDITS))
 def test_every_field_is_validated_at_load_naming_the_layer_and_field(tmp_path, case):
-    """Issue 14, item 3: these used to load, then fail later as IndexError, KeyError, AttributeError,
-    RecursionError or a NaN error blamed on the wrong layer."""
+    """Each damaged field is refused when the file is loaded, naming the layer and the field, rather
+    than failing later as IndexError, KeyError, AttributeError, RecursionError or a NaN error blamed
+    on the wrong layer."""
     edit, match = EDITS[case]
     path = aqr.calibrate(bn_cnn(), loader(images(16))).save(tmp_path / "s.safetensors")
     _rewrite(path, edit)

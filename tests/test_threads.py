@@ -1,5 +1,5 @@
 """Several threads using aqr on one model: the sequential results, and the user's model left exactly
-as it was (issue 14, item 2)."""
+as it was."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 14, item 8: files aqr is pointed at are checked before they are used or changed."""
+"""Files aqr is pointed at are checked before they are used or changed."""
 
 from __future__ import annotations
 

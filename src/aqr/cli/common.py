@@ -148,9 +148,9 @@ def load_model(args: argparse.Namespace) -> nn.Module:
     """
     from pathlib import Path
 
-    from aqr import models
+    from aqr.models import EXTERNAL_PREFIXES, available, load, zoo
 
-    external = args.model.startswith(models.EXTERNAL_PREFIXES)
+    external = args.model.startswith(EXTERNAL_PREFIXES)
     if args.pretrained and not external:
         raise UsageError(f"--pretrained applies to timm:/torchvision: names, not {args.model!r}")
     if args.pretrained and args.checkpoint:
@@ -158,10 +158,10 @@ def load_model(args: argparse.Namespace) -> nn.Module:
     if external and not (args.pretrained or args.checkpoint):
         raise UsageError(f"{args.model} needs weights: --pretrained (from timm's / torch hub's local cache) "
                          "or --checkpoint FILE (safetensors or a weights-only state dict)")
-    if args.checkpoint is None and args.model in models.available() and not Path(args.model).is_file():
+    if args.checkpoint is None and args.model in available() and not Path(args.model).is_file():
         raise UsageError(f"{args.model} is an architecture without weights: add --checkpoint FILE, or name a zoo "
-                         f"model ({', '.join(models.zoo())})")
-    model = models.load(args.model, checkpoint=args.checkpoint)
+                         f"model ({', '.join(zoo())})")
+    model = load(args.model, checkpoint=args.checkpoint)
     return model.to(args.device) if args.device else model
 
 

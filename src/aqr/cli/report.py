@@ -88,14 +88,14 @@ def _db_report(args: argparse.Namespace) -> int:
 def _tail_deviation(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from aqr import models
+    from aqr.models import load
     from aqr.bench.grid import parse_range
     from aqr.data import load_cifar
     from aqr.experiments import tail_deviation
 
     if args.out is None or not args.source_data:
         raise ValueError("--tail-deviation needs --source-data NPZ and --out DIR")
-    model = models.load(args.tail_deviation, checkpoint=args.checkpoint)
+    model = load(args.tail_deviation, checkpoint=args.checkpoint)
     data = load_cifar(args.source_data)
     indices = parse_range(args.source_indices)
     if max(indices) >= len(data):

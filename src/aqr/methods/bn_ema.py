@@ -31,12 +31,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .base import NotApplicable, SerializedCalls, TTAMethod
-from .norms import replace_batchnorms
+from .norm_layers import MovingStatsBatchNorm, replace_batchnorms
 
 
 @dataclass(frozen=True)
@@ -59,29 +58,18 @@ class BNEmaConfig:
             raise ValueError(f"pooled must be True or False, got {self.pooled!r}")
 
 
-class EmaBatchNorm(nn.Module):
+class EmaBatchNorm(MovingStatsBatchNorm):
     """A BatchNorm layer normalizing with EMA statistics (see the module docs); shares the layer's
     affine parameters and ``eps``; ``source_mean``/``source_var`` keep the statistics it started from."""
 
     def __init__(self, bn: _BatchNorm, momentum: float, pooled: bool) -> None:
-        super().__init__()
-        if bn.running_mean is None or bn.running_var is None:
-            raise NotApplicable("bn-ema needs BatchNorm layers with running statistics (track_running_stats=True)")
-        self.num_features = bn.num_features
-        self.eps = bn.eps
-        self.momentum = momentum
+        super().__init__(bn, momentum, "bn-ema")
         self.pooled = pooled
-        self.weight = bn.weight
-        self.bias = bn.bias
-        for name in ("source_mean", "mean"):
-            self.register_buffer(name, bn.running_mean.detach().clone())
-        for name in ("source_var", "var"):
-            self.register_buffer(name, bn.running_var.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > 0:
             self._update(x.detach())
-        return F.batch_norm(x, self.mean, self.var, self.weight, self.bias, False, 0.0, self.eps)
+        return self.normalize(x)
 
     def _update(self, x: torch.Tensor) -> None:
         a = 1.0 - (1.0 - self.momentum) ** x.shape[0]
@@ -97,13 +85,8 @@ class EmaBatchNorm(nn.Module):
         self.mean.copy_(mean)
         self.var.copy_(var.clamp(min=0))
 
-    def reset(self) -> None:
-        """Statistics back to the source's."""
-        self.mean.copy_(self.source_mean)
-        self.var.copy_(self.source_var)
-
     def extra_repr(self) -> str:
-        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, pooled={self.pooled}"
+        return f"{super().extra_repr()}, pooled={self.pooled}"
 
 
 class BNEma(SerializedCalls, TTAMethod):

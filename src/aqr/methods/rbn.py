@@ -5,7 +5,7 @@ Every BatchNorm layer of a private copy of the model becomes a :class:`RobustBat
 with *global* statistics, which start as the layer's running (source) statistics and move as an
 exponential moving average, ``global <- (1 - momentum) * global + momentum * batch``, with RoTTA's
 momentum 0.05. The batches that feed it are not the test batches but the contents of a
-:class:`~aqr.core.memory.ClassBalancedMemory` of recent test images filed by predicted class
+:class:`~aqr.methods.rotta_memory.ClassBalancedMemory` of recent test images filed by predicted class
 (RoTTA's CSTU: capacity 64, lambda_t = lambda_u = 1), so a run of one class cannot pull the
 statistics towards that class. Per test batch, as in RoTTA's code:
 
@@ -29,14 +29,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from aqr.core.memory import ClassBalancedMemory
-
 from .base import NotApplicable, SerializedCalls, TTAMethod, softmax_entropy
-from .norms import replace_batchnorms
+from .norm_layers import MovingStatsBatchNorm, replace_batchnorms
+from .rotta_memory import ClassBalancedMemory
 
 
 @dataclass(frozen=True)
@@ -79,43 +77,25 @@ class RBNConfig:
         return self.update_every if self.update_every is not None else self.capacity
 
 
-class RobustBatchNorm(nn.Module):
+class RobustBatchNorm(MovingStatsBatchNorm):
     """A BatchNorm layer that normalizes with global statistics moved by EMA while :attr:`updating`.
 
     Built from a BatchNorm layer with running statistics, whose affine parameters and ``eps`` it
-    shares; ``source_mean``/``source_var`` keep the running statistics it started from.
+    shares; the global statistics are ``mean``/``var``, and ``source_mean``/``source_var`` keep the
+    running statistics they started from.
     """
 
     def __init__(self, bn: _BatchNorm, momentum: float) -> None:
-        super().__init__()
-        if bn.running_mean is None or bn.running_var is None:
-            raise NotApplicable("rbn needs BatchNorm layers with running statistics (track_running_stats=True)")
-        self.num_features = bn.num_features
-        self.eps = bn.eps
-        self.momentum = momentum
-        self.weight = bn.weight
-        self.bias = bn.bias
-        self.register_buffer("source_mean", bn.running_mean.detach().clone())
-        self.register_buffer("source_var", bn.running_var.detach().clone())
-        self.register_buffer("global_mean", bn.running_mean.detach().clone())
-        self.register_buffer("global_var", bn.running_var.detach().clone())
+        super().__init__(bn, momentum, "rbn")
         self.updating = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.updating:
             dims = [0, *range(2, x.ndim)]
             var, mean = torch.var_mean(x.detach(), dim=dims, correction=0)
-            self.global_mean.lerp_(mean.to(self.global_mean.dtype), self.momentum)
-            self.global_var.lerp_(var.to(self.global_var.dtype), self.momentum)
-        return F.batch_norm(x, self.global_mean, self.global_var, self.weight, self.bias, False, 0.0, self.eps)
-
-    def reset(self) -> None:
-        """Global statistics back to the source statistics."""
-        self.global_mean.copy_(self.source_mean)
-        self.global_var.copy_(self.source_var)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+            self.mean.lerp_(mean.to(self.mean.dtype), self.momentum)
+            self.var.lerp_(var.to(self.var.dtype), self.momentum)
+        return self.normalize(x)
 
 
 def use_robust_batchnorm(model: nn.Module, momentum: float) -> list[RobustBatchNorm]:

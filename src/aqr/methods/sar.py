@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import NotApplicable, TTAMethod, softmax_entropy
-from .norms import norm_affine_parameters
+from .base import TTAMethod, softmax_entropy
+from .norm_layers import norm_affine_parameters, train_norm_affine_parameters
 from .sam import SAM
 from .tent import TentConfig, configure_for_entropy_minimization
 
@@ -142,12 +142,7 @@ class SAR(TTAMethod):
         model = configure_for_entropy_minimization(model)
         self.frozen_rules = resolve_freeze_rules(model, self.config.freeze)
         skip = frozen_module_names(model, self.frozen_rules)
-        trained = norm_affine_parameters(model, skip=skip)
-        if not trained:
-            raise NotApplicable("SAR needs trainable BatchNorm/GroupNorm/LayerNorm affine parameters")
-        self.param_names = [name for name, _ in trained]
-        for _, p in trained:
-            p.requires_grad_(True)
+        self.param_names = train_norm_affine_parameters(model, "SAR", skip=skip)
         self.ema: float | None = None
         self.recoveries = 0  # diagnostics only: total recoveries since creation, never reset
         return model

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import NotApplicable, TTAMethod, softmax_entropy
-from .norms import contiguous_groupnorm_inputs, norm_affine_parameters, use_batch_statistics
+from .base import TTAMethod, softmax_entropy
+from .norm_layers import (contiguous_groupnorm_inputs, norm_affine_parameters, train_norm_affine_parameters,
+                          use_batch_statistics)
 
 #: The AQR paper's baseline learning rates (appendix "Hyper-parameter Details").
 CNN_LR = 2.5e-4
@@ -81,11 +82,7 @@ class Tent(TTAMethod):
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model = configure_for_entropy_minimization(model)
-        self.param_names = [name for name, _ in norm_affine_parameters(model)]
-        if not self.param_names:
-            raise NotApplicable("TENT needs BatchNorm/GroupNorm/LayerNorm layers with affine parameters")
-        for _, p in norm_affine_parameters(model):
-            p.requires_grad_(True)
+        self.param_names = train_norm_affine_parameters(model, "TENT")
         return model
 
     def build_optimizer(self) -> torch.optim.Optimizer:

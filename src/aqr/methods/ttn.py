@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from .base import NotApplicable, TTAMethod
-from .norms import use_batch_statistics
+from .norm_layers import use_batch_statistics
 
 
 class TTN(TTAMethod):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import aqr
+from aqr._version import __version__
 from aqr.data.arrays import load_npz_arrays, to_float
 from aqr.models import create, save_checkpoint
 from aqr.models.checkpoint import CheckpointError, atomic_save, read_file
@@ -316,7 +316,7 @@ def write_final(out: str | os.PathLike[str], model: nn.Module, cfg: TrainConfig,
             "epochs": len(history), "scheduled_epochs": cfg.epochs, "partial": len(history) < cfg.epochs,
             "seed": cfg.seed, "clean_accuracy": final_acc, "command": cfg.command,
             "train_config": asdict(cfg), "history": history,
-            "aqr_version": aqr.__version__, "torch_version": str(torch.__version__)}
+            "aqr_version": __version__, "torch_version": str(torch.__version__)}
     if init is not None:
         meta["init"] = init
     config = model_config(cfg, num_classes)

@@ -1,17 +1,19 @@
-"""Normalization-layer helpers shared by TTN, TENT and SAR."""
+"""Normalization-layer helpers shared by the methods: finding BatchNorm layers and putting them on
+batch statistics (TTN, TENT, SAR), replacing them by layers with statistics of their own (bn-ema,
+RBN), and choosing the affine parameters that TENT and SAR train."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from aqr.core.layers import NORM_TYPES
 
 from .base import NotApplicable
-
 
 
 def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
@@ -31,6 +33,41 @@ def replace_batchnorms(model: nn.Module, make: Callable[[_BatchNorm], nn.Module]
         setattr(model.get_submodule(parent), child, layer)
         layers.append(layer)
     return layers
+
+
+class MovingStatsBatchNorm(nn.Module):
+    """Stands in for a BatchNorm layer with running statistics and normalizes with statistics of its own.
+
+    ``mean``/``var`` start as the layer's running statistics, which ``source_mean``/``source_var``
+    keep; subclasses move them (each with its ``momentum``). Shares the layer's affine parameters and
+    ``eps``. ``method`` names the method in the refusal of a layer without running statistics.
+    """
+
+    def __init__(self, bn: _BatchNorm, momentum: float, method: str) -> None:
+        super().__init__()
+        if bn.running_mean is None or bn.running_var is None:
+            raise NotApplicable(f"{method} needs BatchNorm layers with running statistics (track_running_stats=True)")
+        self.num_features = bn.num_features
+        self.eps = bn.eps
+        self.momentum = momentum
+        self.weight = bn.weight
+        self.bias = bn.bias
+        for name in ("source_mean", "mean"):
+            self.register_buffer(name, bn.running_mean.detach().clone())
+        for name in ("source_var", "var"):
+            self.register_buffer(name, bn.running_var.detach().clone())
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` normalized with ``mean``/``var``, then scaled and shifted by the affine parameters."""
+        return F.batch_norm(x, self.mean, self.var, self.weight, self.bias, False, 0.0, self.eps)
+
+    def reset(self) -> None:
+        """Statistics back to the source's."""
+        self.mean.copy_(self.source_mean)
+        self.var.copy_(self.source_var)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
 
 
 def use_batch_statistics(model: nn.Module) -> int:
@@ -65,6 +102,19 @@ def norm_affine_parameters(model: nn.Module, skip: frozenset[str] = frozenset())
             if isinstance(p, nn.Parameter):
                 found.append((f"{name}.{pname}" if name else pname, p))
     return found
+
+
+def train_norm_affine_parameters(model: nn.Module, method: str,
+                                 skip: frozenset[str] = frozenset()) -> list[str]:
+    """Turn on the gradients of the parameters :func:`norm_affine_parameters` finds (layers named in
+    ``skip`` left out) and return their names; :class:`NotApplicable` (naming ``method``) if there are none."""
+    trained = norm_affine_parameters(model, skip=skip)
+    if not trained:
+        outside = " outside its frozen modules" if skip else ""
+        raise NotApplicable(f"{method} needs BatchNorm/GroupNorm/LayerNorm layers with affine parameters{outside}")
+    for _, p in trained:
+        p.requires_grad_(True)
+    return [name for name, _ in trained]
 
 
 def _contiguous_input(module: nn.Module, args: tuple) -> tuple | None:

@@ -1,4 +1,4 @@
-"""The class-balanced memory (aqr.core.memory): bounds, RoTTA's replacement rule, reset."""
+"""The class-balanced memory (aqr.methods.rotta_memory): bounds, RoTTA's replacement rule, reset."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from aqr.core.memory import ClassBalancedMemory
+from aqr.methods.rotta_memory import ClassBalancedMemory
 
 
 def offer(memory: ClassBalancedMemory, classes: list[int], uncertainties: list[float] | None = None,
