@@ -28,6 +28,7 @@ from aqr._version import __version__
 from aqr.data.arrays import load_npz_arrays, to_float
 from aqr.models import create, save_checkpoint
 from aqr.models.checkpoint import CheckpointError, atomic_save, read_file
+from aqr.models.provenance import portable_command, portable_train_config
 from aqr.util.files import sha256_file
 
 MAX_ZOO_BYTES = 5 * 1024 * 1024
@@ -305,6 +306,7 @@ def train(cfg: TrainConfig, resume: bool = False, log: Any = None) -> dict[str, 
 def write_final(out: str | os.PathLike[str], model: nn.Module, cfg: TrainConfig, num_classes: int,
                 history: list[dict[str, Any]], data_hash: str, init: dict[str, Any] | None = None) -> Path:
     """Write the small aqr checkpoint (weights + config + provenance meta), in fp16 if fp32 exceeds 5 MB.
+    Paths in the provenance are relative to the working folder or cut to file names (no machine folders).
 
     ``meta["partial"]`` is True when fewer than ``cfg.epochs`` epochs were trained; ``meta["init"]`` is
     the provenance of the ``--init`` checkpoint (see :func:`load_init`), when there was one.
@@ -314,8 +316,8 @@ def write_final(out: str | os.PathLike[str], model: nn.Module, cfg: TrainConfig,
             "test": os.path.basename(cfg.test) if cfg.test else None,
             "test_sha256": sha256_file(cfg.test) if cfg.test else None,
             "epochs": len(history), "scheduled_epochs": cfg.epochs, "partial": len(history) < cfg.epochs,
-            "seed": cfg.seed, "clean_accuracy": final_acc, "command": cfg.command,
-            "train_config": asdict(cfg), "history": history,
+            "seed": cfg.seed, "clean_accuracy": final_acc, "command": portable_command(cfg.command),
+            "train_config": portable_train_config(asdict(cfg)), "history": history,
             "aqr_version": __version__, "torch_version": str(torch.__version__)}
     if init is not None:
         meta["init"] = init

@@ -11,6 +11,8 @@ import shlex
 from importlib import resources
 from pathlib import Path
 
+from aqr.models.provenance import portable_command
+
 ZOO_ENV = "AQR_ZOO"
 SUFFIXES: tuple[str, ...] = (".pt",)
 
@@ -45,16 +47,6 @@ def describe(path: str | os.PathLike[str]) -> dict[str, object]:
     info: dict[str, object] = {"file": Path(path).name, "bytes": Path(path).stat().st_size, "config": obj["config"]}
     info.update({k: v for k, v in meta.items() if k not in ("history", "train_config")})
     return info
-
-
-def portable_command(command: str) -> str:
-    """``command`` with every path argument cut to its file name: a recorded command names the
-    folders of the machine that ran it, which mean nothing elsewhere."""
-    try:
-        words = shlex.split(command)
-    except ValueError:  # unbalanced quotes: not a command we wrote
-        return command
-    return shlex.join(os.path.basename(w.rstrip("/")) if "/" in w and not w.startswith("{") else w for w in words)
 
 
 def manifest_markdown(directory: str | os.PathLike[str] | None = None) -> str:
