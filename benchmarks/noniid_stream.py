@@ -1,4 +1,4 @@
-"""Methods on a continual CIFAR-10-C stream in i.i.d., class-correlated and mixed orders (issue 16).
+"""Methods on a continual CIFAR-10-C stream in i.i.d., class-correlated and mixed orders.
 
 One stream per order: the corruptions in the given (continual) order at one severity, each a block of
 the same ``--n`` test images drawn from 5000-9999 with ``--seed``, put in the order by
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from aqr import SourceStats, methods, models
-from aqr.bench.grid import MethodSpec
 from aqr.data import DataDirError, load_cifar_c, resolve_data_dir, to_float
 from aqr.data.streams import StreamOrder, mean_run_length, take
+from aqr.harness.specs import MethodSpec
 
 FOUR = "gaussian_noise,defocus_blur,fog,contrast"
 

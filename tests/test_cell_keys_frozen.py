@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
-from aqr.bench.grid import PRESETS, Cell, cell_key, legacy_cell_key, preset, stream_corruptions
+from aqr.harness.cells import Cell, stream_corruptions
+from aqr.harness.keys import cell_key, legacy_cell_key
+from aqr.harness.presets import PRESETS, preset
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "data" / "cell_keys.json"

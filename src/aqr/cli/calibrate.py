@@ -41,10 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Calibrate the model on the selected source images and write the statistics file."""
-    from aqr.bench.grid import ModelSpec
-    from aqr.bench.runner import data_loader, model_preprocess, source_dataset
     from aqr.core.calibrate import calibrate
     from aqr.data.images import is_image_source
+    from aqr.harness.cells import ModelSpec
+    from aqr.harness.inputs import data_loader, model_preprocess, source_dataset
 
     with torch_threads(args.threads):
         model = load_model(args)
