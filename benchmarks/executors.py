@@ -24,10 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from aqr.bench.grid import preset
-from aqr.bench.ray_executor import RayOptions, import_ray
-from aqr.bench.results import ResultsDB
-from aqr.bench.runner import run_grid
+from aqr.harness.grid_driver import run_grid
+from aqr.harness.presets import preset
+from aqr.harness.ray_executor import RayOptions, import_ray
+from aqr.harness.results import ResultsDB
 
 
 def run(grid, folder: Path, cache: Path, executor: str, cpus: int, threads: int) -> tuple[float, dict]:

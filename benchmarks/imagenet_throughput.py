@@ -45,9 +45,9 @@ import torch
 
 import aqr
 from aqr import methods, models
-from aqr.bench.runner import data_loader
-from aqr.data.images import ImageFolder, Preprocess, balanced_subset
 from aqr.data.imagenet_c import FolderGenerationConfig, ImageNetCFolder, generate_imagenet_c
+from aqr.data.images import ImageFolder, Preprocess, balanced_subset
+from aqr.harness.inputs import data_loader
 
 CLASSES = 100  # synthetic classes (class folders) of the generated images
 

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from aqr import SourceStats, methods, models
-from aqr.bench.grid import MethodSpec
 from aqr.data import DataDirError, load_cifar_c, resolve_data_dir, to_float
 from aqr.data.streams import StreamOrder, mean_run_length, take
+from aqr.harness.specs import MethodSpec
 
 FOUR = "gaussian_noise,defocus_blur,fog,contrast"
 

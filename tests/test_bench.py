@@ -17,27 +17,22 @@ import pytest
 import torch
 
 from aqr import models
-from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
 from aqr.cli import main as cli_main
 from aqr.data.arrays import to_float
-from aqr.bench.grid import (
-    PRESETS,
-    Cell,
-    DataSpec,
-    GridSpec,
-    MethodSpec,
-    ModelSpec,
-    cell_key,
-    default_models,
-    eval_indices,
-    grid_from_mapping,
-    load_grid,
-    parse_range,
-    preset,
-)
-from aqr.bench.results import ResultsDB, ResultsDBError, pack_correct, unpack_correct
-from aqr.bench.runner import eval_data, evaluate, fingerprints, run_cell, run_grid, stats_path
+from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
 from aqr.data.streams import mean_run_length
+from aqr.harness.cell_run import run_cell
+from aqr.harness.cells import Cell, DataSpec, ModelSpec, eval_indices, parse_range
+from aqr.harness.eval_loop import evaluate
+from aqr.harness.grid_driver import run_grid
+from aqr.harness.grid_files import grid_from_mapping, load_grid
+from aqr.harness.inputs import eval_data
+from aqr.harness.keys import cell_key
+from aqr.harness.presets import PRESETS, default_models, preset
+from aqr.harness.provenance import fingerprints
+from aqr.harness.results import ResultsDB, ResultsDBError, pack_correct, unpack_correct
+from aqr.harness.source_stats import stats_path
+from aqr.harness.specs import GridSpec, MethodSpec
 
 CORRUPTIONS = ("gaussian_noise", "contrast")
 
@@ -530,7 +525,7 @@ def test_random_subset_ranges_are_seeded_sorted_and_checked() -> None:
 
 
 def test_class_sorted_source_subset_warns(tmp_path: Path) -> None:
-    from aqr.bench.runner import load_source
+    from aqr.harness.inputs import load_source
 
     labels = np.repeat(np.arange(4), 50)                      # sorted by class, like the JPEG train set
     images = np.zeros((200, 8, 8, 3), dtype=np.uint8)
@@ -547,7 +542,7 @@ def test_class_sorted_source_subset_warns(tmp_path: Path) -> None:
 
 def test_statistics_of_other_weights_fail_the_cell(tiny: GridSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import aqr
-    from aqr.bench import runner
+    from aqr.harness import cell_run
 
     cell = next(c for c in tiny.cells() if c.method == "aqr" and c.model.name == "tiny_bn")
     assert run_cell(cell, tmp_path / "cache").status == "ok"
@@ -555,7 +550,7 @@ def test_statistics_of_other_weights_fail_the_cell(tiny: GridSpec, tmp_path: Pat
     other = models.create("resnet20", num_classes=4, norm="bn", width=4, groups=2)
     images = torch.rand(32, 3, 16, 16)
     stale = aqr.calibrate(other.eval(), [images]).save(tmp_path / "stale.aqr.safetensors")
-    monkeypatch.setattr(runner, "ensure_stats", lambda cell, cache_dir, **kwargs: stale)
+    monkeypatch.setattr(cell_run, "ensure_stats", lambda cell, cache_dir, **kwargs: stale)
     result = run_cell(cell, tmp_path / "cache")
     assert result.status == "error" and "other weights" in result.message
 
@@ -575,21 +570,21 @@ def test_image_tail_statistics_are_cached_apart(tiny: GridSpec, tmp_path: Path) 
 
 def test_aqr_cell_keys_follow_the_fast_path_version(monkeypatch) -> None:
     """A change of AQR's default fast path must not reuse rows computed before it."""
-    from aqr.bench import grid
+    from aqr.harness import keys
 
     files = {"weights": "a", "source": "b", "eval": "c", "labels": "d"}
     aqr_cell = next(c for c in preset("smoke", DATA).cells() if c.method == "aqr")
     other = next(c for c in preset("smoke", DATA).cells() if c.method != "aqr")
     before = cell_key(aqr_cell, files, "1.0"), cell_key(other, files, "1.0")
-    monkeypatch.setattr(grid, "AQR_FAST_PATH_VERSION", grid.AQR_FAST_PATH_VERSION + 1)
+    monkeypatch.setattr(keys, "AQR_FAST_PATH_VERSION", keys.AQR_FAST_PATH_VERSION + 1)
     assert cell_key(aqr_cell, files, "1.0") != before[0]
     assert cell_key(other, files, "1.0") == before[1]
 
 
 def test_git_commit_is_dirty_only_for_changes_to_the_package(tmp_path: Path) -> None:
-    from aqr.bench import runner
+    from aqr.harness.provenance import git_commit
 
-    _git_commit = runner._git_commit.__wrapped__  # uncached (a run asks once)
+    _git_commit = git_commit.__wrapped__  # uncached (a run asks once)
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],

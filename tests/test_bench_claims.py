@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 
 import aqr
-from aqr.bench.claims import BUSY, CLAIMED, DONE, Claims
-from aqr.bench.grid import GridSpec, ModelSpec, legacy_cell_key
-from aqr.bench.results import ResultsDB
-from aqr.bench.runner import keyed_cells, run_grid
+from aqr.harness.cells import ModelSpec
+from aqr.harness.claims import BUSY, CLAIMED, DONE, Claims
+from aqr.harness.grid_driver import keyed_cells, run_grid
+from aqr.harness.keys import legacy_cell_key
+from aqr.harness.results import ResultsDB
+from aqr.harness.specs import GridSpec
 from tests.test_bench import _bench_command, _cell, _tiny_setup
 
 

@@ -16,11 +16,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from aqr.bench.executors import CellSettings  # noqa: E402
-from aqr.bench.grid import GridSpec  # noqa: E402
-from aqr.bench.ray_executor import RayExecutor, RayOptions  # noqa: E402
-from aqr.bench.results import ResultsDB  # noqa: E402
-from aqr.bench.runner import run_grid  # noqa: E402
+from aqr.harness.executors import CellSettings  # noqa: E402
+from aqr.harness.grid_driver import run_grid  # noqa: E402
+from aqr.harness.ray_executor import RayExecutor, RayOptions  # noqa: E402
+from aqr.harness.results import ResultsDB  # noqa: E402
+from aqr.harness.specs import GridSpec  # noqa: E402
 from tests.test_bench import _bench_command, _sigkill_and_resume, _tiny_setup  # noqa: E402
 
 

@@ -9,13 +9,17 @@ import numpy as np
 import pytest
 
 from aqr import models
-from aqr.bench import continual
-from aqr.bench.grid import (CONTINUAL_ORDER, NONIID_METHODS, NONIID_ORDERS, STREAM_METHODS, MethodSpec, data_corruptions,
-                            preset, stream_corruptions)
-from aqr.bench.report import load_rows, report
-from aqr.bench.results import ResultsDB
-from aqr.bench.runner import cell_files, run_cell, run_grid, stats_options
 from aqr.data.arrays import to_float
+from aqr.harness import continual
+from aqr.harness.cell_run import run_cell
+from aqr.harness.cells import CONTINUAL_ORDER, data_corruptions, stream_corruptions
+from aqr.harness.grid_driver import run_grid
+from aqr.harness.presets import NONIID_METHODS, NONIID_ORDERS, STREAM_METHODS, preset
+from aqr.harness.provenance import cell_files
+from aqr.harness.report import load_rows, report
+from aqr.harness.results import ResultsDB
+from aqr.harness.source_stats import stats_options
+from aqr.harness.specs import MethodSpec
 from aqr.methods import create
 from tests.test_bench import _tiny_setup
 

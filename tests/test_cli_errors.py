@@ -109,7 +109,7 @@ def test_counts_sizes_and_indices_are_checked_by_the_parser(capsys, files, argv)
 
 
 def test_a_corrupted_results_database_is_one_line(capsys, tmp_path):
-    from aqr.bench.results import ResultsDB
+    from aqr.harness.results import ResultsDB
 
     path = tmp_path / "r.db"
     with ResultsDB(path) as db:
@@ -161,10 +161,10 @@ def test_debug_shows_the_traceback(capsys, files, monkeypatch):
 
 def test_library_counts_are_checked(files):
     """The same checks where the CLI calls the library."""
-    from aqr.bench.grid import parse_range
-    from aqr.bench.runner import evaluate
     from aqr.cli.common import torch_threads
     from aqr.core.calibrate import calibrate
+    from aqr.harness.cells import parse_range
+    from aqr.harness.eval_loop import evaluate
 
     model = create("resnet20", num_classes=10, width=4).eval()
     x = torch.rand(4, 3, 32, 32)
@@ -177,7 +177,7 @@ def test_library_counts_are_checked(files):
     with pytest.raises(ValueError, match="threads"):
         with torch_threads(-3):
             pass
-    from aqr.bench.ray_executor import RayOptions
+    from aqr.harness.ray_executor import RayOptions
     for bad in ({"cpus_per_cell": float("inf")}, {"cpus_per_cell": float("nan")}, {"gpus_per_cell": float("inf")},
                 {"max_retries": -1}, {"max_retries": 1.5}):
         with pytest.raises(ValueError):

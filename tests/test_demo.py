@@ -13,12 +13,12 @@ pytest.importorskip("sklearn")
 pytest.importorskip("PIL")
 pytest.importorskip("scipy")
 
-from aqr.bench.grid import BASELINES  # noqa: E402
-from aqr.bench.results import ResultsDB  # noqa: E402
 from aqr.cli import main  # noqa: E402
 from aqr.data.cifar_c import GenerationConfig, generate_cifar_c  # noqa: E402
 from aqr.experiments.demo import (DIGITS_MODELS, QUICK_SEVERITIES, DemoConfig, load_digits_rgb32,  # noqa: E402
                                   run_demo, split_digits)
+from aqr.harness.presets import BASELINES  # noqa: E402
+from aqr.harness.results import ResultsDB  # noqa: E402
 from aqr.models import create, save_checkpoint  # noqa: E402
 
 

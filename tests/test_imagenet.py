@@ -19,12 +19,15 @@ pytest.importorskip("scipy")
 from PIL import Image  # noqa: E402
 
 from aqr import models  # noqa: E402
-from aqr.bench.grid import DataSpec, GridSpec, MethodSpec, ModelSpec  # noqa: E402
-from aqr.bench.results import ResultsDB  # noqa: E402
-from aqr.bench.runner import evaluate_batches, run_grid, source_selection  # noqa: E402
 from aqr.cli import main as cli_main  # noqa: E402
-from aqr.data.images import ImageFolder, Preprocess, balanced_subset, listing_fingerprint  # noqa: E402
 from aqr.data.imagenet_c import FolderGenerationConfig, ImageNetCFolder, generate_imagenet_c  # noqa: E402
+from aqr.data.images import ImageFolder, Preprocess, balanced_subset, listing_fingerprint  # noqa: E402
+from aqr.harness.cells import DataSpec, ModelSpec  # noqa: E402
+from aqr.harness.eval_loop import evaluate_batches  # noqa: E402
+from aqr.harness.grid_driver import run_grid  # noqa: E402
+from aqr.harness.inputs import source_selection  # noqa: E402
+from aqr.harness.results import ResultsDB  # noqa: E402
+from aqr.harness.specs import GridSpec, MethodSpec  # noqa: E402
 from tests.optional_packages import require  # noqa: E402
 
 CLASSES = ("n01", "n02", "n03")
@@ -260,7 +263,7 @@ def test_bench_runs_an_image_folder_grid_and_generates_missing_cells(folder: Pat
 
 
 def test_imagenet_preset_is_the_papers_setting(capsys: pytest.CaptureFixture) -> None:
-    from aqr.bench.grid import preset
+    from aqr.harness.presets import preset
 
     grid = preset("imagenet", imagenet_dir="in", imagenet_c="in-c")
     assert [m.model for m in grid.models] == ["timm:resnet50.tv_in1k", "timm:resnet50_gn.a1h_in1k",

@@ -21,7 +21,7 @@ def test_import_is_light_and_subpackages_load_on_first_use() -> None:
     script = """
 import sys
 import aqr
-heavy = ("matplotlib", "scipy", "ray", "sklearn", "PIL", "aqr.data", "aqr.bench", "aqr.methods", "aqr.models",
+heavy = ("matplotlib", "scipy", "ray", "sklearn", "PIL", "aqr.data", "aqr.harness", "aqr.methods", "aqr.models",
          "aqr.experiments", "aqr.cli")
 assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]
 assert callable(aqr.models.load) and callable(aqr.methods.create) and "aqr.methods" in sys.modules

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from aqr import cli
-from aqr.bench import report
-from aqr.bench.grid import Cell, DataSpec, ModelSpec
-from aqr.bench.results import ResultsDB
+from aqr.harness import report
+from aqr.harness.cells import Cell, DataSpec, ModelSpec
+from aqr.harness.results import ResultsDB
 
 
 MODELS = ("resnet20", "vit_ln")

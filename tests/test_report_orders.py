@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aqr.bench import report
-from aqr.bench.continual import stream_detail
-from aqr.bench.grid import NONIID_ORDERS, Cell, DataSpec, ModelSpec
-from aqr.bench.report.orders import order_key, order_positions
-from aqr.bench.results import ResultsDB, Row
+from aqr.harness import report
+from aqr.harness.cells import Cell, DataSpec, ModelSpec
+from aqr.harness.continual import stream_detail
+from aqr.harness.presets import NONIID_ORDERS
+from aqr.harness.report.orders import order_key, order_positions
+from aqr.harness.results import ResultsDB, Row
 
 MODELS = ("resnet20", "vit_ln")
 VARIANTS = (("source", {}), ("ttn", {}), ("aqr", {}), ("aqr", {"target": "stream"}))

@@ -1,4 +1,4 @@
-"""Paired comparisons with bootstrap intervals over images, and means over seeds (aqr.bench.report.paired)."""
+"""Paired comparisons with bootstrap intervals over images, and means over seeds (aqr.harness.report.paired)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aqr.bench import report
-from aqr.bench.grid import Cell, DataSpec, ModelSpec, eval_indices, parse_range
-from aqr.bench.report.paired import PairedCell, best_baseline, paired_difference
-from aqr.bench.results import ResultsDB, pack_correct
+from aqr.harness import report
+from aqr.harness.cells import Cell, DataSpec, ModelSpec, eval_indices, parse_range
+from aqr.harness.report.paired import PairedCell, best_baseline, paired_difference
+from aqr.harness.results import ResultsDB, pack_correct
 
 POOL = "0:400"
 N = 200
@@ -117,7 +117,7 @@ def test_report_writes_paired_and_seed_tables(db, tmp_path: Path) -> None:
 
 
 def test_best_baseline_needs_every_cell() -> None:
-    from aqr.bench.results import Row
+    from aqr.harness.results import Row
 
     def row(method: str, acc: float, corruption: str) -> Row:
         return Row("k", "m", method, method, "d", corruption, 5, 128, 0, "episodic", "ok", acc, N, 1.0, None, {}, {}, 0.0)

@@ -7,8 +7,8 @@ import sqlite3
 import pytest
 import torch
 
-from aqr.bench.grid import Cell, DataSpec, ModelSpec
-from aqr.bench.results import ResultsDB, ResultsDBError
+from aqr.harness.cells import Cell, DataSpec, ModelSpec
+from aqr.harness.results import ResultsDB, ResultsDBError
 from aqr.models import CheckpointError, create, from_checkpoint, save_checkpoint
 
 

@@ -6,7 +6,7 @@
 >>> logits = adapted(test_batch)                         # recalibrated on this batch
 
 The core is imported here; the rest loads on first use (``aqr.models``, ``aqr.methods``,
-``aqr.data``, ``aqr.bench``, ``aqr.experiments``, ``aqr.cli``, ``aqr.backends``, ``aqr.core``,
+``aqr.data``, ``aqr.harness``, ``aqr.experiments``, ``aqr.cli``, ``aqr.backends``, ``aqr.core``,
 ``aqr.util``), so ``import aqr`` stays light.
 """
 
@@ -23,7 +23,7 @@ from aqr.core.layers import LayerError, LayerInfo, NonFiniteActivationError, nor
 from aqr.core.qmap import TAILS, channel_quantiles, quantile_map  # noqa: E402
 from aqr.core.stats import LayerStats, SourceStats, StatsError  # noqa: E402
 
-SUBMODULES = ("backends", "bench", "cli", "core", "data", "experiments", "methods", "models", "util")
+SUBMODULES = ("backends", "cli", "core", "data", "experiments", "harness", "methods", "models", "util")
 
 __all__ = [
     "AQR",

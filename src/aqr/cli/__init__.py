@@ -59,10 +59,10 @@ def exit_status(err: BaseException) -> int:
     import sqlite3
 
     from aqr.backends.native import NativeKernelError
-    from aqr.bench.results import ResultsDBError
     from aqr.cli.common import UsageError
     from aqr.core.layers import NonFiniteActivationError
     from aqr.core.stats import StatsError
+    from aqr.harness.results import ResultsDBError
     from aqr.models.checkpoint import CheckpointError
 
     if isinstance(err, (CheckpointError, StatsError, NonFiniteActivationError, ResultsDBError, NativeKernelError,

@@ -45,8 +45,9 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
 
 def grid_from_args(args: argparse.Namespace):
     """The GridSpec the flags describe."""
-    from aqr.bench.grid import load_grid, preset
     from aqr.data.corruption_params import CORRUPTIONS
+    from aqr.harness.grid_files import load_grid
+    from aqr.harness.presets import preset
 
     if args.config:
         grid = load_grid(args.config, args.data_dir, args.cifar_c)
@@ -68,7 +69,7 @@ def grid_from_args(args: argparse.Namespace):
         changes["models"] = tuple(replace(m, image_size=args.image_size or m.image_size, resize=args.resize or m.resize)
                                   for m in changes.get("models", grid.models))
     if args.order:  # the report reads an experiment's rows by its name: keep orders apart
-        from aqr.bench.grid import canonical_order, stream_corruptions
+        from aqr.harness.cells import canonical_order, stream_corruptions
 
         order = canonical_order(args.order)
         single = [c for c in changes.get("corruptions", grid.corruptions) if stream_corruptions(c) is None]
@@ -115,8 +116,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the grid (or list its cells); 1 when a cell failed."""
-    from aqr.bench.results import ResultsDB
-    from aqr.bench.runner import describe_cells, result_json, run_grid
+    from aqr.harness.grid_driver import describe_cells, result_json, run_grid
+    from aqr.harness.results import ResultsDB
 
     grid = grid_from_args(args)
     if args.dry_run:
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     ray = None
     if args.executor == "ray":
-        from aqr.bench.ray_executor import RayOptions
+        from aqr.harness.ray_executor import RayOptions
 
         ray = RayOptions(address=args.ray_address, cpus_per_cell=args.cpus_per_cell or args.threads or 1,
                          gpus_per_cell=args.gpus_per_cell, max_retries=args.max_retries)

@@ -42,10 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Calibrate the model on the selected source images and write the statistics file."""
-    from aqr.bench.grid import ModelSpec
-    from aqr.bench.runner import data_loader, model_preprocess, source_dataset
     from aqr.core.calibrate import calibrate
     from aqr.data.images import is_image_source
+    from aqr.harness.cells import ModelSpec
+    from aqr.harness.inputs import data_loader, model_preprocess, source_dataset
 
     if args.num_quantiles > args.max_samples:
         raise UsageError(f"--num-quantiles {args.num_quantiles} must be at most --max-samples {args.max_samples}, "

@@ -15,7 +15,7 @@ MAX_IMAGE_SIDE = 4096  # --image-size / --resize: larger sides only exhaust memo
 if TYPE_CHECKING:
     from torch import nn
 
-    from aqr.bench.grid import MethodSpec
+    from aqr.harness.specs import MethodSpec
 
 
 class UsageError(Exception):
@@ -177,7 +177,7 @@ def split_methods(text: str) -> list[str]:
 
 
 def method_specs(text: str) -> list[MethodSpec]:
-    """A method list (``'source,aqr:tail=clip,K=11'``) as :class:`aqr.bench.grid.MethodSpec` entries."""
-    from aqr.bench.grid import MethodSpec
+    """A method list (``'source,aqr:tail=clip,K=11'``) as :class:`aqr.harness.specs.MethodSpec` entries."""
+    from aqr.harness.specs import MethodSpec
 
     return [MethodSpec.parse(m) for m in split_methods(text)]

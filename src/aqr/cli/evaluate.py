@@ -47,10 +47,11 @@ def _test_data(args: argparse.Namespace, model):
     """``(evaluate(method) -> (accuracy, n), description)`` for the chosen test images."""
     from torch.utils.data import Subset
 
-    from aqr.bench.grid import ModelSpec, parse_range
-    from aqr.bench.runner import data_loader, evaluate, evaluate_batches, model_preprocess
     from aqr.data import load_cifar, load_cifar_c
     from aqr.data.images import ImageFolder, is_image_source
+    from aqr.harness.cells import ModelSpec, parse_range
+    from aqr.harness.eval_loop import evaluate, evaluate_batches
+    from aqr.harness.inputs import data_loader, model_preprocess
 
     indices = parse_range(args.indices)
     if (args.cifar_c or args.imagenet_c) and not args.corruption:

@@ -1,4 +1,4 @@
-"""``aqr report``: the paper's tables and figures from a results database (library: :mod:`aqr.bench.report`;
+"""``aqr report``: the paper's tables and figures from a results database (library: :mod:`aqr.harness.report`;
 Fig. 3: :mod:`aqr.experiments.tail_deviation`).
 
 Without ``--out`` the Markdown tables go to stdout; with it, tables (Markdown, LaTeX, CSV), figures
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _formats(text: str) -> tuple[str, ...]:
-    from aqr.bench.report import FORMATS
+    from aqr.harness.report import FORMATS
 
     formats = tuple(f.strip() for f in text.split(",") if f.strip())
     unknown = [f for f in formats if f not in FORMATS]
@@ -60,7 +60,7 @@ def _formats(text: str) -> tuple[str, ...]:
 
 
 def _db_report(args: argparse.Namespace) -> int:
-    from aqr.bench import report
+    from aqr.harness import report
 
     formats = _formats(args.format)
     if args.out is not None:
@@ -89,9 +89,9 @@ def _tail_deviation(args: argparse.Namespace) -> int:
     import numpy as np
 
     from aqr.models import load
-    from aqr.bench.grid import parse_range
     from aqr.data import load_cifar
     from aqr.experiments import tail_deviation
+    from aqr.harness.cells import parse_range
 
     if args.out is None or not args.source_data:
         raise ValueError("--tail-deviation needs --source-data NPZ and --out DIR")

@@ -4,7 +4,7 @@ With no data at all it runs on scikit-learn's handwritten digits (1,797 real 8x8
 inside scikit-learn): upscaled to 32x32 RGB and split (seeded) into train / source / test, it trains
 a small BatchNorm ResNet, a GroupNorm ResNet and a LayerNorm ViT, corrupts the test split with
 :func:`aqr.data.cifar_c.generate_cifar_c`, and runs the grid through the real benchmark path
-(:func:`aqr.bench.runner.run_grid`) into a results database in the work folder, so a second run reuses
+(:func:`aqr.harness.grid_driver.run_grid`) into a results database in the work folder, so a second run reuses
 the models, the data and every finished cell. Given ``data``/``cifar_c``/``checkpoint`` it runs the
 same comparison on CIFAR-10(-C) with an existing model instead (no training).
 
@@ -22,10 +22,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from aqr.bench.grid import BASELINES, DataSpec, GridSpec, MethodSpec, ModelSpec, eval_indices, parse_range
-from aqr.bench.results import Row
-from aqr.bench.runner import GridSummary
 from aqr.data.arrays import load_npz_arrays
+from aqr.harness.cells import DataSpec, ModelSpec, eval_indices, parse_range
+from aqr.harness.grid_driver import GridSummary
+from aqr.harness.presets import BASELINES
+from aqr.harness.results import Row
+from aqr.harness.specs import GridSpec, MethodSpec
 from aqr.util.files import atomic_write, sha256_file
 from aqr.util.plots import colors as plot_colors
 from aqr.util.plots import figure, save
@@ -403,8 +405,9 @@ def clean_accuracy(grid: GridSpec, clean_npz: str | Path) -> dict[str, float | N
     folder's (as for CIFAR-10's test set and CIFAR-10-C); otherwise the clean accuracy is None.
     """
     from aqr.data import load_cifar_c
+    from aqr.harness.eval_loop import evaluate
+    from aqr.harness.inputs import load_model
     from aqr.methods import create
-    from aqr.bench.runner import evaluate, load_model
 
     images, labels = load_npz_arrays(clean_npz)
     cell = next(grid.cells())
@@ -420,7 +423,7 @@ def clean_accuracy(grid: GridSpec, clean_npz: str | Path) -> dict[str, float | N
 
 def grid_rows(grid: GridSpec, db: Any) -> list[Row]:
     """The database rows of exactly this grid's cells (not of earlier runs with other settings)."""
-    from aqr.bench.runner import keyed_cells
+    from aqr.harness.grid_driver import keyed_cells
 
     keys = {key for key, _, _ in keyed_cells(grid)}
     return [r for r in db.rows(experiment=grid.name) if r.key in keys]
@@ -529,15 +532,16 @@ def run_demo(config: DemoConfig = DemoConfig(), log: Callable[[str], None] = pri
 
 
 def _run(config: DemoConfig, log: Callable[[str], None]) -> DemoResult:
-    from aqr.bench import runner
-    from aqr.bench.results import ResultsDB
+    from aqr.harness.cell_run import clear_caches
+    from aqr.harness.grid_driver import run_grid
+    from aqr.harness.results import ResultsDB
 
     t0 = time.perf_counter()
     out = Path(config.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     # Models or corrupted images in the work folder may have been rewritten (retrained, regenerated
     # for another seed) since this process last cached them.
-    runner.clear_caches()
+    clear_caches()
     trained: list[str] = []
     if config.cifar:
         grid = cifar_grid(config)
@@ -546,7 +550,7 @@ def _run(config: DemoConfig, log: Callable[[str], None]) -> DemoResult:
         grid, trained, clean_npz = prepare_digits(config, out, log)
     db_path = out / "results.db"
     with ResultsDB(db_path) as db:
-        summary = runner.run_grid(grid, db, out / "cache", progress=config.progress, log=log)
+        summary = run_grid(grid, db, out / "cache", progress=config.progress, log=log)
         rows = grid_rows(grid, db)
     for message in summary.error_messages:
         log(f"error: {message}")

@@ -1,9 +1,9 @@
 """The paper's tables and figures, computed from the results database (``aqr report``).
 
-:func:`report` writes every table (:mod:`~aqr.bench.report.tables`, rendered by
-:mod:`~aqr.bench.report.render` as Markdown, LaTeX and CSV) and figure
-(:mod:`~aqr.bench.report.figures`, PNG and PDF) the rows support, the paired comparisons with
-bootstrap intervals and means over seeds (:mod:`~aqr.bench.report.paired`, from the per-image results
+:func:`report` writes every table (:mod:`~aqr.harness.report.tables`, rendered by
+:mod:`~aqr.harness.report.render` as Markdown, LaTeX and CSV) and figure
+(:mod:`~aqr.harness.report.figures`, PNG and PDF) the rows support, the paired comparisons with
+bootstrap intervals and means over seeds (:mod:`~aqr.harness.report.paired`, from the per-image results
 the database keeps), an ``index.md`` and a ``report.json`` with every number. Rows are read with :func:`load_rows`: for each condition, the
 newest row, so reruns under a new code version replace old rows.
 """
@@ -16,24 +16,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from aqr.bench.report.figures import (architecture_bars, closest_severity, mean_se, plot_architectures,
-                                      plot_severity, severity_curves, write_figures)
-from aqr.bench.report.paired import (paired_corruption_table, paired_difference, paired_table, paired_tables,
-                                     seed_table)
-from aqr.bench.report.orders import order_curves, order_table, order_tables, plot_orders, write_order_figures
-from aqr.bench.report.streams import is_continual, row_order, stream_report, stream_tables, write_stream_figures
-from aqr.bench.report.render import FORMATS, latex_escape, to_csv, to_latex, to_markdown, write_tables
-from aqr.bench.report.tables import (BASE_METHODS, METHOD_LABELS, Entry, Table, ablation_tables, bold_best,
-                                     build_tables, corruption_order, entry_of, flag_incomplete, method_label,
-                                     per_corruption_table, summarize, summary_table, variant_order)
-from aqr.bench.results import ResultsDB, Row
+from aqr.harness.report.figures import (architecture_bars, closest_severity, mean_se, plot_architectures,
+                                        plot_severity, severity_curves)
+from aqr.harness.report.orders import order_curves, order_table, order_tables, plot_orders, write_order_figures
+from aqr.harness.report.paired import (paired_corruption_table, paired_difference, paired_table, paired_tables,
+                                       seed_table)
+from aqr.harness.report.render import FORMATS, latex_escape, to_csv, to_latex, to_markdown, write_tables
+from aqr.harness.report.shared import is_continual, row_order
+from aqr.harness.report.stream_tables import stream_report, stream_tables, write_stream_figures
+from aqr.harness.report.tables import (BASE_METHODS, METHOD_LABELS, Entry, Table, ablation_tables, bold_best,
+                                       corruption_order, entry_of, flag_incomplete, has_ok, method_label,
+                                       per_corruption_table, summarize, summary_table, variant_order)
+from aqr.harness.results import ResultsDB, Row
 
 __all__ = ["BASE_METHODS", "FORMATS", "METHOD_LABELS", "Entry", "Table", "ablation_tables", "architecture_bars",
            "bold_best", "build_tables", "condition", "corruption_order", "entry_of", "flag_incomplete",
            "index_markdown", "latest_rows", "latex_escape", "load_rows", "mean_se", "method_label",
            "order_curves", "order_table", "order_tables", "paired_corruption_table", "paired_difference", "paired_table", "paired_tables", "per_corruption_table",
            "plot_architectures", "plot_orders", "plot_severity", "provenance_summary", "report", "report_dict",
-           "row_order", "seed_table",
+           "is_continual", "row_order", "seed_table",
            "severity_curves", "stream_report", "stream_tables", "summarize", "summary_table", "to_csv", "to_latex",
            "to_markdown", "variant_order", "write_figures", "write_order_figures", "write_stream_figures",
            "write_tables"]
@@ -43,7 +44,7 @@ def load_rows(db_path: str | Path, experiment: str | None = None, latest: bool =
     """Every row of the database (or of one experiment), the newest per condition when ``latest``.
 
     Raises ``FileNotFoundError`` for a missing file (instead of creating an empty database),
-    :class:`aqr.bench.results.ResultsDBError` for a file that is not a results database and ``KeyError``
+    :class:`aqr.harness.results.ResultsDBError` for a file that is not a results database and ``KeyError``
     for an unknown experiment.
     """
     path = Path(db_path)
@@ -81,6 +82,37 @@ def provenance_summary(rows: Iterable[Row]) -> dict[str, list[str]]:
         for key in ("aqr", "git_commit", "torch", "host"):
             found[key].add(str(row.provenance.get(key)))
     return {k: sorted(v) for k, v in found.items()}
+
+
+def build_tables(rows: Sequence[Row]) -> list[Table]:
+    """Every table the rows support: summaries, ablations, per-corruption tables, then the continual
+    cells' tables (:mod:`aqr.harness.report.stream_tables`)."""
+    streams = stream_tables(rows)
+    rows = [r for r in rows if not is_continual(r)]
+    models = sorted({r.model for r in rows})
+    tables = [summary_table(rows, m) for m in models]
+    if len(models) > 1:
+        tables.append(summary_table(rows, None))
+    for model in models:
+        tables.extend(ablation_tables(rows, model))
+    for model in models:
+        settings = sorted({(r.severity, r.batch_size) for r in rows if r.model == model})
+        tables.extend(per_corruption_table(rows, model, s, b) for s, b in settings)
+    return [t for t in tables if t is not None] + streams
+
+
+def write_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
+    """Fig. 4 and Fig. 5 (at severity 3, or the closest present) when the rows support them, then the
+    continual cells' figures (:mod:`aqr.harness.report.stream_tables`)."""
+    out = Path(out_dir)
+    figures: dict[str, list[Path]] = write_stream_figures(rows, out)
+    rows = [r for r in rows if not is_continual(r)]
+    if not has_ok(rows):
+        return figures
+    figures["severity"] = plot_severity(rows, out / "severity")
+    severity = closest_severity(rows)
+    figures["architectures"] = plot_architectures(rows, out / f"architectures_sev{severity}", severity)
+    return figures
 
 
 def report_dict(rows: Sequence[Row], tables: Sequence[Table], superseded: int = 0) -> dict[str, Any]:

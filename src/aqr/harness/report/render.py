@@ -1,4 +1,4 @@
-"""Rendering a :class:`~aqr.bench.report.tables.Table` as Markdown, LaTeX or CSV, and writing the files."""
+"""Rendering a :class:`~aqr.harness.report.tables.Table` as Markdown, LaTeX or CSV, and writing the files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from aqr.bench.report.tables import Table
+from aqr.harness.report.tables import Table
 
 FORMATS = ("md", "latex", "csv")
 

@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from aqr.bench.results import Row
 from aqr.data.corruption_params import CORRUPTIONS
+from aqr.harness.report.shared import slug
+from aqr.harness.results import Row
 
 BASE_METHODS = ("source", "ttn", "tent", "sar", "moments", "aqr")
 METHOD_LABELS = {"source": "Source (NA)", "ttn": "TTN", "tent": "TENT", "sar": "SAR", "moments": "Moments",
@@ -174,10 +175,6 @@ def group_by(rows: Iterable[Row], key: Callable[[Row], Any]) -> dict[Any, list[R
     return groups
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
-
-
 def per_corruption_table(rows: Sequence[Row], model: str, severity: int, batch_size: int) -> Table | None:
     """Paper Table 1: accuracy per method and corruption (mean over seeds) plus their mean; None if no data.
 
@@ -193,18 +190,20 @@ def per_corruption_table(rows: Sequence[Row], model: str, severity: int, batch_s
     entries = flag_incomplete([[entry_of(cells.get((v, c), []), with_std=False) for c in corruptions]
                                for v in variants])
     for row in entries:
-        row.append(_row_mean(row, [e.mean for e in row if e.mean is not None], len(corruptions)))
+        row.append(row_mean(row, [e.mean for e in row if e.mean is not None], len(corruptions)))
     seeds = sorted({r.seed for r in chosen if r.status == "ok"})
     errors = [e.std / math.sqrt(e.n) for row in entries for e in row[:-1] if e.std is not None]
     note = f"Accuracy (%), mean over seeds {', '.join(map(str, seeds))}; " + (
         f"largest standard error over seeds: {max(errors):.2f}." if errors else "one seed per entry, no standard error.")
-    return Table(f"per_corruption_{_slug(model)}_sev{severity}_bs{batch_size}",
+    return Table(f"per_corruption_{slug(model)}_sev{severity}_bs{batch_size}",
                  f"{model}: accuracy per corruption, severity {severity}, batch size {batch_size}",
                  ("Method", *corruptions, "mean"), tuple(method_label(v) for v in variants),
                  bold_best(entries), note)
 
 
-def _row_mean(row: Sequence[Entry], means: Sequence[float], total: int) -> Entry:
+def row_mean(row: Sequence[Entry], means: Sequence[float], total: int) -> Entry:
+    """A table row's mean entry over its columns' ``means`` (of ``total`` columns): marked, and never bold,
+    when some column has none."""
     if not means:
         texts = {e.text for e in row}
         return Entry("n/a" if "n/a" in texts else ("error" if "error" in texts else ""))
@@ -233,7 +232,7 @@ def summary_table(rows: Sequence[Row], model: str | None = None) -> Table | None
     if model is None:
         note += (" (and models: " + ", ".join(sorted({r.model for r in chosen}))
                  + "; a method n/a for a model is averaged over the others)")
-    return Table(f"summary_{_slug(model) if model else 'all'}", f"Summary: {scope}",
+    return Table(f"summary_{slug(model) if model else 'all'}", f"Summary: {scope}",
                  ("Method", *(f"bs {b}, sev {s}" for b, s in columns)), tuple(method_label(v) for v in variants),
                  bold_best(entries), note + ".")
 
@@ -264,27 +263,10 @@ def ablation_tables(rows: Sequence[Row], model: str) -> list[Table]:
         severities = sorted({r.severity for r in family if r.status == "ok"})
         note = ("Accuracy (%), mean ± std across corruptions, seeds and severities "
                 f"{', '.join(map(str, severities))}.")
-        name = f"ablation_{_slug(model)}_{_slug(method)}_{_slug('-'.join(keys))}"
+        name = f"ablation_{slug(model)}_{slug(method)}_{slug('-'.join(keys))}"
         title = f"{model}: {method_label(method)} by {', '.join(keys)}"
         tables.append(Table(name, title, ("Variant", *(f"bs {b}" for b in batch_sizes)),
                             tuple(method_label(v) for v in variants), bold_best(entries), note))
     return tables
 
 
-def build_tables(rows: Sequence[Row]) -> list[Table]:
-    """Every table the rows support: summaries, ablations, per-corruption tables, then the continual
-    cells' tables (:mod:`aqr.bench.report.streams`)."""
-    from aqr.bench.report.streams import is_continual, stream_tables
-
-    streams = stream_tables(rows)
-    rows = [r for r in rows if not is_continual(r)]
-    models = sorted({r.model for r in rows})
-    tables = [summary_table(rows, m) for m in models]
-    if len(models) > 1:
-        tables.append(summary_table(rows, None))
-    for model in models:
-        tables.extend(ablation_tables(rows, model))
-    for model in models:
-        settings = sorted({(r.severity, r.batch_size) for r in rows if r.model == model})
-        tables.extend(per_corruption_table(rows, model, s, b) for s, b in settings)
-    return [t for t in tables if t is not None] + streams

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from aqr.bench.report.tables import group_by, has_ok, method_label, variant_order, variants_in
-from aqr.bench.results import Row
+from aqr.harness.report.tables import group_by, method_label, variant_order, variants_in
+from aqr.harness.results import Row
 from aqr.util.plots import axes_row, save
 from aqr.util.plots import colors as plot_colors
 
@@ -156,17 +156,11 @@ def plot_architectures(rows: Sequence[Row], path: str | Path, severity: int = 3)
     return save(fig, path, formats=("png", "pdf"), tight=True)
 
 
-def write_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
-    """Fig. 4 and Fig. 5 (at severity 3, or the closest present) when the rows support them, then the
-    continual cells' figures (:mod:`aqr.bench.report.streams`)."""
-    from aqr.bench.report.streams import is_continual, write_stream_figures
-
-    out = Path(out_dir)
-    figures: dict[str, list[Path]] = write_stream_figures(rows, out)
-    rows = [r for r in rows if not is_continual(r)]
-    if not has_ok(rows):
-        return figures
-    figures["severity"] = plot_severity(rows, out / "severity")
-    severity = closest_severity(rows)
-    figures["architectures"] = plot_architectures(rows, out / f"architectures_sev{severity}", severity)
-    return figures
+def finish_figure(fig: Any, axes: Sequence[Any], handles: dict[str, Any], path: str | Path) -> list[Path]:
+    """One legend entry per method drawn in any panel, in the table order, beside the last panel; the
+    figure saved as PNG and PDF."""
+    ordered = sorted(handles, key=variant_order)
+    axes[-1].legend([handles[v] for v in ordered], [method_label(v) for v in ordered], fontsize=8,
+                    loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return save(fig, path, formats=("png", "pdf"), tight=True)

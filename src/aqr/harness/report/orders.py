@@ -1,4 +1,4 @@
-"""Accuracy against the stream order (the ``stream-noniid`` preset, issue 16): continual cells whose
+"""Accuracy against the stream order (the ``stream-noniid`` preset): continual cells whose
 images come in i.i.d., class-correlated (Dirichlet ``delta``) or mixed order.
 
 * :func:`order_table`: per model and batch size, rows methods, columns the orders (``iid``, then
@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from aqr.bench.report.streams import _finish, _setting, is_continual, row_order
-from aqr.bench.report.tables import (Table, _slug, bold_best, entry_of, flag_incomplete, group_by, method_label,
-                                     variant_order, variants_in)
-from aqr.bench.results import Row
 from aqr.data.streams import StreamOrder
+from aqr.harness.report.figures import finish_figure
+from aqr.harness.report.shared import is_continual, order_key, row_order, setting_label, slug
+from aqr.harness.report.tables import (Table, bold_best, entry_of, flag_incomplete, group_by, method_label,
+                                       variant_order, variants_in)
+from aqr.harness.results import Row
 from aqr.util.plots import axes_row
 from aqr.util.plots import colors as plot_colors
 
@@ -34,14 +35,8 @@ def ordered_rows(rows: Sequence[Row]) -> list[Row]:
     return [r for r in rows if is_continual(r) and row_order(r) is not None]
 
 
-def order_key(order: str) -> tuple:
-    """Columns' order: unmixed before mixed, each from i.i.d. (``delta = inf``) to the smallest ``delta``."""
-    parsed = StreamOrder.parse(order)
-    return (parsed.mixed, -parsed.delta)
-
-
 def orders_in(rows: Sequence[Row]) -> list[str]:
-    """The distinct stream orders of ``rows`` (rows without one left out), in :func:`order_key` order."""
+    """The distinct stream orders of ``rows`` (rows without one left out), in :func:`~aqr.harness.report.shared.order_key` order."""
     return sorted({o for o in map(row_order, rows) if o is not None}, key=order_key)
 
 
@@ -56,11 +51,11 @@ def order_table(rows: Sequence[Row], model: str, batch_size: int) -> Table | Non
     variants = variants_in(chosen)
     entries = flag_incomplete([[entry_of(cells.get((v, o), []), with_std=False) for o in orders] for v in variants])
     seeds = sorted({r.seed for r in chosen if r.status == "ok"})
-    note = (f"Accuracy (%) over the whole continual stream in each stream order ({_setting(chosen)}), mean over "
+    note = (f"Accuracy (%) over the whole continual stream in each stream order ({setting_label(chosen)}), mean over "
             f"seeds {', '.join(map(str, seeds))}. iid: uniformly random order; delta=D: class-correlated "
             "(Dirichlet concentration D, smaller D: longer runs of one class); mixed: all corruptions shuffled "
             "into one stream.")
-    return Table(f"orders_{_slug(model)}_bs{batch_size}",
+    return Table(f"orders_{slug(model)}_bs{batch_size}",
                  f"{model}: continual stream at batch size {batch_size}, accuracy by stream order",
                  ("Method", *orders), tuple(method_label(v) for v in variants), bold_best(entries), note)
 
@@ -131,7 +126,7 @@ def plot_orders(rows: Sequence[Row], path: str | Path, batch_size: int) -> list[
         ax.set_xlabel("stream order (Dirichlet delta, log scale)")
         ax.set_ylabel("accuracy over the stream (%)")
         ax.grid(alpha=0.3)
-    return _finish(fig, axes, handles, path)
+    return finish_figure(fig, axes, handles, path)
 
 
 def _tick(order: str) -> str:

@@ -1,9 +1,9 @@
-"""Where :func:`aqr.bench.runner.run_grid` runs cells: the interface, and the local executor.
+"""Where :func:`aqr.harness.grid_driver.run_grid` runs cells: the interface, and the local executor.
 
-An executor takes cells and hands back their :class:`~aqr.bench.runner.CellResult` as they finish;
+An executor takes cells and hands back their :class:`~aqr.harness.cells.CellResult` as they finish;
 the grid's driver decides what to run and alone writes the results database. The local executor
 runs cells in the driver's process or in a pool of worker processes on this machine; the Ray
-executor (:mod:`aqr.bench.ray_executor`) runs them as tasks on a Ray cluster.
+executor (:mod:`aqr.harness.ray_executor`) runs them as tasks on a Ray cluster.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from aqr.bench.grid import Cell
-from aqr.bench.runner import CellResult, ensure_stats, run_cell, stats_options
+from aqr.harness.cell_run import run_cell
+from aqr.harness.cells import Cell, CellResult
+from aqr.harness.source_stats import ensure_stats, stats_options
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class CellExecutor(Protocol):
 
 
 def run_cell_task(cell_dict: dict, cache_dir: str, stats_file: str | None, settings: CellSettings) -> CellResult:
-    """:func:`aqr.bench.runner.run_cell` on a cell sent as plain data (what a worker process receives)."""
+    """:func:`aqr.harness.cell_run.run_cell` on a cell sent as plain data (what a worker process receives)."""
     return run_cell(Cell.from_dict(cell_dict), cache_dir, device=settings.device,
                     loader_workers=settings.loader_workers, stats_file=stats_file, threads=settings.threads)
 

@@ -2,7 +2,7 @@
 
 Every method of a benchmark setting sees the same images in the same order (a cell's images depend
 on its seed only), and the results database keeps which images each cell got right
-(:meth:`aqr.bench.results.ResultsDB.correct`). So a difference between two methods can be measured
+(:meth:`aqr.harness.results.ResultsDB.correct`). So a difference between two methods can be measured
 image by image:
 
 * :func:`paired_difference` -- the mean over cells of ``accuracy(a) - accuracy(b)``, with a 95 %
@@ -21,17 +21,17 @@ Cells in a stream order (``Cell.order``) and image-folder cells over a whole fol
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from aqr.bench.grid import Cell, eval_indices, parse_range
-from aqr.bench.report.tables import (Entry, Table, bold_best, corruption_order, flag_incomplete, group_by, method_label,
+from aqr.harness.cells import Cell, eval_indices, parse_range
+from aqr.harness.report.shared import slug
+from aqr.harness.report.tables import (Entry, Table, bold_best, corruption_order, flag_incomplete, group_by, method_label,
                                      summarize, variants_in)
-from aqr.bench.results import Row
+from aqr.harness.results import Row
 
 REPLICATES = 2000
 CONFIDENCE = 0.95
@@ -62,7 +62,7 @@ class Difference:
 
 
 def cell_images(row: Row) -> np.ndarray | None:
-    """The pool ids of the images a row's cell evaluated, in evaluation order (see :func:`eval_indices`);
+    """The pool ids of the images a row's cell evaluated, in evaluation order (see :func:`aqr.harness.cells.eval_indices`);
     None for a cell whose order depends on its data (a stream order) or whose pool is a whole folder."""
     cell = Cell.from_dict(row.config)
     pool = parse_range(cell.data.eval_indices) if cell.data.eval_indices not in (None, "", "all") else None
@@ -162,10 +162,6 @@ def _entry(diff: Difference | None, note: str = "") -> Entry:
     return Entry(diff.text() + note, diff.mean, None, diff.cells, rankable=False, low=diff.low, high=diff.high)
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
-
-
 NOTE = ("Paired differences in accuracy points, mean over corruptions and seeds, with a 95 % bootstrap "
         "interval over test images ({replicates} replicates; each resamples the evaluation pool's images, "
         "shared by every cell). 'best baseline': the best of source, TTN, TENT and SAR at that setting "
@@ -199,7 +195,7 @@ def paired_table(rows: Sequence[Row], correct: Mapping[str, np.ndarray], model: 
             row.append(_entry(paired_difference(cells) if cells else None))
         labels.append(_label(a, b))
         entries.append(row)
-    return Table(f"paired_{_slug(model)}", f"{model}: paired differences (points)",
+    return Table(f"paired_{slug(model)}", f"{model}: paired differences (points)",
                  ("Comparison", *(f"bs {b}, sev {s}" for b, s in settings)), tuple(labels),
                  tuple(tuple(r) for r in entries), NOTE.format(replicates=REPLICATES))
 
@@ -225,7 +221,7 @@ def paired_corruption_table(rows: Sequence[Row], correct: Mapping[str, np.ndarra
             row.append(_entry(paired_difference(cells) if cells else None))
         entries.append(tuple(row))
     entries.append(tuple(_entry(paired_difference(list(found[p].values()))) for p in pairs))
-    return Table(f"paired_corruptions_{_slug(model)}_sev{severity}_bs{batch_size}",
+    return Table(f"paired_corruptions_{slug(model)}_sev{severity}_bs{batch_size}",
                  f"{model}: paired differences per corruption (points), severity {severity}, batch size {batch_size}",
                  ("Corruption", *(_label(*p) for p in pairs)), (*corruptions, "mean"), tuple(entries),
                  NOTE.format(replicates=REPLICATES).split(" 'best baseline'")[0] + " Per corruption: over seeds.")
@@ -250,7 +246,7 @@ def seed_table(rows: Sequence[Row], model: str) -> Table | None:
                      if {r.corruption for r in rs} == corruptions[s]]  # a seed counts once it has every corruption
             row.append(summarize(means, with_std=True) if means else Entry(""))
         entries.append(row)
-    return Table(f"seeds_{_slug(model)}", f"{model}: accuracy, mean ± std over seeds",
+    return Table(f"seeds_{slug(model)}", f"{model}: accuracy, mean ± std over seeds",
                  ("Method", *(f"bs {b}, sev {s}" for b, s in settings)), tuple(method_label(v) for v in variants),
                  bold_best(flag_incomplete(entries)),
                  "Accuracy (%): per seed the mean over the setting's corruptions, then mean ± sample std over "

@@ -3,10 +3,10 @@
 SQLite in WAL mode, written only by the process that runs the grid, one short transaction per
 finished cell. A process killed at any moment (even SIGKILL) leaves a valid file holding every cell
 committed before the kill; rerunning the same grid skips them. Rows are keyed by
-:func:`aqr.bench.grid.cell_key`, which covers the cell's config, its files' content hashes and the code
+:func:`aqr.harness.keys.cell_key`, which covers the cell's config, its files' content hashes and the code
 version, so a changed config never reuses a stale row. Beside each row, table ``per_image`` keeps
 which of the cell's images were classified right (one bit each, in evaluation order), so methods can
-be compared image by image on the same images (:mod:`aqr.bench.report.paired`).
+be compared image by image on the same images (:mod:`aqr.harness.report.paired`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from aqr.bench.grid import Cell
+from aqr.harness.cells import Cell
 
 SCHEMA_VERSION = 1
 
@@ -104,7 +104,7 @@ class Row:
     config: dict
     provenance: dict
     created: float
-    detail: dict | None = None  # e.g. a continual cell's per-image results (aqr.bench.runner.stream_detail)
+    detail: dict | None = None  # e.g. a continual cell's per-image results (aqr.harness.continual.stream_detail)
 
 
 class ResultsDB:

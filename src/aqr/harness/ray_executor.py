@@ -3,7 +3,7 @@
 Each cell is a Ray task holding ``cpus_per_cell`` CPUs and ``gpus_per_cell`` GPUs; Ray reruns it
 (at most ``max_retries`` times) when its worker process dies, and a cell that dies every time comes
 back as an ``error`` result naming Ray's error. The driver (the process in
-:func:`aqr.bench.runner.run_grid`) only hashes files, schedules and writes the database:
+:func:`aqr.harness.grid_driver.run_grid`) only hashes files, schedules and writes the database:
 
 - source statistics are computed once per statistics file, as Ray tasks; the driver stores them
   in its cache folder (a rerun reuses them) and shares them through the object store, and each
@@ -25,11 +25,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import aqr
-from aqr.bench.executors import CellSettings, run_cell_task
-from aqr.bench.grid import Cell
-from aqr.bench.runner import CellResult, compute_stats, stats_options
+from aqr.harness.cells import Cell, CellResult
+from aqr.harness.executors import CellSettings, run_cell_task
+from aqr.harness.source_stats import compute_stats, stats_options
 from aqr.util.files import atomic_write
+
+# The aqr package folder this driver runs, shipped to the nodes with ship_code.
+AQR_PACKAGE = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ class RayExecutor:
         if self._owns:
             init = dict(options.init)
             if options.ship_code:
-                init.setdefault("runtime_env", {"py_modules": [str(Path(aqr.__file__).parent)],
+                init.setdefault("runtime_env", {"py_modules": [str(AQR_PACKAGE)],
                                                 "excludes": ["__pycache__"]})
             check_reachable(options.address)
             try:

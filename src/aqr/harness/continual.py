@@ -1,6 +1,6 @@
 """Continual cells: one stream of corruption blocks, evaluated without a reset (the ``stream`` preset).
 
-A continual cell (:func:`aqr.bench.grid.stream_corruptions`) draws ``n_images`` test images from its
+A continual cell (:func:`aqr.harness.cells.stream_corruptions`) draws ``n_images`` test images from its
 pool with its seed, as every cell does, and shows the same images once per corruption, block after
 block in the given order. With a stream order (``Cell.order``) the blocks are ordered by
 :meth:`aqr.data.streams.StreamOrder.stream` (class-correlated within blocks, or all blocks mixed).
@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from aqr.bench.grid import Cell, eval_indices, parse_range, stream_corruptions
 from aqr.data.arrays import to_float
 from aqr.data.streams import StreamOrder, take
+from aqr.harness.cells import Cell, eval_indices, parse_range, stream_corruptions
 
 
 def stream_blocks(cell: Cell) -> list[tuple[str, np.ndarray, np.ndarray]]:

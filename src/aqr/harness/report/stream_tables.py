@@ -10,7 +10,7 @@ accuracy along the stream.
 Rows of different stream orders (``Cell.order``, e.g. the ``stream-noniid`` preset's) are never pooled:
 each order has its own tables and figures, named with the order appended (none for rows without an
 order). A mixed order has no blocks in stream order, so it has no block table nor along-the-stream
-figure; :mod:`aqr.bench.report.orders` compares the orders.
+figure; :mod:`aqr.harness.report.orders` compares the orders.
 """
 
 from __future__ import annotations
@@ -21,29 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from aqr.bench.continual import along_stream, block_accuracies
-from aqr.bench.grid import stream_corruptions
-from aqr.bench.report.tables import (Table, _row_mean, _slug, bold_best, entry_of, flag_incomplete, group_by, has_ok,
-                                     method_label, summarize, variant_order, variants_in)
-from aqr.bench.results import Row
 from aqr.data.streams import StreamOrder
-from aqr.util.plots import axes_row, save
+from aqr.harness.continual import along_stream, block_accuracies
+from aqr.harness.report.figures import finish_figure
+from aqr.harness.report.orders import order_curves, order_tables, write_order_figures
+from aqr.harness.report.shared import is_continual, order_key, row_order, setting_label, slug
+from aqr.harness.report.tables import (Table, bold_best, entry_of, flag_incomplete, group_by, has_ok, method_label,
+                                       row_mean, summarize, variant_order, variants_in)
+from aqr.harness.results import Row
+from aqr.util.plots import axes_row
 from aqr.util.plots import colors as plot_colors
 
 WINDOW = 100  # images in the moving average along the stream (at most a block)
-
-
-def is_continual(row: Row) -> bool:
-    """Whether the row is a continual cell's (one whole stream)."""
-    try:
-        return stream_corruptions(row.corruption) is not None
-    except ValueError:
-        return False
-
-
-def row_order(row: Row) -> str | None:
-    """The row's stream order (canonical text, e.g. ``"delta=0.1"``), ``None`` when its cell named none."""
-    return row.config.get("order")
 
 
 def _mixed(order: str | None) -> bool:
@@ -52,15 +41,13 @@ def _mixed(order: str | None) -> bool:
 
 def _orders(rows: Sequence[Row]) -> list[str | None]:
     """The stream orders of ``rows``: ``None`` first, then as the order tables list them."""
-    from aqr.bench.report.orders import order_key
-
     found = {row_order(r) for r in rows}
     return ([None] if None in found else []) + sorted((o for o in found if o is not None), key=order_key)
 
 
 def _named(stem: str, order: str | None) -> str:
     """A table's or figure's name for the rows of one stream order (unchanged for rows without one)."""
-    return stem if order is None else f"{stem}_{_slug(order)}"
+    return stem if order is None else f"{stem}_{slug(order)}"
 
 
 def _titled(title: str, order: str | None) -> str:
@@ -73,14 +60,6 @@ def _order_field(row: Row) -> dict[str, str]:
     return {} if order is None else {"order": order}
 
 
-def _setting(rows: Sequence[Row]) -> str:
-    ok = [r for r in rows if r.status == "ok"]
-    blocks = sorted({r.detail["block_size"] for r in ok if r.detail})
-    streams = sorted({r.corruption for r in ok})
-    return (f"{', '.join(streams)} at severity {', '.join(map(str, sorted({r.severity for r in ok})))}, "
-            f"blocks of {', '.join(map(str, blocks))} images, protocol {', '.join(sorted({r.protocol for r in ok}))}")
-
-
 def batch_size_table(rows: Sequence[Row], model: str, order: str | None = None) -> Table | None:
     """Accuracy (%) over the whole stream per method and batch size, for one model and stream order."""
     chosen = [r for r in rows if r.model == model and is_continual(r) and row_order(r) == order]
@@ -90,8 +69,8 @@ def batch_size_table(rows: Sequence[Row], model: str, order: str | None = None) 
     cells = group_by(chosen, lambda r: (r.variant, r.batch_size))
     variants = variants_in(chosen)
     entries = flag_incomplete([[entry_of(cells.get((v, b), []), with_std=False) for b in sizes] for v in variants])
-    note = f"Accuracy (%) over the whole continual stream ({_setting(chosen)}), mean over seeds."
-    return Table(_named(f"stream_{_slug(model)}_batch_sizes", order),
+    note = f"Accuracy (%) over the whole continual stream ({setting_label(chosen)}), mean over seeds."
+    return Table(_named(f"stream_{slug(model)}_batch_sizes", order),
                  _titled(f"{model}: continual stream, accuracy by batch size", order),
                  ("Method", *(f"bs {b}" for b in sizes)), tuple(method_label(v) for v in variants),
                  bold_best(entries), note)
@@ -118,18 +97,16 @@ def block_table(rows: Sequence[Row], model: str, batch_size: int, order: str | N
         entries.append(row)
     entries = flag_incomplete(entries)
     for row in entries:
-        row.append(_row_mean(row, [e.mean for e in row if e.mean is not None], len(names)))
-    note = f"Accuracy (%) on each block of the stream, in stream order ({_setting(chosen)}), mean over seeds."
-    return Table(_named(f"stream_{_slug(model)}_bs{batch_size}_blocks", order),
+        row.append(row_mean(row, [e.mean for e in row if e.mean is not None], len(names)))
+    note = f"Accuracy (%) on each block of the stream, in stream order ({setting_label(chosen)}), mean over seeds."
+    return Table(_named(f"stream_{slug(model)}_bs{batch_size}_blocks", order),
                  _titled(f"{model}: continual stream at batch size {batch_size}, accuracy per block", order),
                  ("Method", *names, "mean"), tuple(method_label(v) for v in variants), bold_best(entries), note)
 
 
 def stream_tables(rows: Sequence[Row]) -> list[Table]:
     """Every stream table the rows support: per stream order, by batch size, then per block for each batch
-    size; then the stream orders compared (:func:`aqr.bench.report.orders.order_tables`)."""
-    from aqr.bench.report.orders import order_tables
-
+    size; then the stream orders compared (:func:`aqr.harness.report.orders.order_tables`)."""
     continual = [r for r in rows if is_continual(r)]
     tables = []
     for order in _orders(continual):
@@ -174,7 +151,7 @@ def plot_batch_sizes(rows: Sequence[Row], path: str | Path, order: str | None = 
         ax.set_xlabel("batch size")
         ax.set_ylabel("accuracy over the stream (%)")
         ax.grid(alpha=0.3)
-    return _finish(fig, axes, handles, path)
+    return finish_figure(fig, axes, handles, path)
 
 
 def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, window: int = WINDOW,
@@ -207,24 +184,12 @@ def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, wi
         ax.set_title(_titled(f"{model}, batch size {batch_size} (seed {seed})", order), fontsize=10)
         ax.set_ylabel(f"accuracy, last {min(window, size)} images (%)")
         ax.grid(axis="y", alpha=0.3)
-    return _finish(fig, axes, handles, path)
-
-
-def _finish(fig: Any, axes: Sequence[Any], handles: dict[str, Any], path: str | Path) -> list[Path]:
-    """One legend entry per method drawn in any panel, in the table order, beside the last panel; the
-    figure saved as PNG and PDF."""
-    ordered = sorted(handles, key=variant_order)
-    axes[-1].legend([handles[v] for v in ordered], [method_label(v) for v in ordered], fontsize=8,
-                    loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    return save(fig, path, formats=("png", "pdf"), tight=True)
+    return finish_figure(fig, axes, handles, path)
 
 
 def write_stream_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
     """Per stream order, the batch-size figure and one along-the-stream figure per batch size (none for a
     mixed order), when the rows support them; then the orders compared, one figure per batch size."""
-    from aqr.bench.report.orders import write_order_figures
-
     continual = [r for r in rows if is_continual(r)]
     out = Path(out_dir)
     figures: dict[str, list[Path]] = {}
@@ -244,8 +209,6 @@ def write_stream_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, 
 def stream_report(rows: Sequence[Row]) -> dict[str, Any]:
     """The JSON-able numbers of the stream figures: accuracy by batch size (rows without a stream order; those
     of each order under ``batch_sizes_by_order``), per block (unmixed orders) and by stream order."""
-    from aqr.bench.report.orders import order_curves
-
     continual = [r for r in rows if is_continual(r) and r.status == "ok" and r.detail and not _mixed(row_order(r))]
     orders = [o for o in _orders([r for r in rows if is_continual(r)]) if o is not None]
     report: dict[str, Any] = {

@@ -1,1 +1,0 @@
-"""The benchmark: the grid of cells, the results database, the resumable runner and the report."""

@@ -1,0 +1,123 @@
+"""Running one cell: its method built around its model, its images through it, a
+:class:`~aqr.harness.cells.CellResult`.
+
+:func:`run_cell` is a pure function of a :class:`aqr.harness.cells.Cell` (plus where the statistics
+cache is), so any process on any machine may run it; the grid's driver
+(:mod:`aqr.harness.grid_driver`) decides which cells run where.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from aqr.core.stats import StatsError
+from aqr.harness import continual
+from aqr.harness.cells import Cell, CellResult, stream_corruptions
+from aqr.harness.eval_loop import array_batches, image_correct
+from aqr.harness.inputs import (clear_input_caches, data_loader, eval_data, eval_folder, load_model, model_preprocess,
+                                uses_image_folders)
+from aqr.harness.results import pack_correct
+from aqr.harness.source_stats import STATS_OPTIONS, ensure_stats, load_stats
+from aqr.util.threads import torch_threads
+
+
+def build_method(cell: Cell, cache_dir: str | Path, device: str | None = None, loader_workers: int = 0,
+                 stats_file: str | Path | None = None) -> nn.Module:
+    """The method of a cell around its (cached) model, given what the method declares it needs.
+
+    ``stats_file``: the cell's source statistics, if the caller has them (else from ``cache_dir``).
+    """
+    from aqr.methods import create, method_class
+
+    cls = method_class(cell.method)
+    model = load_model(cell.model)
+    if device is not None:
+        model.to(device)
+    options = {k: v for k, v in cell.option_dict.items() if k not in STATS_OPTIONS}
+    if isinstance(options.get("layers"), tuple):
+        options["layers"] = list(options["layers"])
+    if cls.needs_batch_size:  # which only the cell knows
+        options.setdefault("batch_size", cell.batch_size)
+    if cls.needs_stats:
+        path = (Path(stats_file) if stats_file is not None
+                else ensure_stats(cell, cache_dir, device=device, loader_workers=loader_workers))
+        stats = load_stats(str(path))
+        if not stats.computed_with(model):
+            # A library user gets a warning; a benchmark cell must not score stale statistics.
+            raise StatsError(f"{path} was computed with other weights than {cell.model.model} has now "
+                             "(was the checkpoint rewritten during the run?)")
+        options["stats"] = stats
+    return create(cell.method, model, protocol=cell.protocol, seed=cell.seed, **options)
+
+
+def needs_stats(cell: Cell) -> bool:
+    """Whether the cell's method needs source statistics (``False`` for an unknown method, whose cell fails)."""
+    from aqr.methods import METHODS
+
+    cls = METHODS.get(cell.method)
+    return cls is not None and cls.needs_stats
+
+
+def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False, device: str | None = None,
+             loader_workers: int = 0, *, stats_file: str | Path | None = None,
+             threads: int | None = None) -> CellResult:
+    """Evaluate one cell (on ``device``; image folders decoded by ``loader_workers`` processes; ``threads``
+    torch threads, restored after; ``stats_file``: see :func:`build_method`).
+    Never raises for a failing method: errors come back as ``status="error"``."""
+    from aqr.methods import NotApplicable
+
+    t0 = time.perf_counter()
+    with torch_threads(threads):
+        where = {"node": platform.node(), "threads": torch.get_num_threads(), "device": str(device or "cpu")}
+        try:
+            torch.manual_seed(cell.seed)
+            method = build_method(cell, cache_dir, device, loader_workers, stats_file)
+            desc = f"{cell.variant} {cell.corruption}-{cell.severity}"
+            if stream_corruptions(cell.corruption) is not None:
+                return _run_continual(cell, method, progress, desc, t0, where)
+            if uses_image_folders(cell.data):
+                folder = eval_folder(cell, model_preprocess(cell.model, load_model(cell.model)))
+                batches: Iterable[tuple[torch.Tensor, Any]] = data_loader(folder, cell.batch_size, loader_workers,
+                                                                          device)
+                total = len(batches)  # type: ignore[arg-type]
+            else:
+                images, labels = eval_data(cell)
+                batches, total = array_batches(images, labels, cell.batch_size), -(-len(labels) // cell.batch_size)
+            correct = image_correct(method, batches, progress, desc, total)
+            return CellResult("ok", 100.0 * float(correct.mean()), int(correct.size), time.perf_counter() - t0,
+                              **where, correct=pack_correct(correct))
+        except NotApplicable as err:
+            return CellResult("n/a", None, None, time.perf_counter() - t0, str(err), **where)
+        except Exception as err:  # recorded, so one broken cell doesn't stop a grid
+            msg = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=6)}"
+            return CellResult("error", None, None, time.perf_counter() - t0, msg, **where)
+
+
+def _run_continual(cell: Cell, method: nn.Module, progress: bool, desc: str, t0: float,
+                   where: dict[str, Any]) -> CellResult:
+    """A continual cell: the whole stream through ``method``, the per-image results kept."""
+    if uses_image_folders(cell.data):
+        raise ValueError("continual cells read CIFAR-C arrays; image folders are not supported")
+    blocks = continual.stream_blocks(cell)
+    images, labels, starts = continual.stream_batches(cell, blocks)
+    correct = continual.evaluate_stream(method, images, labels, starts, progress, desc)
+    detail = continual.stream_detail(correct, [name for name, _, _ in blocks], len(blocks[0][2]))
+    return CellResult("ok", 100.0 * float(correct.mean()), len(correct), time.perf_counter() - t0, **where,
+                      detail=detail)
+
+
+def clear_caches() -> None:
+    """Forget the models, statistics and evaluation images cached in this process.
+
+    Needed only when files the cells read were rewritten in place since they were cached (file
+    hashes are memoised by size and mtime and refresh themselves).
+    """
+    clear_input_caches()
+    load_stats.cache_clear()

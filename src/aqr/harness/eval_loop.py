@@ -1,0 +1,68 @@
+"""The evaluation loop: a method fed batches in order, scored by top-1 accuracy per image."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from aqr.data.arrays import to_float
+
+
+def evaluate(method: nn.Module, images: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor,
+             batch_size: int, progress: bool = False, desc: str = "") -> tuple[float, int]:
+    """Top-1 accuracy (percent) of ``method`` fed ``images`` in order, ``batch_size`` at a time.
+
+    ``images``: uint8 NHWC array or float NCHW tensor in [0, 1]. The last batch may be smaller.
+    Returns ``(accuracy, number of images)``.
+    """
+    return evaluate_batches(method, array_batches(images, labels, batch_size), progress, desc,
+                            total=-(-len(labels) // batch_size))
+
+
+def array_batches(images: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor,
+                  batch_size: int) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """``(images, labels)`` batches of arrays in order, images as float NCHW in [0, 1]; the last may be smaller."""
+    labels = torch.as_tensor(np.asarray(labels)).long()
+    if len(labels) == 0:
+        raise ValueError("no images to evaluate")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # checked above, read lazily
+        for start in range(0, len(labels), batch_size):
+            x = images[start : start + batch_size]
+            yield (to_float(x) if isinstance(x, np.ndarray) else x), labels[start : start + batch_size]
+
+    return batches()
+
+
+def evaluate_batches(method: nn.Module, batches: Iterable[tuple[torch.Tensor, Any]], progress: bool = False,
+                     desc: str = "", total: int | None = None,
+                     device: torch.device | str | None = None) -> tuple[float, int]:
+    """Top-1 accuracy (percent) and image count of ``method`` on ``(images, labels)`` batches, in order
+    (e.g. a DataLoader). Inputs go to ``device`` (default: where the method's parameters are)."""
+    correct = image_correct(method, batches, progress, desc, total, device)
+    return 100.0 * float(correct.mean()), int(correct.size)
+
+
+def image_correct(method: nn.Module, batches: Iterable[tuple[torch.Tensor, Any]], progress: bool = False,
+                  desc: str = "", total: int | None = None, device: torch.device | str | None = None) -> np.ndarray:
+    """Whether ``method``'s top-1 prediction is right, per image, in the order of ``batches`` (bool array).
+
+    Raises ``ValueError`` when there is no image.
+    """
+    from tqdm.auto import tqdm
+
+    if device is None:
+        param = next(method.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+    found = []
+    for x, y in tqdm(batches, desc=desc or "batches", leave=False, disable=not progress, unit="batch", total=total):
+        logits = method(x.to(device, non_blocking=True))
+        found.append((logits.argmax(1).cpu() == torch.as_tensor(y).long()).numpy())
+    if sum(len(f) for f in found) == 0:
+        raise ValueError("no images to evaluate")
+    return np.concatenate(found).astype(bool)

@@ -1,0 +1,82 @@
+"""A cell's source statistics: which options shape them, where they are cached, computing them once."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from aqr.core.calibrate import DEFAULT_TAIL_UNIT
+from aqr.harness.cells import Cell
+from aqr.harness.inputs import data_loader, load_model, model_preprocess, source_dataset
+from aqr.harness.keys import canonical_json, location_free
+from aqr.harness.provenance import fingerprints
+from aqr.util.threads import torch_threads
+
+
+DEFAULT_K = 101
+
+DEFAULT_MAX_SAMPLES = 100_000
+
+DEFAULT_GROUPS = 16  # aqr.AQRConfig.groups
+
+# Method options that change the source statistics (not the adaptation): they key the stats cache.
+STATS_OPTIONS = ("K", "max_samples", "tail_unit")
+
+
+def stats_options(cell: Cell) -> dict[str, Any]:
+    """The options that determine the cell's source statistics (read by methods that need statistics)."""
+    opts = cell.option_dict
+    out = {"K": int(opts.get("K", DEFAULT_K)), "max_samples": int(opts.get("max_samples", DEFAULT_MAX_SAMPLES)),
+           "tail_unit": str(opts.get("tail_unit", DEFAULT_TAIL_UNIT))}
+    if float(opts.get("balance", 1.0)) < 1:  # class-conditional knots (only then: other cells keep their files)
+        out["groups"] = int(opts.get("groups", DEFAULT_GROUPS))
+    return out
+
+
+def stats_path(cell: Cell, cache_dir: str | Path) -> Path:
+    """Where the cell's source statistics are cached: keyed by weights, source data and its options."""
+    fp = fingerprints(cell)
+    key = {"weights": fp.get("weights"), "source": fp["source"], "indices": cell.model.source_indices,
+           "model": location_free(cell)["model"]["model"], **stats_options(cell)}
+    if cell.model.image_size or cell.model.resize:  # only when set, so older cache files keep their names
+        key["preprocess"] = [cell.model.image_size, cell.model.resize]
+    digest = hashlib.sha256(canonical_json(key).encode()).hexdigest()[:20]
+    return Path(cache_dir) / "stats" / f"{cell.model.name}-K{key['K']}-{digest}.aqr.safetensors"
+
+
+def compute_stats(cell: Cell, progress: bool = False, device: str | None = None, loader_workers: int = 0,
+                  threads: int | None = None) -> Any:
+    """The source statistics a cell needs (:class:`aqr.SourceStats`), computed now on ``device`` with
+    ``threads`` torch threads (default: unchanged) and ``loader_workers`` decoding processes."""
+    from aqr.core.calibrate import calibrate
+
+    opts = stats_options(cell)
+    model = load_model(cell.model)
+    if device is not None:
+        model.to(device)
+    source = source_dataset(cell.model, model_preprocess(cell.model, model))
+    with torch_threads(threads):
+        return calibrate(model, data_loader(source, 500, loader_workers, device), num_quantiles=opts["K"],
+                         max_samples=opts["max_samples"], tail_unit=opts["tail_unit"], progress=progress,
+                         groups=opts.get("groups"))
+
+
+def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False, device: str | None = None,
+                 loader_workers: int = 0, threads: int | None = None) -> Path:
+    """Compute (once) and cache the source statistics a cell needs; returns the stats file.
+
+    The file is written atomically, so concurrent or interrupted runs never leave half a file.
+    """
+    path = stats_path(cell, cache_dir)
+    if path.is_file():
+        return path
+    return compute_stats(cell, progress, device, loader_workers, threads).save(path)
+
+
+@functools.lru_cache(maxsize=4)
+def load_stats(path: str) -> Any:
+    from aqr.core.stats import SourceStats
+
+    return SourceStats.load(path)
