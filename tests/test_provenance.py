@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from aqr.models.checkpoint import read_file
-from aqr.models.provenance import portable_command, portable_path, portable_train_config
+from aqr.models.portable import portable_command, portable_path, portable_train_config
 from aqr.models.train import train
 from tests.test_train import make_npz, small_config
 

@@ -28,7 +28,7 @@ from aqr._version import __version__
 from aqr.data.arrays import load_npz_arrays, to_float
 from aqr.models import create, save_checkpoint
 from aqr.models.checkpoint import CheckpointError, atomic_save, read_file
-from aqr.models.provenance import portable_command, portable_train_config
+from aqr.models.portable import portable_command, portable_train_config
 from aqr.util.files import sha256_file
 
 MAX_ZOO_BYTES = 5 * 1024 * 1024

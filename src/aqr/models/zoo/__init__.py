@@ -11,7 +11,7 @@ import shlex
 from importlib import resources
 from pathlib import Path
 
-from aqr.models.provenance import portable_command
+from aqr.models.portable import portable_command
 
 ZOO_ENV = "AQR_ZOO"
 SUFFIXES: tuple[str, ...] = (".pt",)
