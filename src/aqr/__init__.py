@@ -5,9 +5,9 @@
 >>> adapted = aqr.AQR(model, aqr.SourceStats.load("model.aqr.safetensors"))
 >>> logits = adapted(test_batch)                         # recalibrated on this batch
 
-The core is imported here; the rest loads on first use (``aqr.models``, ``aqr.methods``,
-``aqr.data``, ``aqr.bench``, ``aqr.experiments``, ``aqr.cli``, ``aqr.backends``, ``aqr.core``,
-``aqr.util``), so ``import aqr`` stays light.
+The core and the recalibration (``aqr.adapt``) are imported here; the rest loads on first use
+(``aqr.models``, ``aqr.methods``, ``aqr.data``, ``aqr.bench``, ``aqr.experiments``, ``aqr.cli``,
+``aqr.backends``, ``aqr.core``, ``aqr.util``), so ``import aqr`` stays light.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from types import ModuleType
 
 from aqr._version import __version__  # noqa: E402
 
-from aqr.core.adapt import AQR, AQRConfig, recalibrating  # noqa: E402
+from aqr.adapt import AQR, AQRConfig, recalibrating  # noqa: E402
 from aqr.core.calibrate import calibrate, dkw_epsilon  # noqa: E402
 from aqr.core.layers import LayerError, LayerInfo, NonFiniteActivationError, norm_layers  # noqa: E402
 from aqr.core.qmap import TAILS, channel_quantiles, quantile_map  # noqa: E402
 from aqr.core.stats import LayerStats, SourceStats, StatsError  # noqa: E402
 
-SUBMODULES = ("backends", "bench", "cli", "core", "data", "experiments", "methods", "models", "util")
+SUBMODULES = ("adapt", "backends", "bench", "cli", "core", "data", "experiments", "methods", "models", "util")
 
 __all__ = [
     "AQR",
