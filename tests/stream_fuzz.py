@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from aqr.backends.stream_base import COUNT, IMAGE_COUNT, MAP, PendingGroup, StreamTable, TailWindow
-from aqr.backends.stream_native import NativeStreamKernels
-from aqr.backends.stream_torch import TorchStreamKernels
-from aqr.core.stream import extreme_weights
+from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, PendingGroup, StreamTable, TailWindow
+from aqr.adapt.stream.native_kernels import NativeStreamKernels
+from aqr.adapt.stream.torch_kernels import TorchStreamKernels
+from aqr.adapt.stream.running import extreme_weights
 
 FLT_MAX = float(np.finfo(np.float32).max)
 SPECIAL = [FLT_MAX, -FLT_MAX, 1e38, -1e38, 2e38, -2e38, 1e-45, -1e-45, 0.0, -0.0, 1.0, -1.0, 1e-30]
@@ -184,9 +184,11 @@ def fuzz(lib: ctypes.CDLL, examples: int, seed: int | None = None) -> None:
 
 
 if __name__ == "__main__":  # the sanitizer run: python stream_fuzz.py EXAMPLES FLAG...
+    from aqr.adapt.stream import native_kernels
     from aqr.backends import build
 
     examples, flags = int(sys.argv[1]), sys.argv[2:]
     for simd in (False, True):
-        fuzz(build.load(build.compile_command(flags, simd=simd), name="aqr_kernels_sanitized"), examples, seed=0)
+        command = build.compile_command(flags, simd=simd)
+        fuzz(native_kernels.load(command, name="aqr_stream_kernels_sanitized"), examples, seed=0)
     print("sanitized stream fuzz passed")

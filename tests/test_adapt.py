@@ -133,7 +133,7 @@ def test_stats_subset_then_layer_halves_are_of_that_subset():
 @pytest.mark.parametrize("gpu_like", [False, True])
 def test_nan_activations_raise_naming_the_layer_or_are_skipped(gpu_like, monkeypatch):
     if gpu_like:  # the GPU path: no per-layer host reads, the logits are checked instead
-        monkeypatch.setattr(aqr.core.adapt, "host_reads_are_cheap", lambda device: False)
+        monkeypatch.setattr(aqr.adapt.layer_maps, "host_reads_are_cheap", lambda device: False)
     model = bn_cnn()
     stats = aqr.calibrate(model, loader(images(64)))
     x = images(8)

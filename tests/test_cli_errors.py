@@ -182,7 +182,7 @@ def test_library_counts_are_checked(files):
                 {"max_retries": -1}, {"max_retries": 1.5}):
         with pytest.raises(ValueError):
             RayOptions(**bad)
-    from aqr.core.adapt import AQRConfig
+    from aqr.adapt import AQRConfig
     for bad in ({"target_samples": 10**9}, {"grid": 0}, {"grid": 10**7}, {"target_samples": 64.5}):
         with pytest.raises(ValueError):
             AQRConfig(**bad)

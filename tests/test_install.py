@@ -17,11 +17,19 @@ SCRIPT = """
 import importlib.resources, sys, torch
 import aqr
 assert "site-packages" in aqr.__file__, aqr.__file__
-assert importlib.resources.files("aqr.backends").joinpath("_kernels.c").is_file()
+for package, name in (("aqr.backends", "_kernels.c"), ("aqr.backends", "_parallel.c"), ("aqr.backends", "_shared.h"),
+                      ("aqr.adapt.stream", "_stream_kernels.c")):
+    assert importlib.resources.files(package).joinpath(name).is_file(), name
 model = aqr.models.load("resnet20_gn")
 stats = aqr.calibrate(model, [torch.rand(16, 3, 32, 32)], compile=False)
 out = aqr.AQR(model, stats, compile=False)(torch.rand(8, 3, 32, 32))
 assert out.shape == (8, 10) and bool(torch.isfinite(out).all())
+out = aqr.AQR(model, stats, compile=False, target="stream")(torch.rand(8, 3, 32, 32))  # the stream kernels build
+assert out.shape == (8, 10) and bool(torch.isfinite(out).all())
+from aqr.adapt.stream.native_kernels import load_stream_kernels
+from aqr.backends.build import load_kernels
+for lib, why in (load_kernels(), load_stream_kernels()):  # the installed sources build (where there is a compiler)
+    assert lib is not None or "no C compiler" in why, why
 print("ok", sorted(aqr.models.zoo()))
 """
 

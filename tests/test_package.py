@@ -21,10 +21,11 @@ def test_import_is_light_and_subpackages_load_on_first_use() -> None:
     script = """
 import sys
 import aqr
-heavy = ("matplotlib", "scipy", "ray", "sklearn", "PIL", "aqr.data", "aqr.harness", "aqr.methods", "aqr.models",
-         "aqr.experiments", "aqr.cli")
+heavy = ("torch", "numpy", "matplotlib", "scipy", "ray", "sklearn", "PIL", "aqr.data", "aqr.harness", "aqr.methods",
+         "aqr.models", "aqr.experiments", "aqr.cli")
 assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]
 assert callable(aqr.models.load) and callable(aqr.methods.create) and "aqr.methods" in sys.modules
+assert aqr.AQR.__name__ == "AQR" and "aqr.adapt" in sys.modules
 try:
     aqr.no_such_thing
 except AttributeError as err:
@@ -35,3 +36,10 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_the_command_line_help_does_not_import_torch() -> None:
+    """``aqr --help`` answers at once: no command imports torch (or numpy's heavier users) to register."""
+    script = "import sys\nfrom aqr.cli import build_parser\nbuild_parser().format_help()\nprint('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]

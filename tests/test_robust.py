@@ -8,13 +8,13 @@ from torch import nn
 
 import aqr
 from aqr.backends import Targets
-from aqr.backends.stream_base import COUNT, IMAGE_COUNT, MAP, StreamTable
-from aqr.backends.stream_torch import TorchStreamKernels, cdf_at, curve_quantiles
+from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, StreamTable
+from aqr.adapt.stream.torch_kernels import TorchStreamKernels, cdf_at, curve_quantiles
 from aqr.core.layers import NonFiniteActivationError
-from aqr.core.robust import (MARGINAL_WINDOW, MAX_GROUP_STEP, MIXTURE_GRID, RUN_WINDOW, RobustLayerStream, RobustSettings,
+from aqr.adapt.stream.robust import (MARGINAL_WINDOW, MAX_GROUP_STEP, MIXTURE_GRID, RUN_WINDOW, RobustLayerStream, RobustSettings,
                              group_step, own_batch_share, shift_ratio, shift_share)
-from aqr.core.stream import LayerStream, StreamSettings
-from aqr.core.stream_map import stream_kernels
+from aqr.adapt.stream.running import LayerStream, StreamSettings
+from aqr.adapt.stream.stream_maps import stream_kernels
 from aqr.methods import create
 from tests.models_tiny import bn_cnn, images
 from tests.test_stream_aqr import calibrated, check_reset_round_trip, same, shifted, state

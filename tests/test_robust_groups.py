@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import aqr
-from aqr.backends.stream_torch import TorchStreamKernels
-from aqr.core.robust import RobustLayerStream, RobustSettings
+from aqr.adapt.stream.torch_kernels import TorchStreamKernels
+from aqr.adapt.stream.robust import RobustLayerStream, RobustSettings
 from aqr.core.stats import StatsError
-from aqr.core.stream import StreamSettings
-from aqr.core.stream_map import stream_kernels
+from aqr.adapt.stream.running import StreamSettings
+from aqr.adapt.stream.stream_maps import stream_kernels
 from tests.models_tiny import bn_cnn, images
 from tests.test_robust import _quantile_knots
 from tests.test_stream_aqr import check_reset_round_trip, shifted, state

@@ -1,4 +1,4 @@
-"""Streaming AQR's running estimate (aqr.core.stream) on synthetic streams.
+"""Streaming AQR's running estimate (aqr.adapt.stream.running) on synthetic streams.
 
 The stationary-stream tolerance. A layer's running CDF is the mixture ``sum_s W_s F_s`` of its groups'
 histogram CDFs, ``F_s`` the empirical CDF of the ``m`` values a group of images contributes (every
@@ -30,13 +30,15 @@ from hypothesis import strategies as st
 from aqr.backends import NativeBackend, SubsetCache, TorchBackend
 from aqr.backends.base import LayerSource
 from aqr.backends.build import load_kernels
-from aqr.backends.stream_native import NativeStreamKernels
-from aqr.backends.stream_torch import TorchStreamKernels
-from aqr.core.stream import (COUNT_CELLS, COUNT_STRIDE, LayerStream, StreamSettings, batch_weight, effective_images,
+from aqr.adapt.stream.native_kernels import NativeStreamKernels, load_stream_kernels
+from aqr.adapt.stream.torch_kernels import TorchStreamKernels
+from aqr.adapt.stream.running import (COUNT_CELLS, COUNT_STRIDE, LayerStream, StreamSettings, batch_weight, effective_images,
                              extreme_weights, kish_size)
 
 LIB, WHY = load_kernels()
-needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")
+STREAM_LIB, STREAM_WHY = load_stream_kernels()
+needs_kernels = pytest.mark.skipif(LIB is None or STREAM_LIB is None,
+                                   reason=f"aqr's C kernels unavailable: {WHY or STREAM_WHY}")
 DELTA = 1e-3
 
 
@@ -47,7 +49,7 @@ def layer(channels: int, k: int, settings: StreamSettings, native: bool = True) 
     src = LayerSource.create(source, "average", None, None, 0.01, settings.grid)
     subsets = SubsetCache(8192)
     backend = NativeBackend(src, subsets, LIB, TorchBackend(src, subsets, False)) if native else TorchBackend(src, subsets, False)
-    kernels = NativeStreamKernels(LIB) if native else TorchStreamKernels()
+    kernels = NativeStreamKernels(STREAM_LIB) if native else TorchStreamKernels()
     return LayerStream(source, settings, kernels, backend.target_knots)
 
 

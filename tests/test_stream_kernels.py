@@ -6,15 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aqr.backends import build
 from aqr.backends.native import NativeKernelError
-from aqr.backends.stream_base import COUNT, IMAGE_COUNT, MAP, StreamTable, TailWindow
-from aqr.backends.stream_native import NativeStreamKernels
+from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, StreamTable, TailWindow
+from aqr.adapt.stream.native_kernels import NativeStreamKernels, load_stream_kernels
 from tests.stream_fuzz import fuzz
 from tests.sanitized import run_sanitized
 
-LIB, WHY = build.load_kernels()
-needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")
+LIB, WHY = load_stream_kernels()
+needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's stream C kernels unavailable: {WHY}")
 
 
 @needs_kernels

@@ -1,7 +1,7 @@
 /* aqr's CPU kernels for the fast recalibration path: aqr/backends/build.py builds and loads them,
  * aqr/backends/native.py calls them.
  *
- * Plain C99 with pthreads; AVX2 intrinsics for the map when compiled with -mavx2 -mfma. No Python
+ * Plain C99, parallel on the thread team of _parallel.c; AVX2 intrinsics for the map when compiled with -mavx2 -mfma. No Python
  * or torch headers: arrays are passed as raw pointers through ctypes, which also releases the GIL.
  *
  * Layout: a layer output is viewed as x[A][C][B] (float32, contiguous), channel c in the middle.
@@ -15,7 +15,6 @@
  */
 #include <float.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,7 +22,7 @@
 #include <immintrin.h>
 #endif
 
-enum { MAX_THREADS = 64 };
+#include "_shared.h"
 
 /* Below this many values per (row, channel), a layout counts as channels-last: the kernels read
    row by row over all channels instead of channel by channel. */
@@ -63,81 +62,6 @@ static int tail_ok(int tail, const void *mean, const void *std, const void *loc,
     return tail != TAIL_GAUSSIAN || (mean && loc && z);
 }
 
-/* The number of parts parallel_for will use for n items. */
-static int num_parts(int64_t n, int nthreads) {
-    if (nthreads > n) nthreads = (int)n;
-    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-    return nthreads < 1 ? 1 : nthreads;
-}
-
-/* Run fn(arg, part, lo, hi) over [0, n) split into num_parts contiguous parts; the caller runs part 0. */
-typedef void (*part_fn)(void *arg, int part, int64_t lo, int64_t hi);
-typedef struct {
-    part_fn fn;
-    void *arg;
-    int part;
-    int64_t lo, hi;
-} part_t;
-
-static void *run_part(void *p) {
-    part_t *t = (part_t *)p;
-    t->fn(t->arg, t->part, t->lo, t->hi);
-    return NULL;
-}
-
-/* The OpenMP runtime torch already runs on, when Python found it (aqr_use_openmp). Its worker
-   threads spin for a while after each torch op; threads of our own would compete with them for
-   the cores, so parallel work goes to that same team instead. The GOMP entry points are the
-   stable libgomp ABI, also exported by LLVM's libomp and Intel's libiomp5. */
-typedef void (*gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
-typedef int (*omp_int_fn)(void);
-static gomp_parallel_t gomp_parallel = NULL;
-static omp_int_fn omp_thread_num = NULL, omp_num_threads = NULL;
-
-void aqr_use_openmp(void *parallel, void *thread_num, void *num_threads) {
-    gomp_parallel = (gomp_parallel_t)parallel;
-    omp_thread_num = (omp_int_fn)thread_num;
-    omp_num_threads = (omp_int_fn)num_threads;
-}
-
-typedef struct {
-    part_fn fn;
-    void *arg;
-    int64_t n;
-} team_t;
-
-static void team_body(void *p) {
-    team_t *t = (team_t *)p;
-    int64_t part = omp_thread_num(), parts = omp_num_threads(); /* the team may be smaller than asked */
-    t->fn(t->arg, (int)part, t->n * part / parts, t->n * (part + 1) / parts);
-}
-
-static void parallel_for(part_fn fn, void *arg, int64_t n, int nthreads) {
-    nthreads = num_parts(n, nthreads);
-    if (nthreads == 1) {
-        fn(arg, 0, 0, n);
-        return;
-    }
-    if (gomp_parallel) {
-        team_t team = {fn, arg, n};
-        gomp_parallel(team_body, &team, (unsigned)nthreads, 0);
-        return;
-    }
-    pthread_t ids[MAX_THREADS];
-    part_t parts[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int t = 0; t < nthreads; t++) {
-        parts[t] = (part_t){fn, arg, t, n * t / nthreads, n * (t + 1) / nthreads};
-    }
-    for (int t = 1; t < nthreads; t++) {
-        started[t] = pthread_create(&ids[t], NULL, run_part, &parts[t]) == 0;
-        if (!started[t]) run_part(&parts[t]); /* no thread: do its part here */
-    }
-    run_part(&parts[0]);
-    for (int t = 1; t < nthreads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-    }
-}
 
 /* ------------------------------------------------------------------------------------------------
  * Quantiles of a subset of positions, from a fine histogram. The S sampled values of a channel go
@@ -689,21 +613,6 @@ static void build_table(const map_args *a, int64_t c, float *values, float *tab,
 }
 
 #ifdef __AVX2__
-/* slope[cell] * v + icpt[cell] for 8 values, pairs[cell] = (slope, icpt). One 64-bit gather per
-   pair: half the gathered elements of two float gathers (Zen 3: 1.4x faster). Cells of values
-   0,1,4,5 go to the first gather and 2,3,6,7 to the second, so the in-lane shuffles come out in
-   order. */
-static inline __m256 pair_lookup(const long long *pairs, __m256i cell, __m256 v) {
-    cell = _mm256_permute4x64_epi64(cell, _MM_SHUFFLE(3, 1, 2, 0));
-    __m256 p0 = _mm256_castsi256_ps(_mm256_i32gather_epi64(pairs, _mm256_castsi256_si128(cell), 8));
-    __m256 p1 = _mm256_castsi256_ps(_mm256_i32gather_epi64(pairs, _mm256_extracti128_si256(cell, 1), 8));
-    __m256 slope = _mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(2, 0, 2, 0));
-    __m256 icpt = _mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 1, 3, 1));
-    return _mm256_add_ps(_mm256_mul_ps(slope, v), icpt);
-}
-#endif
-
-#ifdef __AVX2__
 /* The lanes of y that are NaN (marked cells, or NaN inputs) get exact_value of their v; lane l
    belongs to channel c + l * dc (dc = 0: one channel, dc = 1: eight channels side by side). */
 static inline __m256 resolve_marked(const map_args *a, int64_t c, int64_t dc, __m256 v, __m256 y) {
@@ -904,6 +813,3 @@ int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, c
     free(ext_nan);
     return status;
 }
-
-/* Streaming AQR's kernels share this translation unit (and its thread team). */
-#include "_stream_kernels.c"

@@ -1,9 +1,12 @@
-"""Building and loading aqr's C kernels (``_kernels.c``) with the system C compiler, on first use.
+"""Building and loading aqr's C kernels with the system C compiler, on first use.
 
-The shared library is cached under ``$AQR_CACHE_DIR`` (default ``~/.cache/aqr``), named by a hash
-of the source, the compiler command and the flags. Without a working compiler :func:`load_kernels`
-says why, and the fast path runs through torch instead. Parallel work runs on the OpenMP team torch
-itself uses (:func:`openmp_entry_points`).
+A library is its kernels' source files linked with ``_parallel.c`` (the thread team, declared with
+what else the kernels share in ``_shared.h``): :func:`load` builds the per-batch kernels
+(``_kernels.c``), :func:`load_library` any other set of sources (streaming AQR's kernels,
+:mod:`aqr.adapt.stream.native_kernels`). Each library is cached under ``$AQR_CACHE_DIR`` (default
+``~/.cache/aqr``), named by a hash of its sources, the shared header, the compiler command and the
+flags. Without a working compiler :func:`load_kernels` says why, and the fast path runs through torch
+instead. Parallel work runs on the OpenMP team torch itself uses (:func:`openmp_entry_points`).
 """
 
 from __future__ import annotations
@@ -16,15 +19,17 @@ import platform
 import shutil
 import subprocess
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from aqr.util.files import atomic_write
 
-SOURCE = Path(__file__).with_name("_kernels.c")
-INCLUDED = (Path(__file__).with_name("_stream_kernels.c"),)  # #included by SOURCE: part of the build's hash
+HERE = Path(__file__).parent
+SOURCE = HERE / "_kernels.c"  # the per-batch kernels
+PARALLEL = HERE / "_parallel.c"  # the thread team, linked into every library
+HEADER = HERE / "_shared.h"  # included by every source: part of each build's hash
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -59,19 +64,22 @@ def compile_command(extra_flags: Sequence[str] = (), simd: bool = True) -> list[
     return [*cc, *flags, *extra_flags]
 
 
-def build_library(command: list[str], name: str = "aqr_kernels") -> Path:
-    """Compile ``_kernels.c`` with ``command`` into the cache (once per source and command); returns the library.
+def build_library(command: list[str], name: str = "aqr_kernels", sources: Sequence[Path] = (SOURCE,)) -> Path:
+    """Compile ``sources`` and the thread team with ``command`` into the cache (once per sources and
+    command); returns the library.
 
     ``name`` starts the cached file's name (a sanitizer build is kept apart from the normal one).
     """
-    sources = b"".join(path.read_bytes() for path in (SOURCE, *INCLUDED))
-    digest = hashlib.sha256(sources + " ".join(command).encode()).hexdigest()[:16]
+    files = (*sources, PARALLEL)
+    text = b"".join(path.read_bytes() for path in (*files, HEADER))
+    digest = hashlib.sha256(text + " ".join(command).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}_{digest}.so"
     if target.exists():
         return target
 
     def compile_into(tmp: Path) -> None:
-        done = subprocess.run([*command, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([*command, "-I", str(HERE), "-o", str(tmp), *map(str, files), "-lm"],
+                              capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
 
@@ -80,29 +88,40 @@ def build_library(command: list[str], name: str = "aqr_kernels") -> Path:
     return target
 
 
-@functools.lru_cache(maxsize=None)
-def load_kernels() -> tuple[ctypes.CDLL | None, str]:
-    """The loaded kernels (built on first use), or ``None`` and the reason they are unavailable."""
+def try_load(loader: Callable[[list[str]], ctypes.CDLL]) -> tuple[ctypes.CDLL | None, str]:
+    """``loader`` run with the default compiler command, or ``None`` and the reason it could not be."""
     command = compile_command()
     if command is None:
         return None, "no C compiler found (set CC)"
     try:
-        return load(command), ""
+        return loader(command), ""
     except (OSError, subprocess.SubprocessError) as err:
         return None, str(err)
 
 
-def load(command: list[str], name: str = "aqr_kernels") -> ctypes.CDLL:
-    """Build the kernels with ``command`` (cached as ``name``) and load them, on torch's OpenMP team if found."""
-    lib = ctypes.CDLL(str(build_library(command, name)))
-    lib.aqr_subset_quantiles.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
-    lib.aqr_table_map.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I, ctypes.c_int]
-    lib.aqr_recalibrate.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _P, _P, _P,
-                                    _I, _P, _P, _P, ctypes.c_int]
+@functools.lru_cache(maxsize=None)
+def load_kernels() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded per-batch kernels (built on first use), or ``None`` and the reason they are unavailable."""
+    return try_load(load)
+
+
+def load_library(command: list[str], name: str, sources: Sequence[Path]) -> ctypes.CDLL:
+    """Build ``sources`` with ``command`` (cached as ``name``) and load them, on torch's OpenMP team if found."""
+    lib = ctypes.CDLL(str(build_library(command, name, sources)))
     lib.aqr_use_openmp.argtypes = [_P, _P, _P]
     team = openmp_entry_points()
     if team is not None:
         lib.aqr_use_openmp(*team)
+    return lib
+
+
+def load(command: list[str], name: str = "aqr_kernels") -> ctypes.CDLL:
+    """Build the per-batch kernels with ``command`` (cached as ``name``), load them and declare their entry points."""
+    lib = load_library(command, name, (SOURCE,))
+    lib.aqr_subset_quantiles.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
+    lib.aqr_table_map.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I, ctypes.c_int]
+    lib.aqr_recalibrate.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _P, _P, _P,
+                                    _I, _P, _P, _P, ctypes.c_int]
     return lib
 
 
@@ -130,11 +149,17 @@ def openmp_entry_points() -> tuple[int, int, int] | None:
 
 
 def native_kernels() -> ctypes.CDLL | None:
-    """aqr's C kernels, or ``None`` (warning once with the reason) when they cannot be built."""
+    """aqr's per-batch C kernels, or ``None`` (warning once with the reason) when they cannot be built."""
     lib, reason = load_kernels()
+    return warned(lib, reason)
+
+
+def warned(lib: ctypes.CDLL | None, reason: str) -> ctypes.CDLL | None:
+    """``lib``; where it is ``None``, a warning with ``reason`` first (once per reason: a missing compiler
+    is reported once for every library)."""
     if lib is None and reason not in _WARNED:
         _WARNED.add(reason)
-        warnings.warn(f"aqr's C kernels are unavailable ({reason}); the fast path runs through torch", stacklevel=3)
+        warnings.warn(f"aqr's C kernels are unavailable ({reason}); the fast path runs through torch", stacklevel=4)
     return lib
 
 

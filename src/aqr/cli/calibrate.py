@@ -7,7 +7,7 @@ import sys
 
 from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, check_writable_file, count, load_model,
                             torch_threads)
-from aqr.core.calibrate import DEFAULT_TAIL_UNIT, TAIL_UNITS
+from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

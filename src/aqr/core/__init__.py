@@ -1,2 +1,3 @@
-"""The core of aqr: the quantile map, the normalization layers, source statistics, calibration and
-test-time recalibration. ``aqr`` re-exports what users import from here."""
+"""The core of aqr: the quantile map, the normalization layers, source statistics and calibration
+(test-time recalibration builds on it in :mod:`aqr.adapt`). ``aqr`` re-exports what users import from
+here; nothing here imports from :mod:`aqr.backends` or :mod:`aqr.adapt`."""

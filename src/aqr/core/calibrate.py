@@ -35,11 +35,11 @@ from aqr.core.layers import (
     select_layers,
 )
 from aqr.core.qmap import check_tail, sort_rows, sorted_quantiles
-from aqr.core.stats import MAX_TAIL_DRAW, TAIL_UNITS, LayerStats, SourceStats, weights_summary
+from aqr.core.stats import MAX_TAIL_DRAW, LayerStats, SourceStats, weights_summary
+from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
 from aqr.util.compiled import run_compiled
 from aqr.util.memory import check_memory
 
-DEFAULT_TAIL_UNIT = "images"
 TAIL_INPUTS_KEPT = 10_000  # inputs whose per-channel extremes are kept (a uniform sample beyond)
 
 

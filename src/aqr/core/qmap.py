@@ -21,20 +21,12 @@ with the slope of the edge interval, or clamped to the source edge when that int
 from __future__ import annotations
 
 from statistics import NormalDist
-from typing import Literal
+
 
 import numpy as np
 import torch
 
-Tail = Literal["standard", "average", "none", "clip", "clip-source", "interval", "gaussian"]
-TAILS: tuple[str, ...] = ("standard", "average", "none", "clip", "clip-source", "interval", "gaussian")
-PARAMETRIC_TAILS: tuple[str, ...] = ("interval", "gaussian")  # the tails that read the batch's mean and std
-
-
-def check_tail(tail: object, name: str = "tail") -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``tail`` is one of :data:`TAILS`."""
-    if tail not in TAILS:
-        raise ValueError(f"unknown {name} strategy {tail!r}; expected one of {', '.join(TAILS)}")
+from aqr.core.tails import PARAMETRIC_TAILS, TAILS, Tail, check_tail  # noqa: F401  (the map's names, kept here too)
 
 # Default probability that stands in for p0 / p100 in the Gaussian tail (the probit of 0 and 1 is
 # infinite). With the same p on both sides the tail map does not depend on it (see `_gaussian_tails`).

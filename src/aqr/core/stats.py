@@ -25,13 +25,12 @@ from torch import nn
 
 from aqr._version import __version__
 from aqr.core.layers import LayerInfo, fingerprint, norm_layers
-from aqr.core.qmap import TAILS
+from aqr.core.tails import TAIL_UNITS, TAILS
 from aqr.util.files import atomic_write
 
 FORMAT = "aqr-source-stats"
 FORMAT_VERSION = 1
 SOURCE_MOMENTS = ("affine", "empirical")
-TAIL_UNITS = ("values", "images")  # what one "batch of 100" of Average Sample Tails holds
 WEIGHTS_KEY = "__model__/weights_summary"
 _MISSING = object()
 

@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from aqr.core.calibrate import DEFAULT_TAIL_UNIT
+from aqr.core.tails import DEFAULT_TAIL_UNIT
 from aqr.harness.cells import Cell
 from aqr.harness.inputs import data_loader, load_model, model_preprocess, source_dataset
 from aqr.harness.keys import canonical_json, location_free

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aqr.core.adapt import AQR, AQRConfig
+from aqr.adapt import AQR, AQRConfig
 from aqr.core.stats import SourceStats
 
 from .base import TTAMethod

@@ -2,7 +2,7 @@
 
 Each selected normalization output is mapped, channel by channel, from this batch's mean and std
 onto the source's measured mean and std: the same layers, statistics file and machinery as AQR
-(:class:`aqr.AQR` with ``match="moments"``, see :class:`aqr.core.adapt.MomentMap`), with an affine
+(:class:`aqr.AQR` with ``match="moments"``, see :class:`aqr.adapt.layer_maps.MomentMap`), with an affine
 map where AQR has the quantile map. What AQR gains over it is what the quantile shape adds; what it
 gains over TTN, which assumes the source outputs of a BatchNorm have mean beta and std |gamma|, is
 what the measured source moments add. Stateless, like AQR.

@@ -2,7 +2,7 @@
 
 On a stream whose classes come in runs (a camera watching one object), the recent images' per-channel
 distributions differ from the source's because of their content: the source statistics pool every
-class, a run of one class does not. Streaming AQR (:mod:`aqr.core.stream`) then maps the content
+class, a run of one class does not. Streaming AQR (:mod:`aqr.adapt.stream.running`) then maps the content
 away, as per-batch AQR and test-time BatchNorm do. ``aqr.AQR(model, stats, target="robust")`` keeps,
 per layer and channel, one running CDF per *group* of predicted classes (class ``y`` in group
 ``y % groups``), and, while the recent predicted classes come in runs, maps with the quantiles of their
@@ -61,9 +61,10 @@ from dataclasses import dataclass
 
 import torch
 
+from aqr.adapt.stream.base import EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, cloned
+from aqr.adapt.stream.running import (COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StagedFirst, StreamSettings,
+                                      batch_weight)
 from aqr.backends import Affine
-from aqr.backends.stream_base import EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, cloned
-from aqr.core.stream import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings, _First, batch_weight
 
 MAX_GROUPS = 4096
 
@@ -100,7 +101,7 @@ MAX_GROUP_STEP = 0.5
 
 
 def group_step(images: int, seen: int, horizon: float) -> float:
-    """A group's EMA weight for ``images`` new images after ``seen``: :func:`~aqr.core.stream.batch_weight`,
+    """A group's EMA weight for ``images`` new images after ``seen``: :func:`~aqr.adapt.stream.running.batch_weight`,
     at most :data:`MAX_GROUP_STEP` once the group has a state."""
     weight = batch_weight(images, seen, horizon)
     return weight if seen == 0 else min(weight, MAX_GROUP_STEP)
@@ -116,11 +117,11 @@ MIXTURE_GRID = 192  # points between the groups' lowest p1 and highest p99 where
 
 
 @dataclass
-class _RobustStaged:
+class RobustStaged:
     """What a batch leaves to commit: the first batch's state (or ``None``), the per-image histograms (on
     the bins of the knots the batch was mapped with, the layer's knots once committed) and extremes."""
 
-    first: _First | None
+    first: StagedFirst | None
     counts: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
@@ -129,7 +130,7 @@ class _RobustStaged:
 
 class RobustLayerStream(LayerStream):
     """One layer's class-balanced running target (see the module docs); the target knots, their table
-    and the tail window are :class:`~aqr.core.stream.LayerStream`'s."""
+    and the tail window are :class:`~aqr.adapt.stream.running.LayerStream`'s."""
 
     def __init__(self, source: torch.Tensor, settings: StreamSettings, robust: RobustSettings,
                  kernels: StreamKernels, batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> None:
@@ -194,7 +195,7 @@ class RobustLayerStream(LayerStream):
         return super().memory_bytes() + sum(t.numel() * t.element_size() for t in mine)
 
     def step(self, x: torch.Tensor, images: int, pre: Affine | None = None,
-             own: float = 0.0) -> tuple[torch.Tensor | None, _RobustStaged | None]:
+             own: float = 0.0) -> tuple[torch.Tensor | None, RobustStaged | None]:
         """Map ``x`` (A, C, B) with the target knots; stage its per-image histograms and extremes.
         ``own`` in [0, 1]: a batch of ``rebuild_every`` or more images is mapped with the target knots
         merged with its own histogram at ``own`` times :func:`shift_share` times streaming AQR's batch
@@ -206,17 +207,17 @@ class RobustLayerStream(LayerStream):
                 return None, None
             r = self.kernels.scan(x, images, pre, first.knots, self.source, first.table, IMAGE_COUNT, COUNT_STRIDE,
                                   COUNT_CELLS)
-            return y, _RobustStaged(first, r.counts, first.lo, first.hi)
+            return y, RobustStaged(first, r.counts, first.lo, first.hi)
         if own > 0 and images >= self.settings.rebuild_every:
             return self._step_own(x, images, pre, own)
         r = self.kernels.scan(x, images, pre, self.knots, self.source, self.table, MAP | IMAGE_COUNT, COUNT_STRIDE,
                               COUNT_CELLS)
         if not r.finite:
             return None, None
-        return r.y, _RobustStaged(None, r.counts, r.lo, r.hi)
+        return r.y, RobustStaged(None, r.counts, r.lo, r.hi)
 
     def _step_own(self, x: torch.Tensor, images: int, pre: Affine | None,
-                  own: float) -> tuple[torch.Tensor | None, _RobustStaged | None]:
+                  own: float) -> tuple[torch.Tensor | None, RobustStaged | None]:
         """The batch counted on the target knots' bins, merged into a copy of them, then mapped with it."""
         kern = self.kernels
         r = kern.scan(x, images, pre, self.knots, self.source, self.table, IMAGE_COUNT, COUNT_STRIDE, COUNT_CELLS)
@@ -227,13 +228,13 @@ class RobustLayerStream(LayerStream):
         weight = shift * batch_weight(images, self.seen, self.settings.horizon)
         if weight <= 0:  # the batch is as close to the target as sampling allows: map it as it is
             return kern.scan(x, images, pre, self.knots, self.source, self.table, MAP, COUNT_STRIDE,
-                             COUNT_CELLS).y, _RobustStaged(None, r.counts, r.lo, r.hi)
+                             COUNT_CELLS).y, RobustStaged(None, r.counts, r.lo, r.hi)
         window, group = cloned(self.window), PendingGroup.empty(self.channels, COUNT_CELLS, self.knots.device)
         kern.push(window, group, r.counts.sum(0, dtype=torch.int32), r.lo, r.hi)
         y, _ = self._map_tentative(x, images, pre, self.knots.clone(), window, group, weight)
-        return y, _RobustStaged(None, r.counts, r.lo, r.hi, shift)
+        return y, RobustStaged(None, r.counts, r.lo, r.hi, shift)
 
-    def commit(self, staged: _RobustStaged, labels: torch.Tensor | None = None,  # type: ignore[override]
+    def commit(self, staged: RobustStaged, labels: torch.Tensor | None = None,  # type: ignore[override]
                runs: float = 1.0) -> None:
         """Apply a finite batch's update; ``labels`` ``(N,)``: each image's predicted class; ``runs`` in
         [0, 1]: how clearly the recent predictions come in runs (``1 -`` :func:`own_batch_share`), the
@@ -265,7 +266,7 @@ class RobustLayerStream(LayerStream):
 
     def _merge_groups(self) -> None:
         """Each group with images since the last rebuild: their histogram (on the bins of the layer's knots,
-        unchanged since) into its CDF (:meth:`~aqr.backends.stream_base.StreamKernels.group_merge`)."""
+        unchanged since) into its CDF (:meth:`~aqr.adapt.stream.base.StreamKernels.group_merge`)."""
         c, bins = self.group_counts.shape[1:]
         k = self.knots.shape[1]
         present = [g for g in range(self.robust.groups) if self.group_pending[g] > 0]
@@ -355,7 +356,7 @@ def own_batch_share(recent: list[int]) -> float:
 
 def shift_ratio(distances: tuple[float, float], images: int) -> float:
     """How far a batch of ``images`` images lies from the running target, in units of its own sampling
-    noise, from its :meth:`~aqr.backends.stream_base.StreamKernels.shift_distances` (the channels' mean
+    noise, from its :meth:`~aqr.adapt.stream.base.StreamKernels.shift_distances` (the channels' mean
     Kolmogorov distance to the target's CDF, and between its two halves): about 1 for a batch drawn
     from the target; ``inf`` for fewer than 2 images or halves that agree exactly on a batch away from
     the target; 0 when nothing was counted."""

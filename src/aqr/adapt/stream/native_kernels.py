@@ -1,20 +1,27 @@
-"""Streaming AQR's operations in aqr's C kernels (``_stream_kernels.c``, built with ``_kernels.c``).
+"""Streaming AQR's operations in aqr's C kernels (``_stream_kernels.c``, a library of its own).
 
-:class:`NativeStreamKernels` implements :class:`aqr.backends.stream_base.StreamKernels` for float32
-CPU tensors without gradients; :class:`aqr.backends.stream_torch.TorchStreamKernels` is the same in
-torch. The kernels run on torch's OpenMP team for large layers and in the calling thread otherwise.
+:class:`NativeStreamKernels` implements :class:`aqr.adapt.stream.base.StreamKernels` for float32
+CPU tensors without gradients; :class:`aqr.adapt.stream.torch_kernels.TorchStreamKernels` is the same
+in torch. :func:`aqr.backends.build.load_library` builds the library (linked with the per-batch kernels'
+thread team, cached by the hash of its sources) on first use; the kernels run on torch's OpenMP team
+for large layers and in the calling thread otherwise.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+from pathlib import Path
 
 import torch
 
+from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels,
+                                   StreamTable, TailWindow, check_mixture_weights, check_scan)
+from aqr.backends import build
 from aqr.backends.base import Affine
 from aqr.backends.native import NativeKernelError, native_takes
-from aqr.backends.stream_base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels,
-                                      StreamTable, TailWindow, check_mixture_weights, check_scan)
+
+SOURCE = Path(__file__).with_name("_stream_kernels.c")
 
 _P, _I, _D, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
 STATUS = {-1: "could not allocate its scratch memory", -2: "was given sizes or counters out of bounds"}
@@ -36,6 +43,23 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def load(command: list[str], name: str = "aqr_stream_kernels") -> ctypes.CDLL:
+    """Build the stream kernels with ``command`` (cached as ``name``), load them and declare their entry points."""
+    return declare(build.load_library(command, name, (SOURCE,)))
+
+
+@functools.lru_cache(maxsize=None)
+def load_stream_kernels() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded stream kernels (built on first use), or ``None`` and the reason they are unavailable."""
+    return build.try_load(load)
+
+
+def native_stream_kernels() -> ctypes.CDLL | None:
+    """The stream kernels, or ``None`` (warning once with the reason) when they cannot be built."""
+    lib, reason = load_stream_kernels()
+    return build.warned(lib, reason)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -54,8 +78,8 @@ def _cpu_float(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
 
 
 class NativeStreamKernels(StreamKernels):
-    """:class:`~aqr.backends.stream_base.StreamKernels` in C; the state's tensors must be CPU, float32
-    (int32 counts) and contiguous, as :mod:`aqr.core.stream` allocates them."""
+    """:class:`~aqr.adapt.stream.base.StreamKernels` in C; the state's tensors must be CPU, float32
+    (int32 counts) and contiguous, as :mod:`aqr.adapt.stream.running` allocates them."""
 
     name = "native"
 

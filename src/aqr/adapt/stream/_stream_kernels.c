@@ -1,14 +1,15 @@
 /* Streaming AQR's CPU kernels: a layer's running target state, updated and applied in one pass.
  *
- * Included at the end of _kernels.c (one translation unit: they share its thread team); called
- * through aqr/backends/stream_native.py, mirrored operation by operation in torch by
- * aqr/backends/stream_torch.py (the reference the fuzz tests hold these kernels to).
+ * A library of its own, linked with aqr/backends/_parallel.c (the thread team the per-batch kernels
+ * use too) by aqr/backends/build.py; called through aqr/adapt/stream/native_kernels.py, mirrored
+ * operation by operation in torch by aqr/adapt/stream/torch_kernels.py (the reference the fuzz
+ * tests hold these kernels to).
  *
  * Per layer and channel the state is: K running knots kn (p0 and p100 the Average Sample Tails of
  * the tail window, the inner knots a piecewise-linear CDF), a lookup table of the map built from
  * them, the tail window (the last W images' minima and maxima, a ring in arrival order and a
  * sorted copy), and the pending group (a histogram of recent values on bins fixed by the knots,
- * and the group's extremes). See aqr/core/stream.py for the algorithm and why.
+ * and the group's extremes). See aqr/adapt/stream/running.py for the algorithm and why.
  *
  *   aqr_stream_scan     the per-batch pass: map through the table, per-image extremes, NaN/Inf
  *                       check and a strided histogram on the knots' bins
@@ -26,6 +27,16 @@
  * checked first (STREAM_BAD_ARGUMENT). Arithmetic that can overflow float between two finite
  * floats (a range spanning +-3e38) runs in double.
  */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "_shared.h"
 
 enum { STREAM_OK = 0, STREAM_NONFINITE = 1, STREAM_NO_MEMORY = -1, STREAM_BAD_ARGUMENT = -2 };
 enum { STREAM_MAP = 1, STREAM_COUNT = 2, STREAM_IMAGE_COUNT = 4 };
@@ -497,7 +508,7 @@ int aqr_stream_merge(int64_t C, int64_t K, float *kn, const int32_t *counts, int
 }
 
 /* ------------------------------------------------------------------------------------------------
- * target="robust" (aqr/core/robust.py): per group of predicted classes, a running CDF.
+ * target="robust" (aqr/adapt/stream/robust.py): per group of predicted classes, a running CDF.
  *
  * torch.lerp(a, b, w) as torch computes it (so both backends round alike). */
 static inline double stream_lerp(double a, double b, double w) {

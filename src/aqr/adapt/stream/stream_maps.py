@@ -1,7 +1,8 @@
 """The layer maps of ``aqr.AQR(model, stats, target="stream")``: each layer maps with its running estimate.
 
-A :class:`StreamLayerMap` is a :class:`aqr.core.adapt.LayerMap` whose fast map steps the layer's
-:class:`aqr.core.stream.LayerStream` instead of reading the batch's own knots. Every map of one
+A :class:`StreamLayerMap` is a :class:`aqr.adapt.layer_maps.LayerMap` whose fast map steps the layer's
+:class:`aqr.adapt.stream.running.LayerStream` (the one its :class:`aqr.adapt.config.StreamTarget` builds)
+instead of reading the batch's own knots. Every map of one
 :class:`aqr.AQR` shares a :class:`StreamBatch`: the batch's image count, and the updates its layers
 stage while it runs, which :meth:`StreamBatch.commit` applies once the whole forward pass was
 finite (:class:`aqr.AQR` serializes forward passes, so one batch runs at a time).
@@ -14,18 +15,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from aqr.adapt.config import AQRConfig, StreamTarget
+from aqr.adapt.layer_maps import LayerMap
+from aqr.adapt.stream.base import StreamKernels
+from aqr.adapt.stream.native_kernels import NativeStreamKernels, native_stream_kernels
+from aqr.adapt.stream.robust import MARGINAL_WINDOW, RobustLayerStream
+from aqr.adapt.stream.running import LayerStream, Staged, StreamSettings
+from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from aqr.backends import Affine, SubsetCache
-from aqr.backends.build import native_kernels
-from aqr.backends.stream_base import StreamKernels
-from aqr.backends.stream_native import NativeStreamKernels
-from aqr.backends.stream_torch import TorchStreamKernels
-from aqr.core.adapt import AQRConfig, LayerMap
 from aqr.core.layers import as_acb
 from aqr.core.stats import SourceStats
-from aqr.core.robust import MARGINAL_WINDOW, RobustLayerStream, RobustSettings
-from aqr.core.stream import LayerStream, Staged, StreamSettings
-
-STREAM_TAILS = ("standard", "average")  # the tails whose edge lines the stream's table holds (Eq. 1)
 
 
 @dataclass
@@ -64,7 +63,7 @@ def stream_settings(config: AQRConfig, stats: SourceStats) -> StreamSettings:
 def stream_kernels(device: torch.device, native: bool) -> StreamKernels:
     """aqr's C kernels on CPU when ``native`` and built, else the torch kernels."""
     if native and device.type == "cpu":
-        lib = native_kernels()
+        lib = native_stream_kernels()
         if lib is not None:
             return NativeStreamKernels(lib)
     return TorchStreamKernels()
@@ -75,13 +74,15 @@ class StreamLayerMap(LayerMap):
 
     def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str, subsets: SubsetCache,
                  batch: StreamBatch) -> None:
-        if tail not in STREAM_TAILS:
-            raise ValueError(f"target={config.target!r} maps with the tail strategies {' or '.join(STREAM_TAILS)} (Eq. 1 at "
-                             f"the running ends), not {tail!r}")
+        target = config.target_kind
+        if not isinstance(target, StreamTarget):
+            raise ValueError(f"target={config.target!r} keeps no running state: its layers map each batch alone")
+        target.check_tail(tail)
         super().__init__(stats, name, config, tail, subsets, logits_checked=True)
+        self.target = target
         self.settings = stream_settings(config, stats)
         self.group_quantiles = None
-        if config.target == "robust" and config.balance < 1:
+        if target.uses_group_sources(config):
             if stats.groups != config.groups:
                 raise ValueError(f"balance < 1 maps each group onto its own source knots: it needs statistics "
                                  f"calibrated with groups={config.groups} (these have groups={stats.groups}; "
@@ -95,13 +96,8 @@ class StreamLayerMap(LayerMap):
         if device not in self.streams:
             backend = self.backend(device)
             source, kernels = self.source_on(device).knots, stream_kernels(device, self.config.native)
-            if self.config.target == "robust":
-                c = self.config
-                robust = RobustSettings(c.groups, c.class_horizon, c.balance, c.recent_horizon)
-                self.streams[device] = RobustLayerStream(source, self.settings, robust, kernels, backend.target_knots,
-                                                         self._group_source(source))
-            else:
-                self.streams[device] = LayerStream(source, self.settings, kernels, backend.target_knots)
+            self.streams[device] = self.target.layer_stream(self.config, source, self.settings, kernels,
+                                                            backend.target_knots, self._group_source(source))
         return self.streams[device]
 
     def _group_source(self, source: torch.Tensor) -> torch.Tensor | None:

@@ -5,9 +5,9 @@ nothing grows with the stream). :class:`StreamKernels` are the five operations o
 pass at most: :meth:`~StreamKernels.scan` (map a batch, take each image's extremes, histogram its
 values), :meth:`~StreamKernels.push` (a batch into the tail window and the pending group),
 :meth:`~StreamKernels.tails`, :meth:`~StreamKernels.merge` and :meth:`~StreamKernels.tables`.
-:class:`aqr.backends.stream_native.NativeStreamKernels` runs them in aqr's C kernels on CPU,
-:class:`aqr.backends.stream_torch.TorchStreamKernels` in torch on any device (and is the
-reference the C kernels are tested against). :mod:`aqr.core.stream` decides when each runs.
+:class:`aqr.adapt.stream.native_kernels.NativeStreamKernels` runs them in aqr's C kernels on CPU,
+:class:`aqr.adapt.stream.torch_kernels.TorchStreamKernels` in torch on any device (and is the
+reference the C kernels are tested against). :mod:`aqr.adapt.stream.running` decides when each runs.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from aqr.backends.base import Affine
-from aqr.backends.stream_base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels,
-                                      StreamTable, TailWindow, check_mixture_weights, check_scan)
+from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels,
+                                   StreamTable, TailWindow, check_mixture_weights, check_scan)
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -93,7 +93,7 @@ def curve_quantiles(z: torch.Tensor, hl: torch.Tensor, hr: torch.Tensor, k: int)
 def histogram_points(knots: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
                      gmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The piecewise-linear CDF of a histogram ``counts`` ``(C, cells + 4)`` taken on the bins of ``knots``
-    ``(C, K)`` (:meth:`~aqr.backends.stream_base.StreamKernels.scan`), whose values span ``gmin``/``gmax``
+    ``(C, K)`` (:meth:`~aqr.adapt.stream.base.StreamKernels.scan`), whose values span ``gmin``/``gmax``
     ``(C,)``: its points ``(z, h)`` ``(C, cells + 5)`` (float64) and each row's total count ``(C, 1)``."""
     k = knots.shape[1]
     cells = counts.shape[1] - EDGE_BINS
@@ -129,7 +129,7 @@ def knot_levels(k: int, rows: int, device: torch.device | str) -> torch.Tensor:
 
 
 def count_bins(values: torch.Tensor, knots: torch.Tensor, cells: int) -> torch.Tensor:
-    """Each value's bin (int64) of :meth:`~aqr.backends.stream_base.StreamKernels.scan`'s histogram on the
+    """Each value's bin (int64) of :meth:`~aqr.adapt.stream.base.StreamKernels.scan`'s histogram on the
     knots ``(C, K)``: ``values`` ``(..., C, M)``, channel ``c``'s values in row ``c`` of the last two dims."""
     k = knots.shape[1]
     k0, k1, kb, kl = (knots[:, j : j + 1] for j in (0, 1, k - 2, k - 1))
@@ -166,7 +166,7 @@ def mixture_quantiles(knots: torch.Tensor, k: int, grid: int, weights: torch.Ten
 
 
 def shift_distances(counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
-    """:meth:`~aqr.backends.stream_base.StreamKernels.shift_distances` (``aqr_stream_shift_distances``)."""
+    """:meth:`~aqr.adapt.stream.base.StreamKernels.shift_distances` (``aqr_stream_shift_distances``)."""
     c, k = knots.shape
     counts = counts.clamp(min=0)  # (as the merges read a histogram)
     ends = knots[:, 0], knots[:, k - 1]
@@ -187,7 +187,7 @@ def shift_distances(counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, f
 
 
 class TorchStreamKernels(StreamKernels):
-    """:class:`~aqr.backends.stream_base.StreamKernels` in torch (any device, float32 state)."""
+    """:class:`~aqr.adapt.stream.base.StreamKernels` in torch (any device, float32 state)."""
 
     name = "torch"
 

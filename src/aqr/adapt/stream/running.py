@@ -61,8 +61,8 @@ from typing import Union
 
 import torch
 
+from aqr.adapt.stream.base import COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow, cloned, copy_into
 from aqr.backends import Affine, Targets
-from aqr.backends.stream_base import COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow, cloned, copy_into
 
 ESTIMATORS = ("cdf-ema", "knot-ema")
 COUNT_CELLS = 64  # inner cells of a group's histogram
@@ -131,7 +131,9 @@ def extreme_weights(n: int, m: int) -> torch.Tensor:
 
 
 @dataclass
-class _First:
+class StagedFirst:
+    """The first batch after a reset: the state its own knots start (knots, table, extremes)."""
+
     knots: torch.Tensor
     table: StreamTable
     lo: torch.Tensor
@@ -139,7 +141,9 @@ class _First:
 
 
 @dataclass
-class _Small:
+class StagedSmall:
+    """A batch of fewer than ``rebuild_every`` images: its extremes and histogram (or knots) join the group."""
+
     lo: torch.Tensor
     hi: torch.Tensor
     counts: torch.Tensor | None  # cdf-ema
@@ -147,14 +151,16 @@ class _Small:
 
 
 @dataclass
-class _Large:
+class StagedLarge:
+    """A batch of ``rebuild_every`` or more images: the tentative state it was mapped with."""
+
     knots: torch.Tensor
     table: StreamTable
     window: TailWindow
     images: int
 
 
-Staged = Union[_First, _Small, _Large]
+Staged = Union[StagedFirst, StagedSmall, StagedLarge]
 BatchKnots = Callable[[torch.Tensor, Union[Affine, None]], Targets]
 
 
@@ -163,7 +169,7 @@ class LayerStream:
 
     ``source``: the layer's source knots ``(C, K)``; ``batch_knots(x, pre)``: the batch's own knots
     (the layer's fast-path backend, :meth:`aqr.backends.LayerBackend.target_knots`); ``kernels``: the
-    :class:`~aqr.backends.stream_base.StreamKernels` of the device the state lives on.
+    :class:`~aqr.adapt.stream.base.StreamKernels` of the device the state lives on.
     """
 
     def __init__(self, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
@@ -226,7 +232,7 @@ class LayerStream:
             r = kern.scan(x, images, pre, self.knots, self.source, self.table, mode, COUNT_STRIDE, COUNT_CELLS)
             if not r.finite:
                 return None, None
-            return r.y, _Small(r.lo, r.hi, r.counts, batch)
+            return r.y, StagedSmall(r.lo, r.hi, r.counts, batch)
         # a large batch: merged into a tentative state first, then mapped with it
         mode = COUNT if batch is None else 0
         r = kern.scan(x, images, pre, self.knots, self.source, self.table, mode, COUNT_STRIDE, COUNT_CELLS)
@@ -243,7 +249,7 @@ class LayerStream:
             weight = batch_weight(images, self.seen + self.group.images, s.horizon)
             knots[:, 1:-1] = torch.lerp(knots[:, 1:-1], batch[:, 1:-1], weight)
         y, table = self._map_tentative(x, images, pre, knots, window, group, weight)
-        return y, _Large(knots, table, window, images)
+        return y, StagedLarge(knots, table, window, images)
 
     def _map_tentative(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, window: TailWindow,
                        group: PendingGroup | None, weight: float) -> tuple[torch.Tensor, StreamTable]:
@@ -268,7 +274,7 @@ class LayerStream:
         r = self.kernels.scan(x, images, pre, knots, self.source, table, MAP, COUNT_STRIDE, COUNT_CELLS)
         if not r.finite:
             return None, None
-        return r.y, _First(knots, table, r.lo, r.hi)
+        return r.y, StagedFirst(knots, table, r.lo, r.hi)
 
     def _weights(self, filled: int) -> torch.Tensor:
         return extreme_weights(filled, min(self.settings.tail_batch, filled))
@@ -276,13 +282,13 @@ class LayerStream:
     def commit(self, staged: Staged) -> None:
         """Apply what :meth:`step` staged for a batch whose whole forward pass was finite."""
         s, kern = self.settings, self.kernels
-        if isinstance(staged, _First):
+        if isinstance(staged, StagedFirst):
             self.knots.copy_(staged.knots)
             copy_into(self.table, staged.table)
             kern.push(self.window, None, None, staged.lo, staged.hi)
             self.group.clear()
             self.started, self.seen = True, staged.lo.shape[0]
-        elif isinstance(staged, _Large):
+        elif isinstance(staged, StagedLarge):
             self.knots.copy_(staged.knots)
             copy_into(self.table, staged.table)
             copy_into(self.window, staged.window)

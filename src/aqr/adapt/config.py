@@ -1,0 +1,251 @@
+"""What :class:`aqr.AQR` is asked to do: :class:`AQRConfig`, and the :class:`Target` each value of its
+``target`` stands for.
+
+``AQRConfig.target`` is the string the user gives (``"batch"``, ``"stream"``, ``"robust"``; benchmark
+cells are keyed by it). The code asks the :class:`Target` it names instead of comparing strings:
+whether the recalibration keeps a state across batches, whether that state takes each image's
+predicted class, which tails and options it allows, which running state each layer keeps
+(:mod:`aqr.adapt.stream`) and how one batch weighs its own histogram against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from aqr.adapt.stream.base import StreamKernels
+from aqr.adapt.stream.robust import RobustLayerStream, RobustSettings, own_batch_share
+from aqr.adapt.stream.running import BatchKnots, LayerStream, StreamSettings
+from aqr.backends.subsets import MAX_SAMPLES as MAX_TARGET_SAMPLES
+from aqr.core.qmap import DEFAULT_GAUSSIAN_P, check_tail
+from aqr.core.stats import SOURCE_MOMENTS
+
+
+class Target:
+    """Per-batch AQR (``target="batch"``): each batch's target quantiles are its own; nothing is kept.
+
+    The base of every target: the answers of a target that keeps no state.
+    """
+
+    name: ClassVar[str] = "batch"
+    keeps_state: ClassVar[bool] = False  # a running state across batches: AQR serializes its calls, has reset()
+    needs_classes: ClassVar[bool] = False  # the state takes each image's predicted class (the model returns logits)
+    passes: ClassVar[tuple[int, ...]] = (1,)  # the forward passes per batch it allows
+
+    def check(self, config: AQRConfig) -> None:
+        """Raise ``ValueError`` for an option of ``config`` this target does not take."""
+        if config.passes not in self.passes:
+            raise ValueError(f"passes={config.passes} is not an option of target={self.name!r} (it takes "
+                             f"{' or '.join(map(str, self.passes))})")
+
+    def describe(self, config: AQRConfig) -> str:
+        """The target's part of :class:`aqr.AQR`'s ``repr``."""
+        return ""
+
+
+class StreamTarget(Target):
+    """Streaming AQR (``target="stream"``): each layer maps with a running estimate of its target
+    distribution across batches (:class:`aqr.adapt.stream.running.LayerStream`)."""
+
+    name: ClassVar[str] = "stream"
+    keeps_state: ClassVar[bool] = True
+    tails: ClassVar[tuple[str, ...]] = ("standard", "average")  # those whose edge lines the stream's table holds (Eq. 1)
+
+    def check(self, config: AQRConfig) -> None:
+        super().check(config)
+        if config.mode != "fast":
+            raise ValueError(f"target={self.name!r} runs the fast path: mode='exact' is not available with it")
+        if config.match != "quantiles":
+            raise ValueError(f"target={self.name!r} maps running quantiles: match='moments' has no streaming form yet")
+
+    def check_tail(self, tail: str) -> None:
+        """Raise ``ValueError`` unless the running state can map with the tail strategy ``tail``."""
+        if tail not in self.tails:
+            raise ValueError(f"target={self.name!r} maps with the tail strategies {' or '.join(self.tails)} (Eq. 1 "
+                             f"at the running ends), not {tail!r}")
+
+    def uses_group_sources(self, config: AQRConfig) -> bool:
+        """Whether each layer maps onto its groups' own source knots (statistics calibrated with groups)."""
+        return False
+
+    def layer_stream(self, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
+                     batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> LayerStream:
+        """One layer's running state on ``source``'s device."""
+        return LayerStream(source, settings, kernels, batch_knots)
+
+    def batch_shares(self, recent: list[int], config: AQRConfig) -> tuple[float, float]:
+        """``(own, runs)`` for the next batch from the recent predicted classes: the share of its own
+        histogram a batch's target takes, and how clearly the recent classes come in runs."""
+        return 0.0, 1.0
+
+    def describe(self, config: AQRConfig) -> str:
+        return f", target={self.name!r}, estimator={config.estimator!r}, horizon={config.horizon:g}"
+
+
+class RobustTarget(StreamTarget):
+    """Class-balanced streaming AQR (``target="robust"``): while the predicted classes come in runs, a
+    mixture of running estimates per group of predicted classes
+    (:class:`aqr.adapt.stream.robust.RobustLayerStream`)."""
+
+    name: ClassVar[str] = "robust"
+    needs_classes: ClassVar[bool] = True
+    passes: ClassVar[tuple[int, ...]] = (1, 2)
+
+    def uses_group_sources(self, config: AQRConfig) -> bool:
+        return config.balance < 1
+
+    def layer_stream(self, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
+                     batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> LayerStream:
+        robust = RobustSettings(config.groups, config.class_horizon, config.balance, config.recent_horizon)
+        return RobustLayerStream(source, settings, robust, kernels, batch_knots, group_source)
+
+    def batch_shares(self, recent: list[int], config: AQRConfig) -> tuple[float, float]:
+        share = own_batch_share(recent)
+        return (share if config.own_batch else 0.0), 1.0 - share
+
+    def describe(self, config: AQRConfig) -> str:
+        text = f", target={self.name!r}, groups={config.groups}, class_horizon={config.class_horizon:g}"
+        text += "" if config.own_batch else ", own_batch=False"
+        return text + (f", balance={config.balance:g}, recent_horizon={config.recent_horizon:g}"
+                       if config.balance < 1 else "")
+
+
+TARGET_KINDS: dict[str, Target] = {kind.name: kind for kind in (Target(), StreamTarget(), RobustTarget())}
+TARGETS = tuple(TARGET_KINDS)
+NONFINITE_POLICIES = ("raise", "skip")
+MODES = ("fast", "exact")
+MAX_GRID = 1 << 16  # cells per table; C * (grid + 2) indexes the tables in int32
+MATCHES = ("quantiles", "moments")
+
+
+@dataclass(frozen=True)
+class AQRConfig:
+    """How batches are recalibrated.
+
+    Attributes:
+        tail: tail strategy (see :func:`aqr.quantile_map`); ``None`` uses the one stored in the stats.
+        layers: ``"all"``, ``"top-half"``, ``"bottom-half"`` of the calibrated layers (forward order),
+            or explicit names; ``None`` uses every calibrated layer.
+        source_moments: ``"affine"`` (the layer's beta/gamma, the paper's choice) or ``"empirical"``
+            (measured source mean/std) for the ``"gaussian"`` and ``"interval"`` tails.
+        gaussian_p: level standing in for p0 (and 1 - p for p100) in the ``"gaussian"`` tail.
+        on_nonfinite: ``"raise"`` (default) stops with an error naming the layer when a batch has
+            NaN/Inf activations; ``"skip"`` leaves that layer's output untouched for that batch.
+        mode: ``"fast"`` (default): inner target quantiles from a sample of the positions (see
+            ``target_samples``) and a fused lookup-table map on a ``grid``-cell table (see
+            :mod:`aqr.backends`); ``"exact"``: quantiles of every value and the exact piecewise-linear
+            map of Eq. 1.
+        target_samples: the fewest positions per layer sampled for the target quantiles in fast mode
+            (every position when the layer has fewer).
+        samples_per_row: beyond ``target_samples``, positions sampled per image of an ``(N, C, H, W)``
+            output (per token of an ``(N, L, C)`` one), so the sample grows with the batch and the
+            knots keep the batch size's precision (:class:`aqr.backends.SubsetCache`); 0 fixes the
+            sample at ``target_samples``.
+        grid: cells of the lookup table between the first and last inner knots in fast mode.
+        compile: fuse the fast kernel with ``torch.compile`` (falls back to eager with a warning).
+        native: on CPU, run the fast path in aqr's C kernels (:mod:`aqr.backends.native`, built with the
+            system C compiler on first use); without a compiler it warns once and uses torch.
+        triton: on a CUDA GPU, run the fast path in aqr's Triton kernels
+            (:mod:`aqr.backends.triton_backend`: knots from histograms of every value, closer to
+            the exact map than the torch path's sample; on an H100, ResNet-50 at batch 64 costs
+            x2.4 of the plain forward against the torch path's x3.7, see ``docs/results/speed/``);
+            opt-in until it reaches its cost target. Without triton it warns once and uses torch.
+        target: ``"batch"`` (default): each batch's target quantiles are its own (per-batch AQR);
+            ``"stream"``: a running estimate per layer across batches (:mod:`aqr.adapt.stream.running`; fast
+            mode, tails ``"standard"``/``"average"``), for small batches; :class:`AQR` then has a
+            ``reset()`` and serializes its calls; ``"robust"``: the same, class-balanced while the
+            predicted classes come in runs (a mixture of running estimates per group of predicted
+            classes; without runs the running estimate of all images, :mod:`aqr.adapt.stream.robust`), for
+            streams whose classes come in runs; the model must return logits ``(N, classes)``.
+        estimator: the stream's estimate, ``"cdf-ema"`` (EMA of the per-channel CDFs; default) or
+            ``"knot-ema"`` (EMA of the batches' knots; biased at small batches).
+        horizon: the stream's EMA horizon in images (per-image weight ``1 / horizon``; effective
+            sample size ``2 horizon - 1`` images).
+        tail_window: images whose extremes give the stream's Average Sample Tails.
+        rebuild_every: images between two updates of the stream's knots and table (smaller batches
+            are mapped with the state of the images before them; larger ones update first).
+        stream_grid: cells of the stream's lookup table between the first and last inner knots
+            (rebuilt every ``rebuild_every`` images, hence smaller than ``grid``).
+        match: what of the source distribution each channel is mapped onto: ``"quantiles"`` (AQR,
+            the default) or ``"moments"``, the control: the affine map from the batch's mean and std
+            onto the source's measured mean and std (:class:`aqr.adapt.layer_maps.MomentMap`; the quantile options
+            ``tail``, ``mode``, ... do not apply to it).
+        groups: ``target="robust"``: the most groups of predicted classes (class ``y`` in group
+            ``y % groups``), each with a running CDF; memory grows with it.
+        class_horizon: ``target="robust"``: each group's EMA horizon, in images of that group.
+        own_batch: ``target="robust"``: while the recent predicted classes show no runs, a batch of
+            ``rebuild_every`` or more images joins its own target as in ``target="stream"``
+            (:func:`aqr.adapt.stream.robust.own_batch_share`), by the part of its difference from the target
+            that sampling does not explain (:func:`aqr.adapt.stream.robust.shift_share`); ``False``: every
+            batch is mapped with the state its predecessors left.
+        balance: ``target="robust"``: the share of the groups' weights spread equally; 1 (default): the
+            groups' equal mixture mapped onto the source knots. Below 1 the rest goes to each group in
+            proportion to its share of the last ``recent_horizon`` images (an EMA), and the target is
+            mapped onto the same mixture of the groups' own source knots, so a run of one class is
+            mapped mostly onto its class (needs statistics from ``aqr.calibrate(..., groups=groups)``).
+            Either way the groups weigh ``runs`` in the target, the running estimate of all images
+            ``1 - runs`` (``runs``: how clearly the recent predictions come in runs).
+        recent_horizon: ``balance < 1``: the EMA horizon of the groups' shares, in images.
+    """
+
+    tail: str | None = None
+    layers: str | Sequence[str] | None = None
+    source_moments: str = "affine"
+    gaussian_p: float = DEFAULT_GAUSSIAN_P
+    on_nonfinite: str = "raise"
+    mode: str = "fast"
+    target_samples: int = 8_192
+    samples_per_row: int = 64
+    grid: int = 1024
+    compile: bool = True
+    native: bool = True
+    triton: bool = False
+    target: str = "batch"
+    estimator: str = "cdf-ema"
+    horizon: float = 128.0
+    tail_window: int = 128
+    rebuild_every: int = 8
+    stream_grid: int = 512
+    match: str = "quantiles"
+    groups: int = 16
+    class_horizon: float = 32.0
+    passes: int = 1
+    own_batch: bool = True
+    balance: float = 1.0
+    recent_horizon: float = 64.0
+
+    def __post_init__(self) -> None:
+        if self.match not in MATCHES:
+            raise ValueError(f"match must be one of {MATCHES}, got {self.match!r}")
+        if self.tail is not None:
+            check_tail(self.tail)
+        if self.source_moments not in SOURCE_MOMENTS:
+            raise ValueError(f"source_moments must be one of {SOURCE_MOMENTS}, got {self.source_moments!r}")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name, low, high in (("target_samples", 16, MAX_TARGET_SAMPLES), ("samples_per_row", 0, MAX_TARGET_SAMPLES),
+                                ("grid", 1, MAX_GRID)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        if not 0.0 < self.gaussian_p < 0.5:
+            raise ValueError(f"gaussian_p must be in (0, 0.5), got {self.gaussian_p}")
+        if self.target not in TARGET_KINDS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
+        StreamSettings(self.estimator, self.horizon, self.tail_window, 100, self.rebuild_every, self.stream_grid)  # checks
+        RobustSettings(self.groups, self.class_horizon, self.balance, self.recent_horizon)  # checks
+        if self.passes not in (1, 2) or isinstance(self.passes, bool):
+            raise ValueError(f"passes must be 1 or 2, got {self.passes!r}")
+        if not isinstance(self.own_batch, bool):
+            raise ValueError(f"own_batch must be True or False, got {self.own_batch!r}")
+        self.target_kind.check(self)
+
+    @property
+    def target_kind(self) -> Target:
+        """What :attr:`target` asks of the recalibration (:class:`Target`), looked up from its name."""
+        return TARGET_KINDS[self.target]

@@ -1,0 +1,268 @@
+"""Test-time recalibration: the :class:`AQR` wrapper and the :func:`recalibrating` context manager.
+
+On every forward pass, each selected normalization layer's output is mapped, channel by channel,
+from this batch's quantiles onto the stored source quantiles (:func:`aqr.quantile_map`). Nothing is
+learned and nothing persists between batches. With ``target="stream"``, :class:`AQR` instead keeps
+a running estimate of each layer's target distribution across batches and maps every batch with it
+(:mod:`aqr.adapt.stream.running`), for batches down to one image; with ``target="robust"``, the running
+estimate is, while the predicted classes come in runs, a mixture of per-class ones
+(:mod:`aqr.adapt.stream.robust`), for streams whose classes come in runs.
+
+:class:`AQR` never changes the user's model: it runs a structural twin of it (:mod:`aqr.core.twin`)
+whose selected norm layers map their outputs, so several threads may call one ``AQR`` at once and
+get the outputs of sequential calls. :func:`recalibrating` recalibrates ``model(x)`` itself inside
+its block, through the hook registry of :mod:`aqr.core.hooks` (thread-aware, undone by the last block
+to end, in any order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from aqr.adapt.config import AQRConfig
+from aqr.adapt.layer_maps import MAP_CLASSES, LayerMap
+from aqr.adapt.stream.stream_maps import StreamBatch, StreamLayerMap
+from aqr.backends import SubsetCache
+from aqr.core.hooks import instrumented
+from aqr.core.layers import LayerError, NonFiniteActivationError, check_named_layers, select_layers
+from aqr.core.stats import SourceStats
+from aqr.core.twin import structural_twin
+
+
+def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False,
+                batch: StreamBatch | None = None) -> dict[str, LayerMap]:
+    """The maps of the selected layers; with ``batch``, streaming ones sharing it (:mod:`aqr.adapt.stream.stream_maps`)."""
+    tail = config.tail or stats.tail
+    infos = [layer.info for layer in stats.layers.values()]
+    chosen = select_layers(infos, "all" if config.layers is None else config.layers, stats.layer_names)
+    subsets = SubsetCache(config.target_samples, config.samples_per_row)  # shared: layers of one shape share one index
+    if batch is not None:
+        return {info.name: StreamLayerMap(stats, info.name, config, tail, subsets, batch) for info in chosen}
+    cls = MAP_CLASSES[config.match]
+    return {info.name: cls(stats, info.name, config, tail, subsets, logits_checked) for info in chosen}
+
+
+@contextlib.contextmanager
+def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> Iterator[nn.Module]:
+    """Within the block, ``model(x)`` is recalibrated by AQR in this thread; afterwards the model is as before.
+
+    ``options`` are the fields of :class:`AQRConfig`. The model runs in eval mode while any thread is
+    inside such a block; other threads' plain calls are not recalibrated, and blocks may end in any
+    order (:mod:`aqr.core.hooks`). Blocks nested in one thread compose: each maps the output the
+    one entered before it produced. :class:`AQR` is the faster way (it folds eval BatchNorms into the map).
+    """
+    stats.check_model(model)
+    config = AQRConfig(**options)  # type: ignore[arg-type]
+    if config.target_kind.keeps_state:
+        raise ValueError(f"target={config.target!r} keeps a state across batches, which a context manager cannot: "
+                         f"use aqr.AQR(model, stats, target={config.target!r})")
+    check_named_layers(model, config.layers)
+    maps = _layer_maps(stats, config)
+    with instrumented(model) as tools:
+        for name, layer_map in maps.items():
+            tools.hook(name, layer_map)
+        yield model
+
+
+class RecalibratedForward:
+    """The ``forward`` of a selected norm layer's copy in :class:`AQR`'s twin: the layer's own
+    computation and then its map (an eval BatchNorm folded into the native map where it can be).
+
+    Run through the copy's ``__call__``, the user's hooks of the layer see the recalibrated output.
+    """
+
+    def __init__(self, module: nn.Module, layer_map: LayerMap) -> None:
+        self.module = module
+        self.plain = module.forward  # the class's forward bound to the copy (or the user's own)
+        self.layer_map = layer_map
+        self.called = False  # set by the first call: AQR checks that the twin reaches every layer
+
+    def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        self.called = True
+        if not args and not kwargs and self.layer_map.foldable(self.module):
+            return self.layer_map.folded_forward(self.module, self.plain)(x)
+        return self.layer_map(self.module, (x, *args), self.plain(x, *args, **kwargs))
+
+
+def recalibrated_twin(model: nn.Module, maps: Mapping[str, LayerMap]) -> nn.Module:
+    """:func:`aqr.core.twin.structural_twin` of ``model`` whose layers in ``maps`` are recalibrated."""
+    _check_reachable(model, maps)
+    return structural_twin(model, {name: lambda m, lm=layer_map: RecalibratedForward(m, lm)
+                                   for name, layer_map in maps.items()})
+
+
+def _check_reachable(model: nn.Module, maps: Mapping[str, LayerMap]) -> None:
+    """Warn about a selected layer that a module also holds outside its module tree (in a plain
+    attribute, list, tuple or dict): if the model calls it through that reference, AQR's twin does
+    not reach it (the first forward pass then raises :class:`LayerError`)."""
+    named = dict(model.named_modules())
+    selected = {id(named[name]): name for name in maps}
+    for owner, module in named.items():
+        for attribute, value in vars(module).items():
+            if attribute in ("_modules", "_parameters", "_buffers"):
+                continue
+            found = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            for item in found:
+                if isinstance(item, nn.Module) and id(item) in selected:
+                    warnings.warn(
+                        f"layer {selected[id(item)]!r} is also held outside the model's module tree (attribute "
+                        f"{attribute!r} of {owner or type(model).__name__!r}); if the model calls it through "
+                        "that, AQR cannot recalibrate it: register it as a submodule (nn.ModuleList/ModuleDict)",
+                        stacklevel=4)
+                    return
+
+
+class AQR(nn.Module):
+    """``model`` with every selected normalization output recalibrated on each batch.
+
+    ``AQR(model, stats)(x)`` returns what ``model(x)`` gives under :func:`recalibrating`, without
+    gradients. ``self.model`` is the original model, never modified: the forward pass runs a
+    structural twin of it (:mod:`aqr.core.twin`), built once here, in eval mode, sharing the model's
+    parameters, buffers and hooks (later weight changes and hooks are seen; a changed module tree
+    needs a new ``AQR``). Several threads may call one ``AQR`` at once. Options are the fields of
+    :class:`AQRConfig` (``tail``, ``layers``, ``source_moments``, ``gaussian_p``, ``on_nonfinite``,
+    ``mode``, ``target_samples``, ``grid``, ``compile``, ``native``).
+
+    In the twin, a BatchNorm with running statistics runs its map folded (on CPU with the native
+    kernels): the map reads the BN's input and applies its affine step itself, one pass instead
+    of two. The layers' forward hooks run and see the recalibrated output.
+
+    With ``target="stream"`` each layer keeps a running estimate of its target distribution
+    (:mod:`aqr.adapt.stream.running`; options ``estimator``, ``horizon``, ``tail_window``, ``rebuild_every``);
+    with ``target="robust"`` a class-balanced one (:mod:`aqr.adapt.stream.robust`; options ``groups``,
+    ``class_horizon``, ``own_batch``, ``balance``, ``tail_window``, ``rebuild_every``; the logits' argmax
+    assigns each image its class; ``balance < 1`` needs statistics calibrated with ``groups``):
+    every batch updates it and is mapped with it. The state's memory is fixed (:meth:`memory_bytes`),
+    :meth:`reset` returns to the initial state, and a batch enters the state only if every layer
+    and the logits were finite (with NaN/Inf, ``on_nonfinite="raise"`` raises and ``"skip"`` returns
+    the output; neither changes the state). The stream is one sequence: calls from several threads
+    are serialized by a lock, each batch seeing the state its predecessors left.
+    """
+
+    def __init__(self, model: nn.Module, stats: SourceStats, **options: object) -> None:
+        super().__init__()
+        stats.check_model(model)
+        self.model = model
+        self.stats = stats
+        self.config = AQRConfig(**options)  # type: ignore[arg-type]
+        check_named_layers(model, self.config.layers)
+        self._target = self.config.target_kind
+        self._batch: StreamBatch | None = None
+        if self._target.keeps_state:
+            self._batch = StreamBatch()
+            self._lock = threading.Lock()
+            self._owner: int | None = None
+        # "skip" needs no check; "raise" is checked on the logits in forward
+        self._maps = _layer_maps(stats, self.config, logits_checked=True, batch=self._batch)
+        object.__setattr__(self, "_twin", recalibrated_twin(model, self._maps))  # not a submodule
+        self._reach_checked = False
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The layers recalibrated, in forward execution order."""
+        return list(self._maps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._batch is not None:
+            return self._stream_forward(x)
+        with torch.no_grad():
+            out = self._twin(x)
+        if not self._reach_checked:
+            self._check_every_layer_called()
+        if (self.config.match == "quantiles" and self.config.mode == "fast" and self.config.on_nonfinite == "raise"
+                and isinstance(out, torch.Tensor)):
+            # The fast path checks only the sampled positions of each layer (none on a GPU); NaN/Inf
+            # elsewhere reaches the output. Re-run exactly to name the first layer that produced it.
+            if not bool(torch.isfinite(out).all()):
+                exact = {name: LayerMap(self.stats, name, replace(self.config, mode="exact"), m.tail) for name, m in self._maps.items()}
+                with torch.no_grad():
+                    recalibrated_twin(self.model, exact)(x)
+        return out
+
+    def _stream_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One batch of the stream: mapped with the running estimate, which it updates if all was finite."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError("a streaming AQR was called from inside its own forward pass")
+        with self._lock:
+            self._owner = threading.get_ident()
+            batch = self._batch
+            try:
+                batch.begin(int(x.shape[0]) if x.ndim else 0)
+                batch.own, batch.runs = self._target.batch_shares(batch.recent, self.config)
+                with torch.no_grad():
+                    out = self._twin(x)
+                if not self._reach_checked:
+                    self._check_every_layer_called()
+                finite = not batch.nonfinite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
+                if finite:
+                    batch.commit(self._predicted(out, batch.images) if self._target.needs_classes else None)
+                    if self.config.passes == 2:  # the batch again, mapped with the state it just updated
+                        batch.begin(batch.images)
+                        with torch.no_grad():
+                            out = self._twin(x)
+                        batch.staged = []
+                elif self.config.on_nonfinite == "raise":
+                    raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
+                                                   "unchanged (on_nonfinite='skip' returns them)")
+                return out
+            finally:
+                batch.begin(0)
+                self._owner = None
+
+    def _predicted(self, out: object, images: int) -> torch.Tensor:
+        """Each image's predicted class from the logits (``target="robust"``)."""
+        if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != images or out.shape[1] < 1:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"target='robust' needs the model to return logits (N, classes) for N = {images} "
+                             f"images, got {shape}; the stream's state is unchanged")
+        return out.argmax(dim=1)
+
+    def reset(self) -> None:
+        """Forget the stream (``target="stream"``): every layer back to its state before the first batch."""
+        if self._batch is None:
+            return
+        with self._lock:
+            for layer_map in self._maps.values():
+                layer_map.reset()  # type: ignore[attr-defined]
+            self._batch.recent = []
+
+    def memory_bytes(self) -> int:
+        """Bytes of the running state (``target="stream"``; fixed, 0 before the first batch and for batches)."""
+        if self._batch is None:
+            return 0
+        layers = sum(m.memory_bytes() for m in self._maps.values())  # type: ignore[attr-defined]
+        return layers + 8 * len(self._batch.recent)  # target="robust": the recent predicted classes
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)  # locks cannot be copied; a copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        if self._batch is not None:
+            self._lock = threading.Lock()
+
+    def _check_every_layer_called(self) -> None:
+        """After the first forward pass: every selected layer's map ran (else the model reaches that
+        layer outside its module tree, and AQR cannot recalibrate it)."""
+        for name, module in self._twin.named_modules():
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, RecalibratedForward) and not forward.called:
+                raise LayerError(f"layer {name!r} was not called through the model's module tree in the forward "
+                                 "pass, so AQR did not recalibrate it (does the model keep it outside its "
+                                 "submodules, or skip it for this input?)")
+        self._reach_checked = True
+
+    def extra_repr(self) -> str:
+        if self.config.match == "moments":
+            return f"layers={len(self._maps)}, match='moments'"
+        text = f"layers={len(self._maps)}, tail={self.config.tail or self.stats.tail!r}, K={self.stats.num_quantiles}"
+        return text + self._target.describe(self.config)
