@@ -109,7 +109,7 @@ class TTAMethod(nn.Module):
     """Base class: wraps a private copy of ``model`` and runs the protocol.
 
     Subclasses set ``name`` and ``Config`` (a dataclass), declare what a caller must supply
-    (``needs_stats``, ``needs_batch_size``) and override the hooks :meth:`configure_model`,
+    (``needs_stats``, ``needs_batch_size``, ``needs_source``) and override the hooks :meth:`configure_model`,
     :meth:`build_optimizer` and, if they update weights, :meth:`adapt`.
     """
 
@@ -119,6 +119,8 @@ class TTAMethod(nn.Module):
     needs_stats: ClassVar[bool] = False
     #: the method's defaults depend on the evaluation batch size: pass ``batch_size=`` (it knows no other way)
     needs_batch_size: ClassVar[bool] = False
+    #: the method needs ``source=``, clean images of the source distribution (EATA's Fisher regularizer)
+    needs_source: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, config: Any = None, protocol: ProtocolConfig | None = None) -> None:
         super().__init__()
