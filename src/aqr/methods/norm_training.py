@@ -23,7 +23,7 @@ stay finite.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -171,7 +171,7 @@ class NormTrainingMethod(TTAMethod):
         with torch.no_grad():
             return self.postprocess(logits.detach())
 
-    def _split(self, x: torch.Tensor, run: Any) -> torch.Tensor:
+    def _split(self, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``run`` on the finite images of ``x``; the others go through the model on their own."""
         good = finite_images(x)
         if bool(good.all()):
