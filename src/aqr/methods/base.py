@@ -50,10 +50,11 @@ class ProtocolConfig:
             scored forward pass.
         seed: seeds the torch RNG seen by the model during ``forward`` (inside ``fork_rng``, so
             the caller's global RNG is neither read nor advanced). Batch ``k`` after the last reset
-            sees ``seed + k``; in episodic mode that is always ``seed``. The methods themselves
-            draw no random numbers and keep the model in eval mode (no dropout), so on CPU the
-            outputs are deterministic anyway; the seed makes any randomness inside a user's model
-            reproducible too. ``None`` leaves the global RNG alone.
+            sees ``seed + k``; in episodic mode that is always ``seed``. The methods keep the
+            model in eval mode (no dropout); most draw no random numbers, so on CPU their outputs
+            are deterministic anyway, while ROID's augmentation and DeYO's patch shuffle draw
+            theirs here. The seed makes any randomness inside a user's model reproducible too.
+            ``None`` leaves the global RNG alone.
     """
 
     protocol: str = "episodic"
