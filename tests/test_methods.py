@@ -111,11 +111,25 @@ def _one_thread():
 
 
 MODELS = {"bn": (lambda: conv_net("bn"), images), "gn": (lambda: conv_net("gn"), images), "ln": (TinyViT, tokens)}
+FIELD = ["eta", "eata", "roid", "deyo"]  # the reference-code methods, tested in depth in test_field_methods.py
+
+
+def field_options(name: str, data=images) -> dict:
+    """Options under which a reference-code method adapts on these tiny models (filters open)."""
+    if name in ("eta", "eata"):
+        return {"e0": 10.0, "d_margin": 2.0} | ({"source": data(n=32, seed=11)} if name == "eata" else {})
+    if name == "roid":
+        return {} if data is images else {"use_consistency": False}  # its augmentation needs RGB images
+    if name == "deyo":
+        if data is not images:
+            pytest.skip("deyo destroys the object in images; these inputs are tokens")
+        return {"margin": 10.0, "plpd_threshold": -1.0}
+    return {}
 
 
 # ---------------------------------------------------------------------------- registry
 def test_available_and_create() -> None:
-    assert methods.available() == ["source", "ttn", "tent", "sar", "aqr", "moments", "rbn", "bn-ema"]
+    assert methods.available() == ["source", "ttn", "tent", "sar", "aqr", "moments", "rbn", "bn-ema", *FIELD]
     net = conv_net()
     for name in ["source", "ttn", "tent", "sar", "rbn"]:
         m = create(name, net, protocol="online" if name == "rbn" else "episodic")
@@ -139,9 +153,9 @@ def test_ttn_not_applicable_without_batchnorm(kind: str) -> None:
 
 def test_entropy_methods_not_applicable_without_norm_layers() -> None:
     net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, NUM_CLASSES))
-    for name in ["tent", "sar"]:
+    for name in ["tent", "sar", *FIELD]:
         with pytest.raises(NotApplicable):
-            create(name, net)
+            create(name, net, **field_options(name))
 
 
 # ---------------------------------------------------------------------------- source / TTN
@@ -176,11 +190,12 @@ def test_ttn_equals_manual_batch_norm() -> None:
 
 # ---------------------------------------------------------------------------- protocol
 @pytest.mark.parametrize("kind", ["bn", "gn", "ln"])
-@pytest.mark.parametrize("name", ["tent", "sar"])
+@pytest.mark.parametrize("name", ["tent", "sar", *FIELD])
 def test_episodic_logits_do_not_depend_on_earlier_batches(name: str, kind: str) -> None:
     build, data = MODELS[kind]
     net = build()
     opts = {"lr": 0.05, "e0": 10.0, "recovery_threshold": 0.0} if name == "sar" else {"lr": 0.05}
+    opts |= field_options(name, data)
     fresh, used = create(name, net, **opts), create(name, net, **opts)
     target = data(seed=7)
     for seed in (2, 3, 4):
@@ -191,10 +206,10 @@ def test_episodic_logits_do_not_depend_on_earlier_batches(name: str, kind: str) 
     assert not torch.allclose(out, create("source", net)(target) if kind != "bn" else create("ttn", net)(target))
 
 
-@pytest.mark.parametrize("name", ["tent", "sar"])
+@pytest.mark.parametrize("name", ["tent", "sar", *FIELD])
 def test_online_changes_weights_and_reset_restores_them(name: str) -> None:
     net = conv_net("gn")
-    opts = {"lr": 0.05, "protocol": "online"}
+    opts = {"lr": 0.05, "protocol": "online"} | field_options(name)
     if name == "sar":
         opts.update(e0=10.0, recovery_threshold=0.0)
     m = create(name, net, **opts)
@@ -217,7 +232,8 @@ def test_online_scores_the_forward_that_computed_the_loss() -> None:
 
 
 @pytest.mark.parametrize("kind", ["bn", "gn", "ln"])
-@pytest.mark.parametrize("name", ["source", "ttn", "tent", "sar", "tent-online", "sar-online"])
+@pytest.mark.parametrize("name", ["source", "ttn", "tent", "sar", "tent-online", "sar-online", *FIELD,
+                                  *(f"{n}-online" for n in FIELD)])
 def test_user_model_is_never_modified(name: str, kind: str) -> None:
     build, data = MODELS[kind]
     net = build()
@@ -226,7 +242,8 @@ def test_user_model_is_never_modified(name: str, kind: str) -> None:
     grads = {k: p.requires_grad for k, p in net.named_parameters()}
     base, _, protocol = name.partition("-")
     try:
-        opts = {"protocol": protocol or "episodic", "lr": 0.05} if base in ("tent", "sar") else {}
+        opts = {"protocol": protocol or "episodic", "lr": 0.05} if base in ("tent", "sar", *FIELD) else {}
+        opts |= field_options(base, data)
         m = create(base, net, **opts)
     except NotApplicable:
         return
@@ -378,12 +395,13 @@ class Noisy(nn.Module):
         return x + 0.1 * torch.randn_like(x)
 
 
-@pytest.mark.parametrize("name", ["source", "tent", "sar"])
+@pytest.mark.parametrize("name", ["source", "tent", "sar", *FIELD])
 def test_seed_makes_outputs_reproducible_and_leaves_global_rng_alone(name: str) -> None:
     net = nn.Sequential(Noisy(), conv_net("gn"))
     runs = []
     for seed in (3, 3, 4):
-        m = create(name, net, protocol="online", seed=seed, lr=0.05) if name != "source" else create(name, net, seed=seed)
+        m = (create(name, net, protocol="online", seed=seed, lr=0.05, **field_options(name)) if name != "source"
+             else create(name, net, seed=seed))
         torch.manual_seed(123)
         expected_next = torch.Generator().manual_seed(123)
         outs = [m(images(seed=s)) for s in (2, 3)]
@@ -413,10 +431,12 @@ def test_aqr_behind_the_same_interface() -> None:
 
 
 def test_methods_declare_what_a_caller_must_supply() -> None:
-    needs = {name: (methods.method_class(name).needs_stats, methods.method_class(name).needs_batch_size)
-             for name in methods.available()}
-    assert needs == {"source": (False, False), "ttn": (False, False), "tent": (False, True), "sar": (False, True),
-                     "aqr": (True, False), "moments": (True, False), "rbn": (False, False), "bn-ema": (False, False)}
+    needs = {name: (cls.needs_stats, cls.needs_batch_size, cls.needs_source)
+             for name, cls in ((n, methods.method_class(n)) for n in methods.available())}
+    assert needs == {"source": (False, False, False), "ttn": (False, False, False), "tent": (False, True, False),
+                     "sar": (False, True, False), "aqr": (True, False, False), "moments": (True, False, False),
+                     "rbn": (False, False, False), "bn-ema": (False, False, False), "eta": (False, False, False),
+                     "eata": (False, False, True), "roid": (False, False, False), "deyo": (False, False, False)}
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         methods.method_class("nope")
 

@@ -1,5 +1,5 @@
-"""Test-time adaptation methods behind one interface: source, TTN, TENT, SAR, AQR, its control (moments), RBN
-and bn-ema.
+"""Test-time adaptation methods behind one interface: source, TTN, TENT, SAR, AQR, its control (moments), RBN,
+bn-ema, and ETA/EATA, ROID and DeYO as in the test-time-adaptation benchmark code.
 
 >>> method = create("tent", model)              # episodic, the AQR paper's protocol
 >>> logits = method(x)                          # scored logits for batch x
@@ -8,12 +8,15 @@ and bn-ema.
 >>> method = create("moments", model, stats=stats)  # AQR's control: mean/std onto the source's
 >>> method = create("rbn", model, protocol="online")  # RoTTA's robust BatchNorm, for streams
 >>> method = create("bn-ema", model, protocol="online")  # BatchNorm on EMA statistics of the stream
+>>> method = create("eata", model, protocol="online", source=clean_images)  # Fisher from source images
+>>> method = create("roid", model, protocol="online", defaults="imagenet")  # the ImageNet-C preset
 
 ``create`` deep-copies ``model``; the user's model is never modified. Options are the fields of
 :class:`ProtocolConfig` (``protocol``, ``steps``, ``seed``) plus the method's own config dataclass
-(``TentConfig``, ``SARConfig``, ``AQRMethodConfig``, ``MomentsConfig``, ``RBNConfig``, ``BNEmaConfig``). A method
-class declares what a caller must supply: ``needs_stats`` (AQR, moments) and ``needs_batch_size`` (TENT, SAR);
-see :func:`method_class`.
+(``TentConfig``, ``SARConfig``, ``AQRMethodConfig``, ``MomentsConfig``, ``RBNConfig``, ``BNEmaConfig``,
+``ETAConfig``, ``EATAConfig``, ``ROIDConfig``, ``DeYOConfig``; the last four also take ``defaults="cifar10"`` or
+``"imagenet"``, the reference's presets). A method class declares what a caller must supply: ``needs_stats``
+(AQR, moments), ``needs_batch_size`` (TENT, SAR) and ``needs_source`` (EATA); see :func:`method_class`.
 """
 
 from __future__ import annotations
@@ -27,15 +30,18 @@ from torch import nn
 from .aqr_method import AQRMethod, AQRMethodConfig
 from .base import NotApplicable, ProtocolConfig, TTAMethod, softmax_entropy
 from .bn_ema import BNEma, BNEmaConfig, EmaBatchNorm
+from .deyo import DeYO, DeYOConfig
+from .eata import EATA, ETA, EATAConfig, ETAConfig
 from .moments import Moments, MomentsConfig
 from .rbn import RBN, RBNConfig, RobustBatchNorm
+from .roid import ROID, ROIDConfig
 from .sar import FREEZE_PRESETS, SAR, SARConfig
 from .source import Source
 from .tent import Tent, TentConfig, default_lr, infer_arch
 from .ttn import TTN
 
 METHODS: Mapping[str, type[TTAMethod]] = MappingProxyType(
-    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, Moments, RBN, BNEma)}
+    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, Moments, RBN, BNEma, ETA, EATA, ROID, DeYO)}
 )
 
 _PROTOCOL_KEYS = frozenset(f.name for f in fields(ProtocolConfig))
@@ -72,6 +78,12 @@ __all__ = [
     "AQRMethodConfig",
     "BNEma",
     "BNEmaConfig",
+    "DeYO",
+    "DeYOConfig",
+    "EATA",
+    "EATAConfig",
+    "ETA",
+    "ETAConfig",
     "EmaBatchNorm",
     "FREEZE_PRESETS",
     "METHODS",
@@ -81,6 +93,8 @@ __all__ = [
     "ProtocolConfig",
     "RBN",
     "RBNConfig",
+    "ROID",
+    "ROIDConfig",
     "RobustBatchNorm",
     "SAR",
     "SARConfig",

@@ -50,10 +50,11 @@ class ProtocolConfig:
             scored forward pass.
         seed: seeds the torch RNG seen by the model during ``forward`` (inside ``fork_rng``, so
             the caller's global RNG is neither read nor advanced). Batch ``k`` after the last reset
-            sees ``seed + k``; in episodic mode that is always ``seed``. The methods themselves
-            draw no random numbers and keep the model in eval mode (no dropout), so on CPU the
-            outputs are deterministic anyway; the seed makes any randomness inside a user's model
-            reproducible too. ``None`` leaves the global RNG alone.
+            sees ``seed + k``; in episodic mode that is always ``seed``. The methods keep the
+            model in eval mode (no dropout); most draw no random numbers, so on CPU their outputs
+            are deterministic anyway, while ROID's augmentation and DeYO's patch shuffle draw
+            theirs here. The seed makes any randomness inside a user's model reproducible too.
+            ``None`` leaves the global RNG alone.
     """
 
     protocol: str = "episodic"
@@ -109,7 +110,7 @@ class TTAMethod(nn.Module):
     """Base class: wraps a private copy of ``model`` and runs the protocol.
 
     Subclasses set ``name`` and ``Config`` (a dataclass), declare what a caller must supply
-    (``needs_stats``, ``needs_batch_size``) and override the hooks :meth:`configure_model`,
+    (``needs_stats``, ``needs_batch_size``, ``needs_source``) and override the hooks :meth:`configure_model`,
     :meth:`build_optimizer` and, if they update weights, :meth:`adapt`.
     """
 
@@ -119,6 +120,8 @@ class TTAMethod(nn.Module):
     needs_stats: ClassVar[bool] = False
     #: the method's defaults depend on the evaluation batch size: pass ``batch_size=`` (it knows no other way)
     needs_batch_size: ClassVar[bool] = False
+    #: the method needs ``source=``, clean images of the source distribution (EATA's Fisher regularizer)
+    needs_source: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, config: Any = None, protocol: ProtocolConfig | None = None) -> None:
         super().__init__()

@@ -1,0 +1,188 @@
+"""Set-up shared by ETA/EATA, ROID and DeYO: what they train, their optimizer and presets, and how
+images with non-finite values are kept out of adaptation.
+
+All three follow the test-time-adaptation benchmark code (github.com/mariodoebler/test-time-adaptation):
+
+* the private copy stays in eval mode (no dropout or stochastic depth) and every BatchNorm layer
+  normalizes with the statistics of the current batch, in any mode, without running statistics;
+* the affine weight and bias of every BatchNorm/GroupNorm/LayerNorm layer are trained (DeYO skips
+  the top layers, see :mod:`aqr.methods.deyo`), everything else is frozen;
+* the optimizer is the reference's ``OPTIM`` section: Adam (``betas=(beta, 0.999)``) or SGD
+  (``momentum``, dampening 0, Nesterov); neither scales the learning rate with the batch size.
+
+``defaults=`` picks the preset that fills the options a caller does not give: ``"cifar10"`` (the
+reference's ``cfgs/cifar10_c``: Adam, lr 1e-3) or ``"imagenet"`` (``cfgs/imagenet_c``: SGD with
+Nesterov momentum 0.9, lr 2.5e-4); each method adds its own preset values.
+
+Non-finite input: an image with a NaN or Inf pixel goes through the model apart from the others
+(so, through batch statistics, it cannot turn their logits into NaN) and never enters a loss, a
+filter, a weight or a moving average; a step whose loss is not finite is skipped, so the weights
+stay finite.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .base import NotApplicable, TTAMethod
+from .norms import norm_affine_parameters
+from .tent import configure_for_entropy_minimization
+
+OPTIMIZERS = ("adam", "sgd")
+
+#: The reference's optimizer settings per benchmark (``cfgs/cifar10_c/*.yaml``, ``cfgs/imagenet_c/*.yaml``).
+OPTIMIZER_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    "cifar10": MappingProxyType({"optimizer": "adam", "lr": 1e-3}),
+    "imagenet": MappingProxyType({"optimizer": "sgd", "lr": 2.5e-4}),
+})
+
+
+def _check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high != math.inf else "")
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer options of the reference-style methods (defaults: the reference's CIFAR-10-C ones).
+
+    Attributes:
+        defaults: the preset the unset options came from, ``"cifar10"`` or ``"imagenet"``.
+        optimizer: ``"adam"`` or ``"sgd"``.
+        lr: learning rate (not scaled with the batch size, as in the reference).
+        beta: Adam's first beta (the second is 0.999).
+        momentum: SGD momentum (dampening 0).
+        nesterov: SGD with Nesterov momentum (the reference's default).
+        weight_decay: L2 penalty of either optimizer.
+    """
+
+    defaults: str = "cifar10"
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    beta: float = 0.9
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        _check_number("lr", self.lr, 0.0)
+        _check_number("beta", self.beta, 0.0, 1.0)
+        _check_number("momentum", self.momentum, 0.0, 1.0)
+        _check_number("weight_decay", self.weight_decay, 0.0)
+
+    def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        """The configured optimizer over ``params``."""
+        params = list(params)
+        if self.optimizer == "adam":
+            return torch.optim.Adam(params, lr=self.lr, betas=(self.beta, 0.999), weight_decay=self.weight_decay)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, dampening=0.0,
+                               weight_decay=self.weight_decay, nesterov=self.nesterov and self.momentum > 0)
+
+
+def finite_images(x: torch.Tensor) -> torch.Tensor:
+    """Boolean mask over the batch: the samples of ``x`` all of whose values are finite."""
+    return torch.isfinite(x.reshape(len(x), -1)).all(1)
+
+
+class NormTrainingMethod(TTAMethod):
+    """Base of ETA/EATA, ROID and DeYO: trains the norm layers' affine parameters (see the module docs).
+
+    Subclasses set ``PRESETS`` (per ``defaults`` name, the option values that differ from the config's
+    own defaults) and implement :meth:`loss`; optional hooks: :meth:`frozen_modules`, :meth:`setup`,
+    :meth:`after_step` and :meth:`postprocess`.
+    """
+
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = OPTIMIZER_PRESETS
+
+    @classmethod
+    def from_options(cls, **options: Any) -> Any:
+        defaults = options.pop("defaults", "cifar10")
+        if defaults not in cls.PRESETS:
+            raise ValueError(f"defaults must be one of {tuple(cls.PRESETS)}, got {defaults!r}")
+        return cls.Config(**{**cls.PRESETS[defaults], "defaults": defaults, **options})
+
+    # ---- hooks ------------------------------------------------------------------------
+    def frozen_modules(self, model: nn.Module) -> frozenset[str]:
+        """Names of modules whose norm layers are not trained (none by default)."""
+        return frozenset()
+
+    def setup(self, model: nn.Module) -> None:
+        """Method-specific state, once the copy is configured and its trained parameters chosen."""
+
+    def loss(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
+        """The loss of one step on finite images ``x`` with logits ``logits``; ``None``: no update."""
+        raise NotImplementedError
+
+    def after_step(self) -> None:
+        """Runs after every optimizer step (ROID's weight ensembling)."""
+
+    def postprocess(self, logits: torch.Tensor) -> torch.Tensor:
+        """The scored logits from the model's logits of a batch of finite images (ROID's prior correction)."""
+        return logits
+
+    # ---- TTAMethod --------------------------------------------------------------------
+    def configure_model(self, model: nn.Module) -> nn.Module:
+        model = configure_for_entropy_minimization(model)
+        trained = norm_affine_parameters(model, skip=self.frozen_modules(model))
+        if not trained:
+            raise NotApplicable(f"{self.name} needs trainable BatchNorm/GroupNorm/LayerNorm affine parameters")
+        self.param_names = [name for name, _ in trained]
+        self.trained = [p for _, p in trained]
+        for p in self.trained:
+            p.requires_grad_(True)
+        self.skipped_steps = 0  # diagnostics: steps skipped because nothing was selected or the loss was not finite
+        self.setup(model)
+        return model
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return self.config.build_optimizer(self.trained)
+
+    def adapt(self, x: torch.Tensor) -> torch.Tensor:
+        return self._split(x, self._adapt_finite)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self._split(x, lambda good: self.postprocess(self.model(good)))
+
+    # ---- internals --------------------------------------------------------------------
+    def _adapt_finite(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x)
+        loss = self.loss(x, logits)
+        self.optimizer.zero_grad(set_to_none=True)
+        if loss is None or not bool(torch.isfinite(loss)):
+            self.skipped_steps += 1
+        else:
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.after_step()
+        with torch.no_grad():
+            return self.postprocess(logits.detach())
+
+    def _split(self, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``run`` on the finite images of ``x``; the others go through the model on their own."""
+        good = finite_images(x)
+        if bool(good.all()):
+            return run(x)
+        parts = {}
+        if bool(good.any()):
+            parts[True] = run(x[good])
+        with torch.no_grad():
+            parts[False] = self.model(x[~good])
+        first = next(iter(parts.values()))
+        logits = first.new_empty((len(x), *first.shape[1:]))
+        for key, value in parts.items():
+            logits[good if key else ~good] = value.detach().to(logits.dtype)
+        return logits
