@@ -1,5 +1,5 @@
-"""Test-time adaptation methods behind one interface: source, TTN, TENT, SAR, AQR, its control (moments), RBN
-and bn-ema.
+"""Test-time adaptation methods behind one interface: source, TTN, TENT, SAR, AQR, its control (moments), RBN,
+bn-ema, and the field's CoTTA, RoTTA and LAME.
 
 >>> method = create("tent", model)              # episodic, the AQR paper's protocol
 >>> logits = method(x)                          # scored logits for batch x
@@ -8,10 +8,15 @@ and bn-ema.
 >>> method = create("moments", model, stats=stats)  # AQR's control: mean/std onto the source's
 >>> method = create("rbn", model, protocol="online")  # RoTTA's robust BatchNorm, for streams
 >>> method = create("bn-ema", model, protocol="online")  # BatchNorm on EMA statistics of the stream
+>>> method = create("cotta", model, protocol="online")  # mean teacher, augmentation averaging, stochastic restore
+>>> method = create("rotta", model, protocol="online", defaults="imagenet")  # RBN + balanced memory + teacher
+>>> method = create("lame", model)              # Laplacian-regularized output correction, no weight update
 
 ``create`` deep-copies ``model``; the user's model is never modified. Options are the fields of
 :class:`ProtocolConfig` (``protocol``, ``steps``, ``seed``) plus the method's own config dataclass
-(``TentConfig``, ``SARConfig``, ``AQRMethodConfig``, ``MomentsConfig``, ``RBNConfig``, ``BNEmaConfig``). A method
+(``TentConfig``, ``SARConfig``, ``AQRMethodConfig``, ``MomentsConfig``, ``RBNConfig``, ``BNEmaConfig``,
+``CoTTAConfig``, ``RoTTAConfig``, ``LAMEConfig``; the last three also take ``defaults="cifar10"`` or
+``"imagenet"``, the reference's settings for that benchmark, which other options override). A method
 class declares what a caller must supply: ``needs_stats`` (AQR, moments) and ``needs_batch_size`` (TENT, SAR);
 see :func:`method_class`.
 """
@@ -27,15 +32,18 @@ from torch import nn
 from .aqr_method import AQRMethod, AQRMethodConfig
 from .base import NotApplicable, ProtocolConfig, TTAMethod, softmax_entropy
 from .bn_ema import BNEma, BNEmaConfig, EmaBatchNorm
+from .cotta import COTTA_PRESETS, CoTTA, CoTTAConfig
+from .lame import LAME, LAMEConfig
 from .moments import Moments, MomentsConfig
 from .rbn import RBN, RBNConfig, RobustBatchNorm
+from .rotta import RoTTA, RoTTAConfig
 from .sar import FREEZE_PRESETS, SAR, SARConfig
 from .source import Source
 from .tent import Tent, TentConfig, default_lr, infer_arch
 from .ttn import TTN
 
 METHODS: Mapping[str, type[TTAMethod]] = MappingProxyType(
-    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, Moments, RBN, BNEma)}
+    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, Moments, RBN, BNEma, CoTTA, RoTTA, LAME)}
 )
 
 _PROTOCOL_KEYS = frozenset(f.name for f in fields(ProtocolConfig))
@@ -72,8 +80,13 @@ __all__ = [
     "AQRMethodConfig",
     "BNEma",
     "BNEmaConfig",
+    "COTTA_PRESETS",
+    "CoTTA",
+    "CoTTAConfig",
     "EmaBatchNorm",
     "FREEZE_PRESETS",
+    "LAME",
+    "LAMEConfig",
     "METHODS",
     "Moments",
     "MomentsConfig",
@@ -81,6 +94,8 @@ __all__ = [
     "ProtocolConfig",
     "RBN",
     "RBNConfig",
+    "RoTTA",
+    "RoTTAConfig",
     "RobustBatchNorm",
     "SAR",
     "SARConfig",

@@ -102,12 +102,25 @@ class RobustBatchNorm(nn.Module):
         self.updating = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean, var = self.global_mean, self.global_var
         if self.updating:
+            # the batch is normalized with the moved statistics, through which gradients reach the
+            # batch's own mean and variance (RoTTA's training pass); the buffers keep them detached
             dims = [0, *range(2, x.ndim)]
-            var, mean = torch.var_mean(x.detach(), dim=dims, correction=0)
-            self.global_mean.lerp_(mean.to(self.global_mean.dtype), self.momentum)
-            self.global_var.lerp_(var.to(self.global_var.dtype), self.momentum)
-        return F.batch_norm(x, self.global_mean, self.global_var, self.weight, self.bias, False, 0.0, self.eps)
+            batch_var, batch_mean = torch.var_mean(x, dim=dims, correction=0)
+            mean = mean.lerp(batch_mean.to(mean.dtype), self.momentum)
+            var = var.lerp(batch_var.to(var.dtype), self.momentum)
+            self.global_mean.copy_(mean.detach())
+            self.global_var.copy_(var.detach())
+            if mean.requires_grad:  # F.batch_norm takes no gradient through its statistics
+                shape = [1, -1] + [1] * (x.ndim - 2)
+                out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+                if self.weight is not None:
+                    out = out * self.weight.view(shape)
+                if self.bias is not None:
+                    out = out + self.bias.view(shape)
+                return out
+        return F.batch_norm(x, mean, var, self.weight, self.bias, False, 0.0, self.eps)
 
     def reset(self) -> None:
         """Global statistics back to the source statistics."""
