@@ -23,8 +23,8 @@ reference's (rbf, knn 5, lambda 1, 100 steps) for CIFAR-10-C and ImageNet-C alik
 The scored logits are the last iteration's exponent, whose softmax is the returned assignment ``Y``
 (the reference returns ``Y`` itself; the predicted classes are the same). Stateless: both protocols
 agree. Differences from the reference: images whose features or logits are not finite are left out of
-the affinity and keep the model's own logits; ``sigma`` is at least the smallest positive float (a
-single image, or identical features, would divide 0 by 0 in the reference).
+the affinity and keep the model's own logits; where ``sigma`` is 0 (a single image, or identical
+features, where the reference divides 0 by 0) the rbf affinity is 1 between coinciding features, else 0.
 """
 
 from __future__ import annotations
@@ -97,8 +97,9 @@ def affinity_matrix(features: torch.Tensor, kind: str = "rbf", knn: int = 5) -> 
         w = torch.zeros(n, n, device=features.device, dtype=features.dtype)
         neighbours = dist.topk(min(knn + 1, n), dim=-1, largest=False).indices[:, 1:]
         return w.scatter_(-1, neighbours, 1.0)
-    kth = dist.topk(min(knn, n), dim=-1, largest=False).values[:, -1]
-    sigma = kth.mean().clamp_min(torch.finfo(features.dtype).tiny)
+    sigma = dist.topk(min(knn, n), dim=-1, largest=False).values[:, -1].mean()
+    if not bool(sigma > 0):  # one image, or identical features: affinity 1 where features coincide
+        return (dist == 0).to(features.dtype)
     return torch.exp(-dist ** 2 / (2 * sigma ** 2))
 
 
@@ -155,7 +156,9 @@ class LAME(TTAMethod):
         with torch.no_grad():
             logits = self.model(x)
         feats, self._features = self._features, None
-        if not isinstance(feats, torch.Tensor) or feats.shape[0] != logits.shape[0]:
+        if logits.ndim != 2:
+            raise ValueError(f"lame needs logits of shape (images, classes), the model gives {tuple(logits.shape)}")
+        if not isinstance(feats, torch.Tensor) or feats.ndim < 2 or feats.shape[0] != logits.shape[0]:
             raise ValueError(f"lame: the input of {self.feature_layer_name!r} is not one feature row per image; "
                              "pass feature_layer= the classifier layer")
         return feats.flatten(1), logits

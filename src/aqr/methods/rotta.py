@@ -111,7 +111,7 @@ def timeliness_weights(ages: np.ndarray | torch.Tensor, capacity: int) -> torch.
 def prediction_entropy(logits: torch.Tensor) -> torch.Tensor:
     """``-sum p log(p + 1e-6)`` per row, the reference's uncertainty (clamped at 0)."""
     p = logits.float().softmax(1)
-    return -(p * torch.log(p + 1e-6)).sum(1).clamp_min(0)
+    return (-(p * torch.log(p + 1e-6)).sum(1)).clamp_min(0)
 
 
 def set_updating(layers: list[RobustBatchNorm], on: bool) -> None:

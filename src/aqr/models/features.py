@@ -2,7 +2,8 @@
 
 :func:`feature_layer` finds the classification head of the models aqr builds or loads (the zoo's CIFAR
 ResNets ``linear``, its ViT ``head``, timm models' ``get_classifier()``, torchvision's ``fc``,
-``classifier`` or ``heads``), looking through a :class:`~aqr.models.normalize.NormalizedModel`; a forward
+``classifier`` or ``heads``, the last ``nn.Linear`` of an ``nn.Sequential``), looking through a
+:class:`~aqr.models.normalize.NormalizedModel` and into the last stage of an ``nn.Sequential``; a forward
 pre-hook on that layer then sees the features of every image.
 """
 
@@ -38,8 +39,13 @@ def _find_head(model: nn.Module) -> str | None:
         head = getattr(model, attr, None)
         if isinstance(head, nn.Module) and not isinstance(head, nn.Identity):
             return attr
-    if isinstance(model, nn.Sequential) and len(model) and isinstance(model[-1], nn.Linear):
-        return list(model._modules)[-1]
+    if isinstance(model, nn.Sequential) and len(model):  # the head of a pipeline is its last stage's
+        last_name = list(model._modules)[-1]
+        if isinstance(model[-1], nn.Linear):
+            return last_name
+        found = _find_head(model[-1])
+        if found is not None:
+            return f"{last_name}.{found}"
     return None
 
 
