@@ -54,7 +54,7 @@ def confident_bn(seed: int = 0, num_classes: int = 5) -> nn.Module:
 def test_affine_identity_rotation_and_shift() -> None:
     x = images(2, size=6, seed=3)
     assert torch.allclose(affine(x, 0.0, (0.0, 0.0), 1.0), x, atol=1e-6)
-    assert torch.allclose(affine(x, 90.0, (0.0, 0.0), 1.0), torch.rot90(x, 1, (-2, -1)), atol=1e-6)  # counter-clockwise
+    assert torch.allclose(affine(x, 90.0, (0.0, 0.0), 1.0), torch.rot90(x, -1, (-2, -1)), atol=1e-6)  # clockwise
     shifted = affine(x, 0.0, (2.0, 1.0), 1.0)
     assert torch.allclose(shifted[..., 1:, 2:], x[..., :-1, :-2], atol=1e-6)
     assert shifted[..., :1, :].abs().max() < 1e-6  # zeros enter at the edge

@@ -160,9 +160,9 @@ def colour_jitter(x: torch.Tensor, params: AugmentParams, gens: Generators) -> t
 
 
 def affine(x: torch.Tensor, angle: float, shift: tuple[float, float], scale: float) -> torch.Tensor:
-    """Rotate by ``angle`` degrees counter-clockwise (as seen on screen), shift by ``shift`` pixels (x right,
-    y down) and scale about the centre; bilinear, zeros outside. Output pixel ``p`` (centred pixel
-    coordinates, y down) samples the input at ``R^-1 (p - shift) / scale``, torchvision's convention."""
+    """Rotate by ``angle`` degrees (clockwise as seen on screen, as torchvision's tensor ``affine`` does), shift by
+    ``shift`` pixels (x right, y down) and scale about the centre; bilinear, zeros outside. Output pixel ``p``
+    (centred pixel coordinates) samples the input at ``R^-1 (p - shift) / scale``."""
     n, _, h, w = x.shape
     rad = math.radians(angle)
     cos, sin = math.cos(rad) / scale, math.sin(rad) / scale
@@ -170,8 +170,8 @@ def affine(x: torch.Tensor, angle: float, shift: tuple[float, float], scale: flo
     ys = torch.arange(h, device=x.device, dtype=x.dtype) - (h - 1) / 2.0 - ty
     xs = torch.arange(w, device=x.device, dtype=x.dtype) - (w - 1) / 2.0 - tx
     yy, xx = torch.meshgrid(ys, xs, indexing="ij")
-    src_x = cos * xx - sin * yy
-    src_y = sin * xx + cos * yy
+    src_x = cos * xx + sin * yy
+    src_y = -sin * xx + cos * yy
     grid = torch.stack((src_x / (w / 2.0), src_y / (h / 2.0)), -1).unsqueeze(0).expand(n, h, w, 2)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
