@@ -102,6 +102,38 @@ def test_tta_augment_shares_its_draws_over_the_batch_and_follows_its_generator()
     assert torch.equal(state, torch.get_rng_state())  # the global RNG is never drawn
 
 
+def torchvision_tensor_ops():
+    """torchvision's tensor image operations (``transforms/_functional_tensor.py``, which needs only torch),
+    loaded from its file so that torchvision's compiled ops need not load; skip without torchvision."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torchvision")
+    path = Path(spec.origin).parent / "transforms" / "_functional_tensor.py" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        pytest.skip("torchvision's tensor transforms are not installed")
+    module_spec = importlib.util.spec_from_file_location("tv_functional_tensor", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_colour_and_blur_steps_equal_torchvisions() -> None:
+    tv = torchvision_tensor_ops()
+    from aqr.methods.augment import _blend, _gray
+
+    x = images(3, size=12, seed=8)
+    assert torch.allclose(tv.adjust_brightness(x, 1.3), _blend(x, torch.zeros_like(x), 1.3), atol=1e-6)
+    assert torch.allclose(tv.adjust_contrast(x, 0.75), _blend(x, _gray(x).mean((1, 2, 3), keepdim=True), 0.75),
+                          atol=1e-6)
+    assert torch.allclose(tv.adjust_saturation(x, 1.4), _blend(x, _gray(x), 1.4), atol=1e-6)
+    for shift in (0.05, -0.06):
+        assert torch.allclose(tv.adjust_hue(x, shift), adjust_hue(x, shift), atol=1e-5)
+    assert torch.allclose(tv.adjust_gamma(x.clamp(1e-8, 1), 0.8), x.clamp(1e-8, 1).pow(0.8), atol=1e-6)
+    assert torch.allclose(tv.gaussian_blur(x, [5, 5], [0.4, 0.4]), gaussian_blur(x, 5, 0.4), atol=1e-6)
+    assert torch.equal(tv.pad(x, [6, 6, 6, 6], padding_mode="edge"), F.pad(x, (6, 6, 6, 6), mode="replicate"))
+
+
 # ---------------------------------------------------------------------------- CoTTA
 def test_cotta_trains_every_weight_and_bias_with_the_reference_optimizers() -> None:
     m = create("cotta", bn_cnn(), protocol="online")
@@ -111,12 +143,14 @@ def test_cotta_trains_every_weight_and_bias_with_the_reference_optimizers() -> N
     assert m.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
     assert not any(p.requires_grad for p in m.teacher.parameters())
     assert not any(p.requires_grad for p in m.anchor.parameters())
-    assert (m.config.ema, m.config.restore_prob, m.config.anchor_threshold, m.config.augmentations) == (0.999, 0.01, 0.92, 32)
+    cfg = m.config
+    assert (cfg.ema, cfg.restore_prob, cfg.anchor_threshold, cfg.augmentations) == (0.999, 0.01, 0.92, 32)
     imagenet = create("cotta", bn_cnn(), defaults="imagenet")
     group = imagenet.optimizer.param_groups[0]
     assert isinstance(imagenet.optimizer, torch.optim.SGD) and group["lr"] == 0.01 and group["nesterov"]
     assert group["momentum"] == 0.9
-    assert (imagenet.config.restore_prob, imagenet.config.anchor_threshold, imagenet.config.loss) == (0.001, 0.1, "symmetric")
+    cfg = imagenet.config
+    assert (cfg.restore_prob, cfg.anchor_threshold, cfg.loss) == (0.001, 0.1, "symmetric")
     assert create("cotta", bn_cnn(), defaults="imagenet", lr=0.5).config.lr == 0.5
     with pytest.raises(ValueError, match="defaults"):
         create("cotta", bn_cnn(), defaults="cifar100")

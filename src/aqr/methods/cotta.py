@@ -64,7 +64,8 @@ def check_unit(name: str, value: Any, low_open: bool = False) -> None:
 
 
 def check_positive(name: str, value: Any, integer: bool = False, zero: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite positive number (an int with ``integer``; 0 allowed with ``zero``)."""
+    """Raise ``ValueError`` unless ``value`` is a finite positive number (an int with ``integer``; 0 allowed
+    with ``zero``)."""
     kinds = (int,) if integer else (int, float)
     ok = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
     if not (ok and (value >= 0 if zero else value > 0)):

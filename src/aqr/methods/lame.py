@@ -110,7 +110,8 @@ def lame_energy(y: torch.Tensor, unary: torch.Tensor, pairwise: torch.Tensor, bo
 
 def laplacian_optimization(unary: torch.Tensor, kernel: torch.Tensor, bound_lambda: float = 1.0,
                            max_steps: int = 100, tol: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The fixed-point iteration of the module docs; returns ``(Y, exponent, iterations)``, ``Y = softmax(exponent)``."""
+    """The fixed-point iteration of the module docs; returns ``(Y, exponent, iterations)`` with
+    ``Y = softmax(exponent)``."""
     exponent = -unary
     y = exponent.softmax(-1)
     old = float("inf")

@@ -64,7 +64,7 @@ def feature_layer_name(model: nn.Module, name: str | None = None) -> str:
     found = _find_head(model)
     if found is None:
         raise ValueError(f"cannot find the classifier layer of {type(model).__name__} (tried get_classifier() and "
-                         f"{', '.join(HEAD_NAMES)}): pass feature_layer='<name of the layer whose input are the features>'")
+                         f"{', '.join(HEAD_NAMES)}): pass feature_layer='<the layer whose input are the features>'")
     return found
 
 
