@@ -129,7 +129,8 @@ def field_options(name: str, data=images) -> dict:
 
 # ---------------------------------------------------------------------------- registry
 def test_available_and_create() -> None:
-    assert methods.available() == ["source", "ttn", "tent", "sar", "aqr", "moments", "rbn", "bn-ema", *FIELD]
+    assert methods.available() == ["source", "ttn", "tent", "sar", "aqr", "moments", "rbn", "bn-ema", *FIELD,
+                                   "cotta", "rotta", "lame"]
     net = conv_net()
     for name in ["source", "ttn", "tent", "sar", "rbn"]:
         m = create(name, net, protocol="online" if name == "rbn" else "episodic")
@@ -206,7 +207,7 @@ def test_episodic_logits_do_not_depend_on_earlier_batches(name: str, kind: str) 
     assert not torch.allclose(out, create("source", net)(target) if kind != "bn" else create("ttn", net)(target))
 
 
-@pytest.mark.parametrize("name", ["tent", "sar", *FIELD])
+@pytest.mark.parametrize("name", ["tent", "sar", *FIELD, "cotta"])
 def test_online_changes_weights_and_reset_restores_them(name: str) -> None:
     net = conv_net("gn")
     opts = {"lr": 0.05, "protocol": "online"} | field_options(name)
@@ -233,7 +234,8 @@ def test_online_scores_the_forward_that_computed_the_loss() -> None:
 
 @pytest.mark.parametrize("kind", ["bn", "gn", "ln"])
 @pytest.mark.parametrize("name", ["source", "ttn", "tent", "sar", "tent-online", "sar-online", *FIELD,
-                                  *(f"{n}-online" for n in FIELD)])
+                                  *(f"{n}-online" for n in FIELD), "cotta", "cotta-online", "rotta", "rotta-online",
+                                  "lame"])
 def test_user_model_is_never_modified(name: str, kind: str) -> None:
     build, data = MODELS[kind]
     net = build()
@@ -244,6 +246,10 @@ def test_user_model_is_never_modified(name: str, kind: str) -> None:
     try:
         opts = {"protocol": protocol or "episodic", "lr": 0.05} if base in ("tent", "sar", *FIELD) else {}
         opts |= field_options(base, data)
+        if base == "cotta":  # augmentation averaging on images; the token model cannot be augmented
+            opts.update(protocol=protocol or "episodic", augmentations=2, anchor_threshold=0.0 if kind == "ln" else 1.0)
+        if base == "rotta":
+            opts.update(protocol=protocol or "episodic", capacity=8, update_every=8)
         m = create(base, net, **opts)
     except NotApplicable:
         return
@@ -395,13 +401,13 @@ class Noisy(nn.Module):
         return x + 0.1 * torch.randn_like(x)
 
 
-@pytest.mark.parametrize("name", ["source", "tent", "sar", *FIELD])
+@pytest.mark.parametrize("name", ["source", "tent", "sar", *FIELD, "cotta", "lame"])
 def test_seed_makes_outputs_reproducible_and_leaves_global_rng_alone(name: str) -> None:
     net = nn.Sequential(Noisy(), conv_net("gn"))
     runs = []
     for seed in (3, 3, 4):
-        m = (create(name, net, protocol="online", seed=seed, lr=0.05, **field_options(name)) if name != "source"
-             else create(name, net, seed=seed))
+        m = (create(name, net, protocol="online", seed=seed, lr=0.05, **field_options(name))
+             if name not in ("source", "lame") else create(name, net, seed=seed))
         torch.manual_seed(123)
         expected_next = torch.Generator().manual_seed(123)
         outs = [m(images(seed=s)) for s in (2, 3)]
@@ -436,7 +442,8 @@ def test_methods_declare_what_a_caller_must_supply() -> None:
     assert needs == {"source": (False, False, False), "ttn": (False, False, False), "tent": (False, True, False),
                      "sar": (False, True, False), "aqr": (True, False, False), "moments": (True, False, False),
                      "rbn": (False, False, False), "bn-ema": (False, False, False), "eta": (False, False, False),
-                     "eata": (False, False, True), "roid": (False, False, False), "deyo": (False, False, False)}
+                     "eata": (False, False, True), "roid": (False, False, False), "deyo": (False, False, False),
+                     "cotta": (False, False, False), "rotta": (False, False, False), "lame": (False, False, False)}
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         methods.method_class("nope")
 

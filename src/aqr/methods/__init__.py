@@ -1,5 +1,6 @@
 """Test-time adaptation methods behind one interface: source, TTN, TENT, SAR, AQR, its control (moments), RBN,
-bn-ema, and ETA/EATA, ROID and DeYO as in the test-time-adaptation benchmark code.
+bn-ema, and the field's ETA/EATA, ROID, DeYO, CoTTA, RoTTA and LAME as in the test-time-adaptation
+benchmark code.
 
 >>> method = create("tent", model)              # episodic, the AQR paper's protocol
 >>> logits = method(x)                          # scored logits for batch x
@@ -10,13 +11,17 @@ bn-ema, and ETA/EATA, ROID and DeYO as in the test-time-adaptation benchmark cod
 >>> method = create("bn-ema", model, protocol="online")  # BatchNorm on EMA statistics of the stream
 >>> method = create("eata", model, protocol="online", source=clean_images)  # Fisher from source images
 >>> method = create("roid", model, protocol="online", defaults="imagenet")  # the ImageNet-C preset
+>>> method = create("cotta", model, protocol="online")  # mean teacher, augmentation averaging, stochastic restore
+>>> method = create("rotta", model, protocol="online", defaults="imagenet")  # RBN + balanced memory + teacher
+>>> method = create("lame", model)              # Laplacian-regularized output correction, no weight update
 
 ``create`` deep-copies ``model``; the user's model is never modified. Options are the fields of
 :class:`ProtocolConfig` (``protocol``, ``steps``, ``seed``) plus the method's own config dataclass
 (``TentConfig``, ``SARConfig``, ``AQRMethodConfig``, ``MomentsConfig``, ``RBNConfig``, ``BNEmaConfig``,
-``ETAConfig``, ``EATAConfig``, ``ROIDConfig``, ``DeYOConfig``; the last four also take ``defaults="cifar10"`` or
-``"imagenet"``, the reference's presets). A method class declares what a caller must supply: ``needs_stats``
-(AQR, moments), ``needs_batch_size`` (TENT, SAR) and ``needs_source`` (EATA); see :func:`method_class`.
+``ETAConfig``, ``EATAConfig``, ``ROIDConfig``, ``DeYOConfig``, ``CoTTAConfig``, ``RoTTAConfig``, ``LAMEConfig``;
+the field's methods also take ``defaults="cifar10"`` or ``"imagenet"``, the reference's presets, which other
+options override). A method class declares what a caller must supply: ``needs_stats`` (AQR, moments),
+``needs_batch_size`` (TENT, SAR) and ``needs_source`` (EATA); see :func:`method_class`.
 """
 
 from __future__ import annotations
@@ -30,18 +35,22 @@ from torch import nn
 from .aqr_method import AQRMethod, AQRMethodConfig
 from .base import NotApplicable, ProtocolConfig, TTAMethod, softmax_entropy
 from .bn_ema import BNEma, BNEmaConfig, EmaBatchNorm
+from .cotta import COTTA_PRESETS, CoTTA, CoTTAConfig
 from .deyo import DeYO, DeYOConfig
 from .eata import EATA, ETA, EATAConfig, ETAConfig
+from .lame import LAME, LAMEConfig
 from .moments import Moments, MomentsConfig
 from .rbn import RBN, RBNConfig, RobustBatchNorm
 from .roid import ROID, ROIDConfig
+from .rotta import RoTTA, RoTTAConfig
 from .sar import FREEZE_PRESETS, SAR, SARConfig
 from .source import Source
 from .tent import Tent, TentConfig, default_lr, infer_arch
 from .ttn import TTN
 
 METHODS: Mapping[str, type[TTAMethod]] = MappingProxyType(
-    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, Moments, RBN, BNEma, ETA, EATA, ROID, DeYO)}
+    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, Moments, RBN, BNEma, ETA, EATA, ROID, DeYO, CoTTA,
+                               RoTTA, LAME)}
 )
 
 _PROTOCOL_KEYS = frozenset(f.name for f in fields(ProtocolConfig))
@@ -78,6 +87,9 @@ __all__ = [
     "AQRMethodConfig",
     "BNEma",
     "BNEmaConfig",
+    "COTTA_PRESETS",
+    "CoTTA",
+    "CoTTAConfig",
     "DeYO",
     "DeYOConfig",
     "EATA",
@@ -86,6 +98,8 @@ __all__ = [
     "ETAConfig",
     "EmaBatchNorm",
     "FREEZE_PRESETS",
+    "LAME",
+    "LAMEConfig",
     "METHODS",
     "Moments",
     "MomentsConfig",
@@ -95,6 +109,8 @@ __all__ = [
     "RBNConfig",
     "ROID",
     "ROIDConfig",
+    "RoTTA",
+    "RoTTAConfig",
     "RobustBatchNorm",
     "SAR",
     "SARConfig",

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .base import NotApplicable, TTAMethod
-from .norms import norm_affine_parameters
+from .norm_layers import norm_affine_parameters
 from .tent import configure_for_entropy_minimization
 
 OPTIMIZERS = ("adam", "sgd")

@@ -90,12 +90,25 @@ class RobustBatchNorm(MovingStatsBatchNorm):
         self.updating = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.updating:
-            dims = [0, *range(2, x.ndim)]
-            var, mean = torch.var_mean(x.detach(), dim=dims, correction=0)
-            self.mean.lerp_(mean.to(self.mean.dtype), self.momentum)
-            self.var.lerp_(var.to(self.var.dtype), self.momentum)
-        return self.normalize(x)
+        if not self.updating:
+            return self.normalize(x)
+        # the batch is normalized with the moved statistics, through which gradients reach the batch's
+        # own mean and variance (RoTTA's training pass); the buffers keep them detached
+        dims = [0, *range(2, x.ndim)]
+        batch_var, batch_mean = torch.var_mean(x, dim=dims, correction=0)
+        mean = self.mean.lerp(batch_mean.to(self.mean.dtype), self.momentum)
+        var = self.var.lerp(batch_var.to(self.var.dtype), self.momentum)
+        self.mean.copy_(mean.detach())
+        self.var.copy_(var.detach())
+        if not mean.requires_grad:
+            return self.normalize(x)
+        shape = [1, -1] + [1] * (x.ndim - 2)  # F.batch_norm takes no gradient through its statistics
+        out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.weight is not None:
+            out = out * self.weight.view(shape)
+        if self.bias is not None:
+            out = out + self.bias.view(shape)
+        return out
 
 
 def use_robust_batchnorm(model: nn.Module, momentum: float) -> list[RobustBatchNorm]:
