@@ -28,7 +28,6 @@ from aqr.data.streams import StreamOrder
 # A continual cell's corruption: the 15 benchmark corruptions in the order of the test-time-adaptation
 # benchmark repository (gaussian noise first), or "continual:<name>+<name>+..." for another sequence.
 CONTINUAL = "continual"
-
 CONTINUAL_ORDER: tuple[str, ...] = CORRUPTIONS[:15]
 
 # ModelSpec fields added after results were recorded: absent from a cell's dict while None

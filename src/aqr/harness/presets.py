@@ -11,8 +11,8 @@ from aqr.harness.cells import CONTINUAL, DataSpec, ModelSpec
 from aqr.harness.specs import GridSpec, MethodSpec
 
 
+# The presets preset() knows, and the methods of the paper's main tables.
 PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet", "stream", "stream-noniid")
-
 BASELINES = ("source", "ttn", "tent", "sar", "moments", "aqr")
 
 # The stream preset's methods: per-batch AQR (the reference at batch 128), streaming AQR, and the
@@ -23,7 +23,6 @@ STREAM_METHODS = ("source", "ttn", "bn-ema", "tent", "sar", "aqr", "aqr:target=s
 # longer runs of one class, then all corruptions mixed; its methods add rbn and AQR's robust variant, balanced
 # and with its class-conditional source knots (balance=0.5: statistics calibrated with groups).
 NONIID_ORDERS = ("iid", "delta=1", "delta=0.1", "delta=0.01", "mixed")
-
 NONIID_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "aqr", "aqr:target=stream", "aqr:target=robust",
                   "aqr:target=robust,balance=0.5")
 

@@ -15,11 +15,10 @@ from aqr.harness.provenance import fingerprints
 from aqr.util.threads import torch_threads
 
 
+# Defaults of the statistics' options: aqr.calibrate's K and max_samples, aqr.AQRConfig's groups.
 DEFAULT_K = 101
-
 DEFAULT_MAX_SAMPLES = 100_000
-
-DEFAULT_GROUPS = 16  # aqr.AQRConfig.groups
+DEFAULT_GROUPS = 16
 
 # Method options that change the source statistics (not the adaptation): they key the stats cache.
 STATS_OPTIONS = ("K", "max_samples", "tail_unit")
