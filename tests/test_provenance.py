@@ -43,3 +43,22 @@ def test_a_trained_checkpoint_records_no_machine_path(tmp_path: Path, monkeypatc
     assert meta["train_config"]["data"] == "train.npz"  # outside the working folder: its name
     assert meta["command"] == "aqr train --data train.npz --out m.pt"
     assert not MACHINE_PATH.search(repr(meta).encode()), meta["train_config"]
+
+
+def _committed_files() -> list[Path]:
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [ROOT / name for name in listed.decode().split("\0") if name]
+
+
+def test_no_committed_file_outside_tests_names_a_machine_path() -> None:
+    found = []
+    for path in _committed_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("tests/") or rel == ".gitignore" or not path.is_file():
+            continue
+        if MACHINE_PATH.search(path.read_bytes()):
+            found.append(rel)
+    assert not found, f"machine paths in {found}"
