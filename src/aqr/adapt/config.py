@@ -11,8 +11,8 @@ predicted class, which tails and options it allows, which running state each lay
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 
@@ -124,6 +124,12 @@ MATCHES = ("quantiles", "moments")
 @dataclass(frozen=True)
 class AQRConfig:
     """How batches are recalibrated.
+
+    Built from flat keyword options (``AQRConfig(horizon=64)``, as :class:`aqr.AQR` takes them) and read
+    flat (``config.horizon``) or by group: ``config.batch`` (:class:`BatchOptions`, the map's options for
+    every target), ``config.stream`` (:class:`StreamOptions`, the running estimate's) and
+    ``config.robust`` (:class:`RobustOptions`, the class-balanced target's); :meth:`from_groups` builds
+    one from groups.
 
     Attributes:
         tail: tail strategy (see :func:`aqr.quantile_map`); ``None`` uses the one stored in the stats.
@@ -249,3 +255,94 @@ class AQRConfig:
     def target_kind(self) -> Target:
         """What :attr:`target` asks of the recalibration (:class:`Target`), looked up from its name."""
         return TARGET_KINDS[self.target]
+
+    # The options grouped by what they are for (read-only views built from the flat fields; see
+    # :class:`BatchOptions`, :class:`StreamOptions`, :class:`RobustOptions` and :meth:`from_groups`).
+
+    @property
+    def batch(self) -> BatchOptions:
+        """The options of the map itself, used by every target (``tail``, ``mode``, ``grid``, ...)."""
+        return BatchOptions(**_group_values(self, BatchOptions))
+
+    @property
+    def stream(self) -> StreamOptions:
+        """The running estimate's options (``target="stream"`` and ``"robust"``)."""
+        return StreamOptions(**_group_values(self, StreamOptions))
+
+    @property
+    def robust(self) -> RobustOptions:
+        """The class-balanced target's options (``target="robust"`` only)."""
+        return RobustOptions(**_group_values(self, RobustOptions))
+
+    @classmethod
+    def from_groups(cls, target: str = "batch", batch: BatchOptions | None = None, stream: StreamOptions | None = None,
+                    robust: RobustOptions | None = None) -> AQRConfig:
+        """The config of ``target`` with the given groups of options (a group left out keeps its defaults);
+        equal to ``AQRConfig(target=target, **flat options)``."""
+        values: dict[str, Any] = {}
+        for group in (batch, stream, robust):
+            if group is not None:
+                values.update(_group_values(group, type(group)))
+        return cls(target=target, **values)
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """The options of the map itself, for every target: the fields of :class:`AQRConfig` of these names
+    (documented there). Building one checks it."""
+
+    tail: str | None = AQRConfig.tail
+    layers: str | Sequence[str] | None = AQRConfig.layers
+    source_moments: str = AQRConfig.source_moments
+    gaussian_p: float = AQRConfig.gaussian_p
+    on_nonfinite: str = AQRConfig.on_nonfinite
+    mode: str = AQRConfig.mode
+    target_samples: int = AQRConfig.target_samples
+    samples_per_row: int = AQRConfig.samples_per_row
+    grid: int = AQRConfig.grid
+    compile: bool = AQRConfig.compile
+    native: bool = AQRConfig.native
+    triton: bool = AQRConfig.triton
+    match: str = AQRConfig.match
+
+    def __post_init__(self) -> None:
+        AQRConfig(**_group_values(self, BatchOptions))  # raises ValueError naming a bad option
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """The running estimate's options (``target="stream"`` and ``"robust"``): the fields of
+    :class:`AQRConfig` of these names (documented there). Building one checks it."""
+
+    estimator: str = AQRConfig.estimator
+    horizon: float = AQRConfig.horizon
+    tail_window: int = AQRConfig.tail_window
+    rebuild_every: int = AQRConfig.rebuild_every
+    stream_grid: int = AQRConfig.stream_grid
+
+    def __post_init__(self) -> None:
+        AQRConfig(**_group_values(self, StreamOptions))
+
+
+@dataclass(frozen=True)
+class RobustOptions:
+    """The class-balanced target's options (``target="robust"`` only): the fields of :class:`AQRConfig`
+    of these names (documented there). Building one checks it."""
+
+    groups: int = AQRConfig.groups
+    class_horizon: float = AQRConfig.class_horizon
+    passes: int = AQRConfig.passes
+    own_batch: bool = AQRConfig.own_batch
+    balance: float = AQRConfig.balance
+    recent_horizon: float = AQRConfig.recent_horizon
+
+    def __post_init__(self) -> None:
+        AQRConfig(target="robust", **_group_values(self, RobustOptions))  # passes=2 is robust's only
+
+
+OPTION_GROUPS: tuple[type, ...] = (BatchOptions, StreamOptions, RobustOptions)
+
+
+def _group_values(source: Any, group: type) -> dict[str, Any]:
+    """``{name: value}`` of ``source``'s attributes named by the fields of the dataclass ``group``."""
+    return {f.name: getattr(source, f.name) for f in fields(group)}

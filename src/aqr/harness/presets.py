@@ -89,7 +89,8 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
 
     ``main``: Tables 1 and 4-6; ``tails``: Table 2 (tail strategies, batch 128/512); ``granularity``:
     Table 3 (K = 11 vs 101); ``vit-blocks``: AQR on all / top-half / bottom-half ViT layers;
-    ``smoke``: every method on ResNet-20, two corruptions, one severity, 256 images (about a minute);
+    ``smoke``: the six baselines on ResNet-20, two corruptions, one severity, 256 images: 12 cells (the first
+    run also generates the two corruptions, 100,000 images, and calibrates: about 8 minutes on 2 cores);
     ``imagenet``: Table 1's ImageNet-C setting (ResNet-50 BN and GN, ViT-B/16 from timm; severities
     1, 3, 5; batch 64; 5,000 of the 50,000 images per cell; see docs/imagenet.md for its cost);
     ``stream``: continual CIFAR-10-C: each cell one stream of the 15 corruptions at severity 5
