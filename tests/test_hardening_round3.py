@@ -129,9 +129,9 @@ def test_a_stamped_library_without_the_kernels_falls_back_with_one_warning(tmp_p
 # ---- the benchmark and the commands: arguments checked before any work ---------------------------
 
 from aqr.cli import main  # noqa: E402
-from aqr.harness.cells import MAX_INDEX, index_count, parse_range  # noqa: E402
+from aqr.harness.cells import DataSpec  # noqa: E402
 from aqr.harness.results import ResultsDB, ResultsDBError  # noqa: E402
-from aqr.harness.specs import GridSpec, MethodSpec, check_method  # noqa: E402
+from aqr.harness.specs import GridSpec, MethodSpec  # noqa: E402
 
 N_IMAGES = 200  # images of the fixture's clean set and of each severity of its CIFAR-C folder
 
@@ -206,6 +206,8 @@ def test_run_grid_checks_methods_before_generating_data(files, tmp_path):
 
 
 def test_the_check_takes_every_method_a_cell_can_run():
+    from aqr.harness.specs import check_method
+
     check_method(MethodSpec.parse("aqr:tail=clip,K=11,target=robust,balance=0.5"), "online")
     check_method(MethodSpec.parse("roid:defaults=imagenet"))
     check_method(MethodSpec.parse("tent:lr=0.001"), batch_size=64)
@@ -221,17 +223,13 @@ def test_bench_refuses_more_images_than_the_pool_before_generating(capsys, files
 
 
 def test_a_grid_knows_its_pool_from_the_text():
+    from aqr.harness.cells import MAX_INDEX, index_count
+
     assert index_count("5000:10000") == 5000 and index_count("0:50000~10000") == 10000
     assert index_count("1,5,9") == 3 and index_count("all") is None and index_count(None) is None
     assert index_count(f"0:{MAX_INDEX + 1}") == MAX_INDEX + 1  # counted, not listed
     with pytest.raises(ValueError, match="exceeds the 5000 images"):
-        GridSpec("g", (), replace_eval_indices("5000:10000"), (MethodSpec("source"),), n_images=5001)
-
-
-def replace_eval_indices(text: str):
-    from aqr.harness.cells import DataSpec
-
-    return DataSpec(eval_indices=text)
+        GridSpec("g", (), DataSpec(eval_indices="5000:10000"), (MethodSpec("source"),), n_images=5001)
 
 
 @pytest.mark.parametrize("indices, words", [
@@ -250,6 +248,8 @@ def test_indices_past_the_data_are_one_line_usage_errors(capsys, files, indices,
 
 
 def test_parse_range_checks_bounds_before_listing():
+    from aqr.harness.cells import MAX_INDEX, parse_range
+
     assert parse_range("2:5", 5) == [2, 3, 4] and parse_range("0:10~3", 10) == sorted(parse_range("0:10~3"))
     with pytest.raises(ValueError, match="exceed the 200 images of data.npz"):
         parse_range(f"0:{MAX_INDEX}", 200, "data.npz")
