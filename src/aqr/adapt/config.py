@@ -24,6 +24,10 @@ from aqr.core.qmap import DEFAULT_GAUSSIAN_P, check_tail
 from aqr.core.stats import SOURCE_MOMENTS
 
 
+# The options only target="robust" reads (passes=2 too: each target lists the passes it takes)
+ROBUST_OPTIONS = ("groups", "class_horizon", "own_batch", "balance", "recent_horizon")
+
+
 class Target:
     """Per-batch AQR (``target="batch"``): each batch's target quantiles are its own; nothing is kept.
 
@@ -40,6 +44,17 @@ class Target:
         if config.passes not in self.passes:
             raise ValueError(f"passes={config.passes} is not an option of target={self.name!r} (it takes "
                              f"{' or '.join(map(str, self.passes))})")
+        self.check_robust_options(config)
+
+    def check_robust_options(self, config: AQRConfig) -> None:
+        """Raise ``ValueError`` where ``config`` sets an option of ``target="robust"`` alone to another value
+        than its default: this target would ignore it."""
+        defaults = {f.name: f.default for f in fields(AQRConfig)}
+        changed = [f"{name}={getattr(config, name)!r}" for name in ROBUST_OPTIONS
+                   if getattr(config, name) != defaults[name]]
+        if changed:
+            raise ValueError(f"{', '.join(changed)}: {'options' if len(changed) > 1 else 'an option'} of "
+                             f"target='robust' only, which target={self.name!r} would ignore")
 
     def describe(self, config: AQRConfig) -> str:
         """The target's part of :class:`aqr.AQR`'s ``repr``."""
@@ -96,6 +111,9 @@ class RobustTarget(StreamTarget):
 
     def uses_group_sources(self, config: AQRConfig) -> bool:
         return config.balance < 1
+
+    def check_robust_options(self, config: AQRConfig) -> None:
+        """Its own options: nothing to refuse."""
 
     def layer_stream(self, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
                      batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> LayerStream:

@@ -170,6 +170,9 @@ class AQR(nn.Module):
         return list(self._maps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and not x.is_floating_point() and (x.dtype in (torch.uint8, torch.bool) or x.ndim >= 3):
+            # images stored as integers (token ids, 2-D, pass): torch would only say the dtypes differ
+            raise TypeError(f"aqr.AQR got a {x.dtype} batch {tuple(x.shape)}; models take float images, e.g. x.float() / 255")
         if self._batch is not None:
             return self._stream_forward(x)
         with torch.no_grad():

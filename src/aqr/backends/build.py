@@ -5,7 +5,10 @@ what else the kernels share in ``_shared.h``): :func:`load` builds the per-batch
 (``_kernels.c``), :func:`load_library` any other set of sources (streaming AQR's kernels,
 :mod:`aqr.adapt.stream.native_kernels`). Each library is cached under ``$AQR_CACHE_DIR`` (default
 ``~/.cache/aqr``), named by a hash of its sources, the shared header, the compiler command and the
-flags. Without a working compiler :func:`load_kernels` says why, and the fast path runs through torch
+flags, beside a build stamp (its size and SHA-256, written after it): a cached library that does not
+match its stamp (cut short, or another build copied under its name) is rebuilt before it is loaded, since
+loading a damaged library can crash the process. Without a working compiler, or where a library still
+does not load or lacks an entry point, :func:`load_kernels` says why, and the fast path runs through torch
 instead. Parallel work runs on the OpenMP team torch itself uses (:func:`openmp_entry_points`).
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from aqr.util.files import atomic_write
+from aqr.util.files import atomic_write, sha256_file
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "_kernels.c"  # the per-batch kernels
@@ -64,27 +68,57 @@ def compile_command(extra_flags: Sequence[str] = (), simd: bool = True) -> list[
     return [*cc, *flags, *extra_flags]
 
 
+def library_path(command: list[str], name: str = "aqr_kernels", sources: Sequence[Path] = (SOURCE,)) -> Path:
+    """Where :func:`build_library` keeps ``sources`` built with ``command``: named by a hash of the
+    sources, the thread team, the shared header and the command."""
+    text = b"".join(path.read_bytes() for path in (*sources, PARALLEL, HEADER))
+    digest = hashlib.sha256(text + " ".join(command).encode()).hexdigest()[:16]
+    return cache_dir() / f"{name}_{digest}.so"
+
+
+def stamp_path(library: Path) -> Path:
+    """The build stamp beside a cached library: its size and SHA-256, written once it is in place."""
+    return library.with_name(library.name + ".stamp")
+
+
+def file_stamp(path: Path) -> dict[str, int | str]:
+    """What a build stamp records of ``path``."""
+    return {"size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def verified(library: Path) -> bool:
+    """Whether ``library`` is the whole file its build stamp records (same size and SHA-256)."""
+    try:
+        stamp = json.loads(stamp_path(library).read_text())
+        return isinstance(stamp, dict) and stamp == file_stamp(library)
+    except (OSError, ValueError):
+        return False
+
+
 def build_library(command: list[str], name: str = "aqr_kernels", sources: Sequence[Path] = (SOURCE,)) -> Path:
     """Compile ``sources`` and the thread team with ``command`` into the cache (once per sources and
     command); returns the library.
 
-    ``name`` starts the cached file's name (a sanitizer build is kept apart from the normal one).
+    ``name`` starts the cached file's name (a sanitizer build is kept apart from the normal one). A
+    cached library that does not match its build stamp (:func:`verified`) is built again.
     """
     files = (*sources, PARALLEL)
-    text = b"".join(path.read_bytes() for path in (*files, HEADER))
-    digest = hashlib.sha256(text + " ".join(command).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{name}_{digest}.so"
-    if target.exists():
+    target = library_path(command, name, sources)
+    if verified(target):
         return target
+    stamp: dict[str, int | str] = {}
 
     def compile_into(tmp: Path) -> None:
         done = subprocess.run([*command, "-I", str(HERE), "-o", str(tmp), *map(str, files), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise OSError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
+        stamp.update(file_stamp(tmp))
 
-    # built beside the target and renamed: processes building at once never see a partial file
+    # built beside the target and renamed: processes building at once never see a partial file; the
+    # stamp comes last, so a library without one (a build cut short) is never trusted
     atomic_write(target, compile_into, suffix=".so")
+    atomic_write(stamp_path(target), lambda tmp: tmp.write_text(json.dumps(stamp)), suffix=".stamp")
     return target
 
 
@@ -97,6 +131,8 @@ def try_load(loader: Callable[[list[str]], ctypes.CDLL]) -> tuple[ctypes.CDLL | 
         return loader(command), ""
     except (OSError, subprocess.SubprocessError) as err:
         return None, str(err)
+    except AttributeError as err:  # a library that loads without an entry point: not the build its name says
+        return None, f"{err}; delete it to rebuild"
 
 
 @functools.lru_cache(maxsize=None)

@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from aqr.harness.results import ResultsDB
 
     grid = grid_from_args(args)
+    grid.check_methods()  # before the database is created or any data generated
     if args.dry_run:
         print("model\tmethod\tcorruption\tseverity\tbatch_size\torder\tseed\tn_images")
         for line in describe_cells(grid):

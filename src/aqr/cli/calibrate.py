@@ -44,13 +44,15 @@ def run(args: argparse.Namespace) -> int:
     """Calibrate the model on the selected source images and write the statistics file."""
     from aqr.core.calibrate import calibrate
     from aqr.data.images import is_image_source
-    from aqr.harness.cells import ModelSpec
+    from aqr.harness.cells import ModelSpec, index_count
     from aqr.harness.inputs import data_loader, model_preprocess, source_dataset
 
     if args.num_quantiles > args.max_samples:
         raise UsageError(f"--num-quantiles {args.num_quantiles} must be at most --max-samples {args.max_samples}, "
                          "the values kept per channel that the knots are read from")
     check_writable_file(args.out, "--out")
+    if not (args.indices or "").strip().startswith("balanced~"):
+        index_count(args.indices)  # the form of --indices, before the model is loaded
     with torch_threads(args.threads):
         model = load_model(args)
         spec = ModelSpec("cli", args.model, args.checkpoint, args.data, args.indices, args.image_size, args.resize)

@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _test_data(args: argparse.Namespace, model):
     """``(evaluate(method) -> (accuracy, n), description)`` for the chosen test images."""
+    import numpy as np
     from torch.utils.data import Subset
 
     from aqr.data import load_cifar, load_cifar_c
@@ -53,17 +54,14 @@ def _test_data(args: argparse.Namespace, model):
     from aqr.harness.eval_loop import evaluate, evaluate_batches
     from aqr.harness.inputs import data_loader, model_preprocess
 
-    indices = parse_range(args.indices)
     if (args.cifar_c or args.imagenet_c) and not args.corruption:
         raise UsageError(f"{'--cifar-c' if args.cifar_c else '--imagenet-c'} needs --corruption")
-    if args.cifar_c:
-        data = load_cifar_c(args.cifar_c, args.corruption, args.severity, indices)
-    elif args.data and not is_image_source(args.data):
-        data = load_cifar(args.data)
+    if args.cifar_c or (args.data and not is_image_source(args.data)):
+        # memory-mapped: only the selected rows are read
+        data = load_cifar_c(args.cifar_c, args.corruption, args.severity) if args.cifar_c else load_cifar(args.data)
+        indices = parse_range(args.indices, len(data), args.cifar_c or args.data)
         if indices is not None:
-            if max(indices) >= len(data):  # an index past the end would raise, a negative one wrap around
-                raise ValueError(f"--indices {args.indices!r} exceed the {len(data)} images of {args.data}")
-            data.images, data.labels = data.images[indices], data.labels[indices]
+            data.images, data.labels = np.ascontiguousarray(data.images[indices]), np.asarray(data.labels[indices])
     else:
         from aqr.data.imagenet_c import ImageNetCFolder
 
@@ -71,8 +69,7 @@ def _test_data(args: argparse.Namespace, model):
                                       model)
         folder = (ImageNetCFolder(args.imagenet_c, args.corruption, args.severity, preprocess=preprocess)
                   if args.imagenet_c else ImageFolder(args.data, preprocess))
-        if indices is not None and max(indices) >= len(folder):
-            raise ValueError(f"--indices {args.indices!r} exceed the {len(folder)} images")
+        indices = parse_range(args.indices, len(folder), args.imagenet_c or args.data)
         images = folder if indices is None else Subset(folder, indices)
         where = (f"{args.corruption} severity {args.severity}" if args.imagenet_c else args.data) + f", {preprocess}"
         return (lambda method: evaluate_batches(method, data_loader(images, args.batch_size, args.workers,
@@ -83,8 +80,10 @@ def _test_data(args: argparse.Namespace, model):
 
 def _run(args: argparse.Namespace) -> int:
     from aqr.core.stats import SourceStats
+    from aqr.harness.cells import index_count
     from aqr.methods import NotApplicable, create, method_class
 
+    index_count(args.indices)  # the form of --indices, before any file is read (its bounds: once the data's size is)
     specs = method_specs(args.methods)
     for spec in specs:  # every method is checked before any file is read or any method runs
         method_class(spec.name)

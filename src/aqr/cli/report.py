@@ -97,9 +97,7 @@ def _tail_deviation(args: argparse.Namespace) -> int:
         raise ValueError("--tail-deviation needs --source-data NPZ and --out DIR")
     model = load(args.tail_deviation, checkpoint=args.checkpoint)
     data = load_cifar(args.source_data)
-    indices = parse_range(args.source_indices)
-    if max(indices) >= len(data):
-        raise ValueError(f"--source-indices {args.source_indices!r} exceed the {len(data)} images of {args.source_data}")
+    indices = parse_range(args.source_indices, len(data), args.source_data)
     images = np.asarray(data.images[indices])
     reference = args.reference or len(images)
     info = tail_deviation.tail_layer(model, args.layer)

@@ -37,44 +37,92 @@ OPTIONAL_MODEL_FIELDS = ("image_size", "resize")
 OPTIONAL_CELL_FIELDS = ("order",)
 
 
-def parse_range(text: str | Sequence[int] | None) -> list[int] | None:
+# The largest image index an index selection may name: beyond any image collection, and what an int64
+# array of indices and a 32-bit row count still hold
+MAX_INDEX = 2**31 - 1
+
+
+def parse_range(text: str | Sequence[int] | None, size: int | None = None, where: str = "") -> list[int] | None:
     """Index selection -> sorted-or-given list of ints.
 
     ``"0:5000"`` (a Python slice, stop exclusive), ``"1,5,9"``, a list of ints, or
     ``"0:50000~10000"``: 10,000 indices drawn without replacement from ``0:50000`` with
     ``numpy.random.default_rng(0)``, returned sorted. Use the last form whenever the data may be
     ordered by class (the JPEG CIFAR-10 training set is: its first 10,000 images are two classes).
+    With ``size`` (the images of ``where``), an index past them is a ``ValueError`` before any list is
+    made; none may exceed :data:`MAX_INDEX` either way.
     """
     if text is None:
         return None
     if not isinstance(text, str):
-        return [int(i) for i in text]
+        picked = [int(i) for i in text]
+        _check_indices(picked, repr(picked), size, where)
+        return picked
     text = text.strip()
-    span, tilde, count = text.partition("~")
-    if ":" in span:
-        parts = span.split(":")
-        if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-            raise ValueError(f"index range must look like 'start:stop' or 'start:stop~n', got {text!r}")
-        start, stop = (int(p) for p in parts)
-        if not 0 <= start < stop:
-            raise ValueError(f"index range {text!r} is empty or negative")
-        if not tilde:
+    span = _span(text)
+    if span is not None:
+        start, stop, count = span
+        _check_indices([stop - 1], repr(text), size, where)
+        if count is None:
             return list(range(start, stop))
-        if not count.strip().isdigit() or not 0 < int(count) <= stop - start:
-            raise ValueError(f"'~n' in {text!r} must be a count between 1 and {stop - start}")
         import numpy as np
 
-        drawn = np.random.default_rng(0).choice(stop - start, int(count), replace=False)
+        drawn = np.random.default_rng(0).choice(stop - start, count, replace=False)
         return sorted(int(i) + start for i in drawn)
-    if tilde:
-        raise ValueError(f"'~n' needs a 'start:stop' range before it, got {text!r}")
     try:
         picked = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
         raise ValueError(f"indices must be 'start:stop' or comma-separated integers, got {text!r}") from None
-    if any(i < 0 for i in picked):  # Python would count them from the end
-        raise ValueError(f"indices must not be negative, got {text!r}")
+    _check_indices(picked, repr(text), size, where)
     return picked
+
+
+def index_count(text: str | Sequence[int] | None) -> int | None:
+    """How many indices :func:`parse_range` gives for ``text`` (without making the list), or ``None``
+    where the data decides (``None``, ``""``, ``"all"``, ``"balanced~n"`` draws from the labels)."""
+    if text is None or (isinstance(text, str) and (text.strip() in ("", "all") or text.strip().startswith("balanced~"))):
+        return None
+    if isinstance(text, str):
+        span = _span(text.strip())
+        if span is not None:
+            start, stop, count = span
+            return stop - start if count is None else count
+    return len(parse_range(text) or [])
+
+
+def _span(text: str) -> tuple[int, int, int | None] | None:
+    """``"start:stop"`` or ``"start:stop~n"`` -> ``(start, stop, n or None)``, checked; ``None`` for a comma list."""
+    span, tilde, count = text.partition("~")
+    if ":" not in span:
+        if tilde:
+            raise ValueError(f"'~n' needs a 'start:stop' range before it, got {text!r}")
+        return None
+    parts = span.split(":")
+    if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise ValueError(f"index range must look like 'start:stop' or 'start:stop~n', got {text!r}")
+    start, stop = (int(p) for p in parts)
+    if not 0 <= start < stop:
+        raise ValueError(f"index range {text!r} is empty or negative")
+    if stop - 1 > MAX_INDEX:
+        raise ValueError(f"index range {text!r} reaches past index {MAX_INDEX}, beyond any image collection")
+    if not tilde:
+        return start, stop, None
+    if not count.strip().isdigit() or not 0 < int(count) <= stop - start:
+        raise ValueError(f"'~n' in {text!r} must be a count between 1 and {stop - start}")
+    return start, stop, int(count)
+
+
+def _check_indices(picked: Sequence[int], text: str, size: int | None, where: str) -> None:
+    """Raise ``ValueError`` for a negative index, one past ``size`` images (of ``where``) or past :data:`MAX_INDEX`."""
+    if not picked:
+        return
+    low, high = min(picked), max(picked)
+    if low < 0:  # Python would count them from the end
+        raise ValueError(f"indices must not be negative, got {text}")
+    if size is not None and high >= size:
+        raise ValueError(f"indices {text} exceed the {size} images{f' of {where}' if where else ''}")
+    if high > MAX_INDEX:
+        raise ValueError(f"indices {text} reach past index {MAX_INDEX}, beyond any image collection")
 
 
 @dataclass(frozen=True)

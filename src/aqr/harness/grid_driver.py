@@ -96,12 +96,14 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
     CUDA when cells get GPUs), image folders are decoded by ``loader_workers`` processes, and this
     process alone writes the database. Cells are claimed in ``db`` before they start (``lease_s``,
     see :mod:`aqr.harness.claims`), so runs sharing a database divide the cells. ``limit`` stops
-    after that many new cells (smoke tests).
+    after that many new cells (smoke tests). A method name or option no cell could run raises before
+    anything is generated or recorded (:meth:`GridSpec.check_methods`).
     """
     for name, value, least in (("workers", workers, 1), ("threads", threads, 1), ("limit", limit, 1),
                                ("loader_workers", loader_workers, 0)):
         if value is not None and (not isinstance(value, int) or value < least):
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    grid.check_methods()  # before any data is generated or any row written
     t0 = time.perf_counter()
     summary = GridSummary()
     ensure_data(grid.data, data_corruptions(grid.corruptions), progress=progress, severities=grid.severities)

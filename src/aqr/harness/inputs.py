@@ -59,7 +59,7 @@ def source_selection(labels: np.ndarray, indices: str | None, n_images: int | No
             raise ValueError(f"'balanced~n' needs a positive count, got {indices!r}")
         pool = balanced_subset(labels, int(count), 0)
     else:
-        parsed = parse_range(indices)
+        parsed = parse_range(indices, len(labels), where)
         pool = np.arange(len(labels)) if parsed is None else np.asarray(parsed, dtype=np.int64)
     if pool.size == 0:
         raise ValueError(f"source indices {indices!r} select no image of {where}")
@@ -138,9 +138,8 @@ def eval_folder(cell: Cell, preprocess: Preprocess) -> Subset:
 
     folder = ImageNetCFolder(cell.data.root, cell.corruption, cell.severity, preprocess=preprocess)
     text = cell.data.eval_indices
-    pool = list(range(len(folder))) if text in (None, "", "all") else parse_range(text)
-    if max(pool) >= len(folder):
-        raise ValueError(f"eval_indices {text!r} exceed the {len(folder)} images of {cell.corruption}/{cell.severity}")
+    pool = (list(range(len(folder))) if text in (None, "", "all")
+            else parse_range(text, len(folder), f"{cell.corruption}/{cell.severity}"))
     drawn = eval_indices(cell, pool)
     positions = stream_positions(cell, folder.labels[drawn])
     return Subset(folder, drawn if positions is None else [drawn[i] for i in positions])

@@ -128,7 +128,11 @@ class ResultsDB:
             raise ResultsDBError(f"{self.path} is not an aqr results database ({err})") from err
         if found is None:
             self._conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif int(found[0]) != SCHEMA_VERSION:
+        elif not str(found[0]).strip().isdecimal() or int(found[0]) != SCHEMA_VERSION:
+            self._conn.close()
+            if not str(found[0]).strip().isdecimal():  # written by hand or by another program
+                raise ResultsDBError(f"{self.path} has an unreadable schema version {found[0]!r} in its meta table; "
+                                     f"this aqr reads {SCHEMA_VERSION}")
             raise ResultsDBError(f"{self.path} has schema version {found[0]}; this aqr reads {SCHEMA_VERSION}")
 
     def _check_before_writing(self) -> None:

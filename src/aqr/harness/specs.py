@@ -12,7 +12,8 @@ from typing import Any, Iterator, Mapping
 
 from aqr.data.corruption_params import CORRUPTIONS
 from aqr.data.streams import StreamOrder
-from aqr.harness.cells import CONTINUAL, Cell, DataSpec, ModelSpec, canonical_order, data_corruptions, freeze_options
+from aqr.harness.cells import (CONTINUAL, Cell, DataSpec, ModelSpec, canonical_order, data_corruptions, freeze_options,
+                               index_count)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,66 @@ class MethodSpec:
                 raise ValueError(f"method option must be key=value, got {part!r} in {entry!r}")
             options[key.strip()] = _parse_scalar(value.strip())
         return cls(name.strip(), options)
+
+
+# Options a cell sets itself: the grid's protocol and seed, and the statistics for the methods that need them
+CELL_OPTIONS = ("protocol", "seed", "stats")
+
+
+def check_method(spec: MethodSpec, protocol: str = "episodic", batch_size: int = 1) -> None:
+    """Raise ``KeyError`` for an unknown method, ``ValueError`` for an option it does not take or a value
+    its config refuses, without a model, data or database: the method's config is built from the options.
+
+    A method that needs statistics also takes the options that shape them (``K``, ``max_samples``,
+    ``tail_unit``; see :mod:`aqr.harness.source_stats`); a cell's method gets its protocol and seed from
+    the grid and, where it needs them, ``batch_size`` from the cell (this one stands in for it here).
+    """
+    import inspect
+    from dataclasses import fields
+
+    from aqr.harness.source_stats import STATS_OPTIONS
+    from aqr.methods import ProtocolConfig, method_class
+
+    cls = method_class(spec.name)
+    label = spec.name + (":" + ",".join(f"{k}={v}" for k, v in spec.options.items()) if spec.options else "")
+    protocol_keys = {f.name for f in fields(ProtocolConfig)} - set(CELL_OPTIONS)
+    stats_keys = set(STATS_OPTIONS) if cls.needs_stats else set()
+    presets = {"defaults"} & set(inspect.signature(cls.from_options).parameters)  # the field's methods' presets
+    taken = ({f.name for f in fields(cls.Config)} | protocol_keys | stats_keys | presets) - set(CELL_OPTIONS)
+    set_by_cell = [k for k in CELL_OPTIONS if k in spec.options]
+    if set_by_cell:
+        raise ValueError(f"method {label!r}: {', '.join(set_by_cell)} {'is' if len(set_by_cell) == 1 else 'are'} "
+                         "set by the grid, not by a method option")
+    unknown = sorted(k for k in spec.options if k not in taken)
+    if unknown:
+        raise ValueError(f"method {label!r}: unknown options {unknown}; {spec.name} takes {', '.join(sorted(taken))}")
+    options = dict(spec.options)
+    try:
+        ProtocolConfig(protocol, **{k: options.pop(k) for k in list(options) if k in protocol_keys})
+        _check_stats_options({k: options.pop(k) for k in list(options) if k in stats_keys})
+        if cls.needs_stats:
+            options["stats"] = object()  # stands in for the statistics the cell loads
+        if cls.needs_batch_size:
+            options.setdefault("batch_size", batch_size)
+        cls.from_options(**options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"method {label!r}: {err}") from None
+
+
+def _check_stats_options(options: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for a statistics option (``K``, ``max_samples``, ``tail_unit``) out of its range."""
+    from aqr.core.tails import TAIL_UNITS
+    from aqr.harness.source_stats import DEFAULT_K, DEFAULT_MAX_SAMPLES
+
+    for key, least in (("K", 3), ("max_samples", 2)):
+        value = options.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise ValueError(f"{key} must be an integer >= {least}, got {value!r}")
+    k, kept = options.get("K", DEFAULT_K), options.get("max_samples", DEFAULT_MAX_SAMPLES)
+    if k > kept:
+        raise ValueError(f"K={k} must be at most max_samples={kept}, the values kept per channel")
+    if "tail_unit" in options and options["tail_unit"] not in TAIL_UNITS:
+        raise ValueError(f"tail_unit must be one of {TAIL_UNITS}, got {options['tail_unit']!r}")
 
 
 def _parse_scalar(text: str) -> Any:
@@ -84,9 +145,18 @@ class GridSpec:
             raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
         if self.n_images is not None and self.n_images < 1:
             raise ValueError(f"n_images must be positive, got {self.n_images}")
+        pool = index_count(self.data.eval_indices)  # known from the text: checked before any data is generated
+        if self.n_images is not None and pool is not None and self.n_images > pool:
+            raise ValueError(f"n_images={self.n_images} exceeds the {pool} images of eval_indices "
+                             f"{self.data.eval_indices!r}")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
+
+    def check_methods(self) -> None:
+        """Raise for a method name or option no cell of the grid could run (:func:`check_method`)."""
+        for method in self.methods:
+            check_method(method, self.protocol, min(self.batch_sizes, default=1))
 
     def cells(self) -> Iterator[Cell]:
         """Every cell, model-major (so a model's statistics and weights are reused back to back)."""
