@@ -282,7 +282,8 @@ class AQR(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._batch is not None:  # the running state (saved.stream_record), read whole between two commits
             with self._state_lock:
-                destination[prefix + STATE_KEY] = stream_record(self.config, self._maps, self._batch)  # type: ignore[arg-type]
+                record = stream_record(self.config, self._maps, self._batch)  # type: ignore[arg-type]
+            destination[prefix + STATE_KEY] = record
 
     def _load_from_state_dict(self, state_dict: dict[str, object], prefix: str, local_metadata: dict[str, object],
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],

@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -189,7 +190,7 @@ class RobustLayerStream(LayerStream):
                 "group_max": self.group_max.clone(), "group_pending": list(self.group_pending),
                 "marginal": self.marginal.clone(), "pending_shift": self.pending_shift}
 
-    UNBOUNDED = (*LayerStream.UNBOUNDED, "group_min", "group_max")
+    UNBOUNDED: ClassVar[tuple[str, ...]] = (*LayerStream.UNBOUNDED, "group_min", "group_max")
 
     def _parts(self) -> list[tuple[str, object, str]]:
         mine = ("source", "group_recent", "runs", "group_knots", "group_seen", "group_counts", "group_min",

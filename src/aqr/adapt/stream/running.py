@@ -48,7 +48,8 @@ group's two extremes: ``4 (K + 2G + 4W + COUNT_CELLS + 12)`` bytes (6.7 KB at K 
 
 A batch enters the state only when the whole forward pass was finite: each layer's update is staged
 while the batch runs and committed after it (:meth:`LayerStream.commit`), so a batch with NaN/Inf
-anywhere leaves the state bit for bit.
+anywhere leaves the state bit for bit. :meth:`LayerStream.export_state` gives the whole state as plain
+values and :meth:`LayerStream.load_state` takes one back, checked first (:mod:`aqr.adapt.stream.saved`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Union
+from typing import ClassVar, Union
 
 import torch
 
@@ -203,7 +204,7 @@ class LayerStream:
                 "group": cloned(self.group), "seen": self.seen, "started": self.started}
 
     # what may hold +-Inf (the pending extremes before any image); every other float of the state is finite
-    UNBOUNDED: tuple[str, ...] = ("group.gmin", "group.gmax")
+    UNBOUNDED: ClassVar[tuple[str, ...]] = ("group.gmin", "group.gmax")
 
     def _parts(self) -> list[tuple[str, object, str]]:
         """Every part of the running state as ``(name, owner, attribute)``."""
@@ -237,7 +238,8 @@ class LayerStream:
                 if not isinstance(value, torch.Tensor) or value.shape != mine.shape or value.dtype != mine.dtype:
                     got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
                            else type(value).__name__)
-                    raise ValueError(f"stream state {name!r}: expected a tensor {tuple(mine.shape)} {mine.dtype}, got {got}")
+                    raise ValueError(f"stream state {name!r}: expected a tensor {tuple(mine.shape)} {mine.dtype}, "
+                                     f"got {got}")
                 if value.is_floating_point():
                     finite = ~torch.isnan(value) if name in self.UNBOUNDED else torch.isfinite(value)
                     if not bool(finite.all()):
