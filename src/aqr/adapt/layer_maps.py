@@ -50,6 +50,23 @@ class LayerMap:
         self.logits_checked = logits_checked  # AQR's forward checks the logits for NaN/Inf
         self._fold_cache: dict[torch.device, tuple[tuple[object, ...], Affine]] = {}
 
+    def __getstate__(self) -> dict[str, object]:
+        """A copy's state: the caches of backends (which hold ctypes handles and compiled kernels, neither
+        of which can be copied) and of folded BatchNorms are left out and rebuilt on use, as is the subset
+        cache (history-free; :class:`aqr.AQR` gives its copy's maps one shared cache again). Dicts another
+        thread may be filling are copied first."""
+        state = self.__dict__.copy()
+        state["_backends"], state["_fold_cache"], state["subsets"] = {}, {}, None
+        for name, value in state.items():
+            if isinstance(value, dict):
+                state[name] = dict(value)
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        if self.subsets is None:
+            self.subsets = SubsetCache(self.config.target_samples, self.config.samples_per_row)
+
     def source_on(self, device: torch.device) -> LayerSource:
         """The layer's source side on ``device`` (moved once)."""
         source = self._sources.get(device)

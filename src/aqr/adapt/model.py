@@ -18,7 +18,9 @@ to end, in any order).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
+import types
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -28,12 +30,16 @@ from torch import nn
 
 from aqr.adapt.config import AQRConfig
 from aqr.adapt.layer_maps import MAP_CLASSES, LayerMap
+from aqr.adapt.stream.saved import load_running_state, load_stream_record, running_state, stream_record
 from aqr.adapt.stream.stream_maps import StreamBatch, StreamLayerMap
 from aqr.backends import SubsetCache
 from aqr.core.hooks import instrumented
 from aqr.core.layers import LayerError, NonFiniteActivationError, check_named_layers, select_layers
 from aqr.core.stats import SourceStats
 from aqr.core.twin import structural_twin
+
+
+STATE_KEY = "_extra_state"  # the running state's key in AQR.state_dict(), torch's name for a module's extra state
 
 
 def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False,
@@ -83,6 +89,20 @@ class RecalibratedForward:
         self.plain = module.forward  # the class's forward bound to the copy (or the user's own)
         self.layer_map = layer_map
         self.called = False  # set by the first call: AQR checks that the twin reaches every layer
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        if inspect.ismethod(self.plain) and self.plain.__self__ is self.module:
+            # the class's forward: kept as the function, bound again to the copy (pickle would look the
+            # method up on the copy, whose ``forward`` is this object)
+            state["plain"], state["bound"] = self.plain.__func__, True
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        bound = state.pop("bound", False)
+        self.__dict__.update(state)
+        if bound:
+            self.plain = types.MethodType(self.plain, self.module)
 
     def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         self.called = True
@@ -144,6 +164,13 @@ class AQR(nn.Module):
     and the logits were finite (with NaN/Inf, ``on_nonfinite="raise"`` raises and ``"skip"`` returns
     the output; neither changes the state). The stream is one sequence: calls from several threads
     are serialized by a lock, each batch seeing the state its predecessors left.
+
+    The running state is in :meth:`state_dict` (``"_extra_state"``: tensors and plain values, which
+    ``torch.load(..., weights_only=True)`` reads): an ``AQR`` of the same model, statistics and
+    options that loads it continues the stream bit for bit, and one of another target, options or
+    statistics refuses it. ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the wrapper work at any
+    time, also while another thread is inside a forward pass (the copy holds the state before that
+    batch, and locks of its own); the C kernels and compiled paths are loaded again on the copy's first use.
     """
 
     def __init__(self, model: nn.Module, stats: SourceStats, **options: object) -> None:
@@ -157,7 +184,8 @@ class AQR(nn.Module):
         self._batch: StreamBatch | None = None
         if self._target.keeps_state:
             self._batch = StreamBatch()
-            self._lock = threading.Lock()
+            self._lock = threading.Lock()  # one batch at a time
+            self._state_lock = threading.Lock()  # held while the running state changes or is read whole
             self._owner: int | None = None
         # "skip" needs no check; "raise" is checked on the logits in forward
         self._maps = _layer_maps(stats, self.config, logits_checked=True, batch=self._batch)
@@ -205,7 +233,9 @@ class AQR(nn.Module):
                     self._check_every_layer_called()
                 finite = not batch.nonfinite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
                 if finite:
-                    batch.commit(self._predicted(out, batch.images) if self._target.needs_classes else None)
+                    labels = self._predicted(out, batch.images) if self._target.needs_classes else None
+                    with self._state_lock:
+                        batch.commit(labels)
                     if self.config.passes == 2:  # the batch again, mapped with the state it just updated
                         batch.begin(batch.images)
                         with torch.no_grad():
@@ -231,10 +261,18 @@ class AQR(nn.Module):
         """Forget the stream (``target="stream"``): every layer back to its state before the first batch."""
         if self._batch is None:
             return
-        with self._lock:
+        with self._exclusive():
             for layer_map in self._maps.values():
                 layer_map.reset()  # type: ignore[attr-defined]
             self._batch.recent = []
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Between two batches (waiting for one in flight), with the running state held."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError("a streaming AQR's state cannot be reset or loaded from inside its own forward pass")
+        with self._lock, self._state_lock:
+            yield
 
     def memory_bytes(self) -> int:
         """Bytes of the running state (``target="stream"``; fixed, 0 before the first batch and for batches)."""
@@ -243,15 +281,55 @@ class AQR(nn.Module):
         layers = sum(m.memory_bytes() for m in self._maps.values())  # type: ignore[attr-defined]
         return layers + 8 * len(self._batch.recent)  # target="robust": the recent predicted classes
 
+    def _save_to_state_dict(self, destination: dict[str, object], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._batch is not None:  # the running state (saved.stream_record), read whole between two commits
+            with self._state_lock:
+                record = stream_record(self.config, self._maps, self._batch)  # type: ignore[arg-type]
+            destination[prefix + STATE_KEY] = record
+
+    def _load_from_state_dict(self, state_dict: dict[str, object], prefix: str, local_metadata: dict[str, object],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        key = prefix + STATE_KEY
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        # (torch passes strict=True here and drops the missing and unexpected keys itself when not strict)
+        if self._batch is None:
+            if key in state_dict:  # a running state, which target="batch" does not keep
+                unexpected_keys.append(key)
+            return
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        try:
+            with self._exclusive():
+                load_stream_record(state_dict[key], self.config, self._maps, self._batch)  # type: ignore[arg-type]
+        except (ValueError, RuntimeError) as err:  # reported with the other keys' errors; the state is unchanged
+            error_msgs.append(f"{key!r}: {err}")
+
     def __getstate__(self) -> dict[str, object]:
-        state = self.__dict__.copy()
-        state.pop("_lock", None)  # locks cannot be copied; a copy gets its own
+        state = super().__getstate__()
+        if self._batch is not None:
+            # locks and the id of a thread inside forward stay behind: a copy gets its own. The state is read
+            # whole here (a batch may commit while the copy is being made) and set on the copy again
+            del state["_lock"], state["_state_lock"]
+            state["_owner"] = None
+            with self._state_lock:
+                state["_running_state"] = running_state(self._maps, self._batch)  # type: ignore[arg-type]
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self.__dict__.update(state)
+        running = state.pop("_running_state", None)
+        super().__setstate__(state)
+        shared = SubsetCache(self.config.target_samples, self.config.samples_per_row)
+        for layer_map in self._maps.values():  # one subset cache for every layer, as built
+            layer_map.subsets = shared
         if self._batch is not None:
-            self._lock = threading.Lock()
+            self._lock, self._state_lock = threading.Lock(), threading.Lock()
+            self._batch.begin(0)  # drop what a batch in flight had staged
+            if running is not None:
+                load_running_state(running, self._maps, self._batch)  # type: ignore[arg-type]
 
     def _check_every_layer_called(self) -> None:
         """After the first forward pass: every selected layer's map ran (else the model reaches that

@@ -84,7 +84,26 @@ class NativeStreamKernels(StreamKernels):
     name = "native"
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = declare(lib)
+        self._lib: ctypes.CDLL | None = declare(lib)
+
+    @property
+    def lib(self) -> ctypes.CDLL:
+        """The loaded kernels. A copy holds no ctypes handle (one cannot be pickled): it loads aqr's build
+        of the kernels on first use."""
+        if self._lib is None:
+            lib, reason = load_stream_kernels()
+            if lib is None:
+                raise NativeKernelError(f"aqr's stream C kernels are unavailable in this process ({reason})")
+            self._lib = declare(lib)
+        return self._lib
+
+    def available(self) -> bool:
+        """Whether the kernels are loaded or can be (a copy may be unpickled where they cannot be built);
+        warns once with the reason where they cannot."""
+        return self._lib is not None or native_stream_kernels() is not None
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"_lib": None}  # re-loaded on use: a ctypes handle cannot be copied or pickled
 
     def takes(self, x: torch.Tensor) -> bool:
         return native_takes(x)

@@ -57,7 +57,9 @@ K float32 knots and a pending histogram of ``COUNT_CELLS + 4`` counts and two ex
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -187,6 +189,18 @@ class RobustLayerStream(LayerStream):
                 "group_counts": self.group_counts.clone(), "group_min": self.group_min.clone(),
                 "group_max": self.group_max.clone(), "group_pending": list(self.group_pending),
                 "marginal": self.marginal.clone(), "pending_shift": self.pending_shift}
+
+    UNBOUNDED: ClassVar[tuple[str, ...]] = (*LayerStream.UNBOUNDED, "group_min", "group_max")
+
+    def _parts(self) -> list[tuple[str, object, str]]:
+        mine = ("source", "group_recent", "runs", "group_knots", "group_seen", "group_counts", "group_min",
+                "group_max", "group_pending", "marginal", "pending_shift")
+        return super()._parts() + [(name, self, name) for name in mine]
+
+    def check_state(self, values: Mapping[str, object]) -> None:
+        super().check_state(values)
+        if not 0.0 <= values["runs"] <= 1.0:  # type: ignore[operator]
+            raise ValueError(f"stream state 'runs' must be in [0, 1], got {values['runs']!r}")
 
     def memory_bytes(self) -> int:
         mine = (self.group_knots, self.group_counts, self.group_min, self.group_max, self.group_recent, self.marginal)

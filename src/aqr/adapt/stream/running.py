@@ -48,16 +48,17 @@ group's two extremes: ``4 (K + 2G + 4W + COUNT_CELLS + 12)`` bytes (6.7 KB at K 
 
 A batch enters the state only when the whole forward pass was finite: each layer's update is staged
 while the batch runs and committed after it (:meth:`LayerStream.commit`), so a batch with NaN/Inf
-anywhere leaves the state bit for bit.
+anywhere leaves the state bit for bit. :meth:`LayerStream.export_state` gives the whole state as plain
+values and :meth:`LayerStream.load_state` takes one back, checked first (:mod:`aqr.adapt.stream.saved`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Union
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import ClassVar, Union
 
 import torch
 
@@ -201,6 +202,73 @@ class LayerStream:
         """Every part of the state (tensors cloned), for comparisons."""
         return {"knots": self.knots.clone(), "table": cloned(self.table), "window": cloned(self.window),
                 "group": cloned(self.group), "seen": self.seen, "started": self.started}
+
+    # what may hold +-Inf (the pending extremes before any image); every other float of the state is finite
+    UNBOUNDED: ClassVar[tuple[str, ...]] = ("group.gmin", "group.gmax")
+
+    def _parts(self) -> list[tuple[str, object, str]]:
+        """Every part of the running state as ``(name, owner, attribute)``."""
+        parts = [("knots", self, "knots"), ("seen", self, "seen"), ("started", self, "started")]
+        for prefix, holder in (("table", self.table), ("window", self.window), ("group", self.group)):
+            parts += [(f"{prefix}.{f.name}", holder, f.name) for f in fields(holder)]  # type: ignore[arg-type]
+        return parts
+
+    def export_state(self) -> dict[str, object]:
+        """The running state as plain values (tensors cloned, ints, floats, bools, lists of ints), by name:
+        what :meth:`load_state` takes back."""
+        values = {}
+        for name, owner, attribute in self._parts():
+            value = getattr(owner, attribute)
+            values[name] = value.detach().clone() if isinstance(value, torch.Tensor) else \
+                list(value) if isinstance(value, list) else value
+        return values
+
+    def check_state(self, values: Mapping[str, object]) -> None:
+        """Raise ``ValueError`` unless ``values`` is a state :meth:`export_state` of a stream like this one gave:
+        the same names, tensors of the same shapes and dtypes (NaN-free, finite but the pending extremes),
+        counters within their bounds."""
+        parts = {name: getattr(owner, attribute) for name, owner, attribute in self._parts()}
+        if not isinstance(values, Mapping) or set(values) != set(parts):
+            names = set(values) if isinstance(values, Mapping) else set()
+            raise ValueError(f"a stream state has the parts {sorted(parts)}; this one lacks "
+                             f"{sorted(set(parts) - names)} and has {sorted(names - set(parts))} besides")
+        for name, mine in parts.items():
+            value = values[name]
+            if isinstance(mine, torch.Tensor):
+                if not isinstance(value, torch.Tensor) or value.shape != mine.shape or value.dtype != mine.dtype:
+                    got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                           else type(value).__name__)
+                    raise ValueError(f"stream state {name!r}: expected a tensor {tuple(mine.shape)} {mine.dtype}, "
+                                     f"got {got}")
+                if value.is_floating_point():
+                    finite = ~torch.isnan(value) if name in self.UNBOUNDED else torch.isfinite(value)
+                    if not bool(finite.all()):
+                        raise ValueError(f"stream state {name!r} holds NaN or Inf")
+                elif bool((value < 0).any()):
+                    raise ValueError(f"stream state {name!r} holds negative counts")
+            elif isinstance(mine, list):
+                if (not isinstance(value, list) or len(value) != len(mine)
+                        or not all(type(v) is int and v >= 0 for v in value)):
+                    raise ValueError(f"stream state {name!r}: expected {len(mine)} counts >= 0, got {value!r}")
+            elif type(value) is not type(mine) or (type(mine) is float and not math.isfinite(value)):
+                raise ValueError(f"stream state {name!r}: expected a finite {type(mine).__name__}, got {value!r}")
+            elif type(mine) is int and value < 0:
+                raise ValueError(f"stream state {name!r}: expected a count >= 0, got {value!r}")
+        window = self.window.size
+        if values["window.filled"] > window or values["window.head"] >= window:  # type: ignore[operator]
+            raise ValueError(f"stream state: a tail window of {window} images cannot have filled="
+                             f"{values['window.filled']} and head={values['window.head']}")
+
+    def load_state(self, values: Mapping[str, object]) -> None:
+        """Take the running state ``values`` (from :meth:`export_state`; checked by :meth:`check_state`
+        first): tensors copied in place, so the buffers the kernels were handed stay."""
+        self.check_state(values)
+        for name, owner, attribute in self._parts():
+            value = values[name]
+            if isinstance(value, torch.Tensor):
+                getattr(owner, attribute).copy_(value)
+            else:
+                setattr(owner, attribute, list(value) if isinstance(value, list) else value)
 
     def memory_bytes(self) -> int:
         """Bytes of the running state (fixed: nothing grows with the stream)."""

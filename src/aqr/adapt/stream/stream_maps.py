@@ -22,7 +22,7 @@ from aqr.adapt.stream.native_kernels import NativeStreamKernels, native_stream_k
 from aqr.adapt.stream.robust import MARGINAL_WINDOW, RobustLayerStream
 from aqr.adapt.stream.running import LayerStream, Staged, StreamSettings
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
-from aqr.backends import Affine, SubsetCache
+from aqr.backends import Affine, SubsetCache, Targets
 from aqr.core.layers import as_acb
 from aqr.core.stats import SourceStats
 
@@ -93,12 +93,20 @@ class StreamLayerMap(LayerMap):
 
     def stream(self, device: torch.device) -> LayerStream:
         """The layer's running state on ``device``."""
-        if device not in self.streams:
-            backend = self.backend(device)
+        stream = self.streams.get(device)
+        if stream is None:
             source, kernels = self.source_on(device).knots, stream_kernels(device, self.config.native)
-            self.streams[device] = self.target.layer_stream(self.config, source, self.settings, kernels,
-                                                            backend.target_knots, self._group_source(source))
-        return self.streams[device]
+            stream = self.target.layer_stream(self.config, source, self.settings, kernels, self.batch_knots,
+                                              self._group_source(source))
+            self.streams[device] = stream
+        elif isinstance(stream.kernels, NativeStreamKernels) and not stream.kernels.available():
+            stream.kernels = TorchStreamKernels()  # a copy unpickled where the C kernels cannot be built
+        return stream
+
+    def batch_knots(self, x: torch.Tensor, pre: Affine | None) -> Targets:
+        """The batch's own knots of ``x`` (A, C, B) from the layer's fast-path backend on ``x``'s device
+        (looked up on each call, so a copy of the stream re-creates the backend it cannot copy)."""
+        return self.backend(x.device).target_knots(x, pre)
 
     def _group_source(self, source: torch.Tensor) -> torch.Tensor | None:
         """``(groups, C, K)``: each group's source knots on ``source``'s device: its inner knots, the layer's
