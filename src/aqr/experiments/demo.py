@@ -227,13 +227,15 @@ def _train_config(spec: DemoModel, train_npz: Path, out: Path, seed: int, quick:
                        warmup_epochs=0.5, augment=False, seed=seed, out=str(out), command="aqr demo")
 
 
-# Fields that do not change the trained weights: a checkpoint that differs only in these is reused.
-_IGNORED_TRAIN_FIELDS = ("threads", "command")
+# Fields that do not change the trained weights: a checkpoint that differs only in these is reused
+# (the training data is compared by its hash; a checkpoint records its paths cut of machine folders).
+_IGNORED_TRAIN_FIELDS = ("threads", "command", "data", "test", "out", "work_dir")
 
 
 def _same_training(checkpoint: Path, cfg: Any) -> bool:
     """True when ``checkpoint`` is a finished run of ``cfg`` on the same training data."""
     from aqr.models.checkpoint import CheckpointError, read_file
+    from aqr.models.portable import portable_train_config
 
     if not checkpoint.is_file():
         return False
@@ -241,7 +243,7 @@ def _same_training(checkpoint: Path, cfg: Any) -> bool:
         meta = read_file(checkpoint).get("meta") or {}
     except CheckpointError:
         return False
-    old, new = dict(meta.get("train_config") or {}), asdict(cfg)
+    old, new = dict(meta.get("train_config") or {}), portable_train_config(asdict(cfg))
     for key in _IGNORED_TRAIN_FIELDS:
         old.pop(key, None)
         new.pop(key, None)
