@@ -16,7 +16,7 @@ import torch
 
 from aqr import cli
 from aqr.experiments import rates
-from aqr.experiments.common import jsonable
+from aqr.experiments.synthetic_tools import jsonable
 
 
 @pytest.fixture(scope="module")

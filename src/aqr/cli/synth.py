@@ -44,7 +44,7 @@ def register(subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from aqr.experiments import mlp, rates, shapes
-    from aqr.experiments.common import jsonable
+    from aqr.experiments.synthetic_tools import jsonable
 
     experiments = {
         "shapes": (shapes.ShapesConfig, shapes.run_shapes, shapes.plot_shapes, _summary_shapes),

@@ -21,7 +21,7 @@ import torch
 
 from aqr.core.calibrate import dkw_epsilon
 from aqr.core.qmap import channel_quantiles, quantile_map, sorted_quantiles
-from aqr.experiments.common import Slope, generator, loglog_slope, replicate_slope
+from aqr.experiments.synthetic_tools import Slope, generator, loglog_slope, replicate_slope
 from aqr.util.plots import axes_row, save
 
 

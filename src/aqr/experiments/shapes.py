@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aqr.experiments.common import aqr_correct, generator, ttn_correct
+from aqr.experiments.synthetic_tools import aqr_correct, generator, ttn_correct
 from aqr.util.plots import axes_row, save
 
 
