@@ -67,3 +67,18 @@ def test_statistics_print_short() -> None:
     assert len(text) < 200 and "2 layers" in text and "K=11" in text
     layer = repr(next(iter(stats.layers.values())))
     assert len(layer) < 120 and "BatchNorm2d" in layer and "tensor" not in layer
+
+
+def test_the_library_warns_of_a_streaming_target_in_the_episodic_protocol() -> None:
+    from aqr.methods import create
+
+    net = bn_cnn()
+    stats = aqr.calibrate(net, [images(16)], num_quantiles=11)
+    with pytest.warns(UserWarning, match="protocol='online'"):
+        create("aqr", net, stats=stats, target="stream")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        create("aqr", net, stats=stats, target="stream", protocol="online")
+        create("aqr", net, stats=stats)

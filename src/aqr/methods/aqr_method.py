@@ -9,6 +9,7 @@ and restarts it before every batch under the episodic protocol.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -50,6 +51,10 @@ class AQRMethod(TTAMethod):
         if self.config.stats is None:
             raise TypeError(f"the {self.name!r} method needs stats= (from aqr.calibrate)")
         model.eval().requires_grad_(False)
+        if self.protocol.episodic and self.config.target_kind.keeps_state:
+            warnings.warn(f"aqr:target={self.config.target} keeps a running estimate across batches, but the "
+                          "episodic protocol restarts it before every batch (per-batch AQR); use protocol='online'",
+                          UserWarning, stacklevel=3)
         self.adapter = AQR(model, self.config.stats, **self.config.aqr_config())
         return model
 
