@@ -603,3 +603,44 @@ def test_git_commit_is_dirty_only_for_changes_to_the_package(tmp_path: Path) -> 
     assert _git_commit(tmp_path / "pkg") == head
     (tmp_path / "pkg" / "code.py").write_text("a = 22\n")  # another size: git's stat check sees it within the second
     assert _git_commit(tmp_path / "pkg") == head + "-dirty"
+
+
+# ----------------------------------------------------------------------------- methods that need source images
+
+
+def test_bench_gives_eata_the_cells_source_images(tiny: GridSpec, tmp_path: Path) -> None:
+    from aqr.harness.cell_run import build_method, method_source
+    from aqr.harness.inputs import load_source
+    from aqr.methods import method_class
+    from aqr.methods.eata import fisher_information
+
+    config = _grid_file(tiny, tmp_path / "grid.json")
+    db = tmp_path / "r.db"
+    assert cli_main(["bench", "--config", str(config), "--methods", "eta,eata,eata:source_images=20",
+                     "--corruptions", "gaussian_noise", "--db", str(db), "--cache", str(tmp_path / "cache"),
+                     "--no-progress"]) == 0
+    with ResultsDB(db) as results:
+        rows = results.rows("tiny")
+    assert len(rows) == 6 and {r.method for r in rows} == {"eta", "eata"}
+    assert all(r.status == "ok" and r.n_images == 32 for r in rows), [r.message for r in rows]
+
+    # the Fisher's images: the model's clean source pool (images 0-47), at most source_images of them,
+    # in batches of the cell's size, a seeded draw
+    cell = next(c for c in tiny.cells() if c.model.name == "tiny_bn" and c.corruption == "gaussian_noise")
+    eata_cell = replace(cell, method="eata", options=(("source_images", 20),))
+    batches = list(method_source(eata_cell, eata_cell.option_dict, method_class("eata")))
+    assert [len(b[0]) for b in batches] == [16, 4]
+    pool = {tuple(to_float(x[None])[0].flatten().tolist()) for x in load_source(cell.model)[0]}
+    drawn = torch.cat([b[0] for b in batches])
+    assert all(tuple(x.flatten().tolist()) in pool for x in drawn)
+    assert len({tuple(x.flatten().tolist()) for x in drawn}) == 20
+    reseeded = torch.cat([b[0] for b in method_source(replace(eata_cell, seed=1), eata_cell.option_dict,
+                                                      method_class("eata"))])
+    assert not torch.equal(drawn, reseeded)
+
+    # ... and the method's Fisher is the one of those batches
+    method = build_method(eata_cell, tmp_path / "cache")
+    expected = fisher_information(method.model, dict(zip(method.param_names, method.trained)), [b[0] for b in batches])
+    assert set(method.fisher) == set(expected)
+    assert all(torch.allclose(method.fisher[n], expected[n]) for n in expected)
+    assert any(float(v.abs().sum()) > 0 for v in expected.values())

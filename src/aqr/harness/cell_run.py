@@ -22,7 +22,7 @@ from aqr.harness import continual
 from aqr.harness.cells import Cell, CellResult, stream_corruptions
 from aqr.harness.eval_loop import array_batches, image_correct
 from aqr.harness.inputs import (clear_input_caches, data_loader, eval_data, eval_folder, load_model, model_preprocess,
-                                uses_image_folders)
+                                source_loader, uses_image_folders)
 from aqr.harness.results import pack_correct
 from aqr.harness.source_stats import STATS_OPTIONS, ensure_stats, load_stats
 from aqr.util.threads import torch_threads
@@ -54,7 +54,22 @@ def build_method(cell: Cell, cache_dir: str | Path, device: str | None = None, l
             raise StatsError(f"{path} was computed with other weights than {cell.model.model} has now "
                              "(was the checkpoint rewritten during the run?)")
         options["stats"] = stats
+    if cls.needs_source and options.get("source") is None:
+        options["source"] = method_source(cell, options, cls, device, loader_workers)
     return create(cell.method, model, protocol=cell.protocol, seed=cell.seed, **options)
+
+
+def method_source(cell: Cell, options: dict[str, Any], cls: type, device: str | None = None,
+                  loader_workers: int = 0) -> Iterable[tuple[torch.Tensor, Any]]:
+    """The source images for a method that ``needs_source`` (EATA's Fisher information): the clean images
+    the cell's statistics are computed from, at most the method's ``source_images`` of them (drawn
+    class-balanced with the cell's seed), in batches of its ``fisher_batch_size`` when the cell sets it,
+    else of the cell's batch size (the reference computes the Fisher in test-sized batches)."""
+    limit = options.get("source_images", getattr(cls.Config, "source_images", None))
+    batch_size = options.get("fisher_batch_size")
+    if batch_size is None:
+        batch_size = cell.batch_size if cell.batch_size > 1 else getattr(cls.Config, "fisher_batch_size", 1)
+    return source_loader(cell.model, limit, int(batch_size), cell.seed, loader_workers, device)
 
 
 def needs_stats(cell: Cell) -> bool:

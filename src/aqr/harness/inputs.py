@@ -107,6 +107,16 @@ def source_dataset(spec: ModelSpec, preprocess: Preprocess, n_images: int | None
                                          where=spec.source_data).tolist())
 
 
+def source_loader(spec: ModelSpec, n_images: int | None, batch_size: int, seed: int = 0, workers: int = 0,
+                  device: torch.device | str | None = None) -> DataLoader:
+    """Batches of the clean source images the spec's statistics are computed from: all of them, or ``n_images``
+    drawn class-balanced at random (``seed``) from that pool, in index order (for a method that needs
+    source images, such as EATA's Fisher information)."""
+    model = load_model(spec)
+    dataset = source_dataset(spec, model_preprocess(spec, model), n_images, seed)
+    return data_loader(dataset, batch_size, workers, device)
+
+
 def data_loader(dataset: Any, batch_size: int, workers: int = 0, device: torch.device | str | None = None) -> DataLoader:
     """Batches of ``dataset`` in order, decoded by ``workers`` processes (pinned memory for a GPU)."""
     pin = torch.device(device).type == "cuda" if device is not None else False

@@ -81,6 +81,8 @@ def check_method(spec: MethodSpec, protocol: str = "episodic", batch_size: int =
             options["stats"] = object()  # stands in for the statistics the cell loads
         if cls.needs_batch_size:
             options.setdefault("batch_size", batch_size)
+        if cls.needs_source:
+            options["source"] = ()  # stands in for the clean source images the cell gives it
         cls.from_options(**options)
     except (TypeError, ValueError) as err:
         raise ValueError(f"method {label!r}: {err}") from None
