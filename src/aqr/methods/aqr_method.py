@@ -51,7 +51,8 @@ class AQRMethod(TTAMethod):
         if self.config.stats is None:
             raise TypeError(f"the {self.name!r} method needs stats= (from aqr.calibrate)")
         model.eval().requires_grad_(False)
-        if self.protocol.episodic and self.config.target_kind.keeps_state:
+        target = getattr(self.config, "target_kind", None)  # moments' config has no target
+        if self.protocol.episodic and target is not None and target.keeps_state:
             warnings.warn(f"aqr:target={self.config.target} keeps a running estimate across batches, but the "
                           "episodic protocol restarts it before every batch (per-batch AQR); use protocol='online'",
                           UserWarning, stacklevel=3)
