@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from aqr.cli.common import UsageError, add_image_arguments, add_threads, amount, count, counts, method_specs
 
@@ -40,6 +41,15 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
                         "(class-correlated, Dirichlet concentration D as in RoTTA; small D: long runs of one class), "
                         "'mixed' for continual cells; the grid's name, under which its cells are recorded, gets "
                         "'-<order>' appended")
+    p.add_argument("--setting", default=None, choices=("reset_each_shift", "continual", "gradual", "mixed_domains",
+                                                       "correlated"),
+                   help="the grid in one of the field's settings (as the test-time-adaptation benchmark names them): "
+                        "reset_each_shift (a fresh method per corruption, online), continual (one stream of the "
+                        "corruptions, no reset), gradual (that stream with severities 1..5..1 per corruption), "
+                        "mixed_domains (the stream's images mixed), correlated (class-correlated order; needs "
+                        "--delta; the same cells as --order delta=D); the grid's name gets '-<setting>' appended")
+    p.add_argument("--delta", type=float, default=None,
+                   help="--setting correlated: Dirichlet concentration of the class order (small: long runs of one class)")
     add_image_arguments(p, workers=False)
 
 
@@ -68,6 +78,14 @@ def grid_from_args(args: argparse.Namespace):
     if args.image_size or args.resize:
         changes["models"] = tuple(replace(m, image_size=args.image_size or m.image_size, resize=args.resize or m.resize)
                                   for m in changes.get("models", grid.models))
+    setting, delta = getattr(args, "setting", None), getattr(args, "delta", None)
+    if setting and args.order:
+        raise UsageError("--setting and --order both set the stream order; give one (--setting correlated "
+                         "--delta D is --order delta=D)")
+    if delta is not None and setting != "correlated":
+        raise UsageError("--delta goes with --setting correlated")
+    if setting == "correlated" and delta is None:
+        raise UsageError("--setting correlated needs --delta D (e.g. 0.1), the Dirichlet concentration")
     if args.order:  # the report reads an experiment's rows by its name: keep orders apart
         from aqr.harness.cells import canonical_order, stream_corruptions
 
@@ -79,7 +97,12 @@ def grid_from_args(args: argparse.Namespace):
         changes.update(orders=(order,), name=f"{grid.name}-{order}")
     changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
                    n_images=args.n_images)
-    return grid.override(**changes)
+    grid = grid.override(**changes)
+    if setting:
+        from aqr.harness.settings import apply_setting
+
+        grid = apply_setting(grid, setting, delta)
+    return grid
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -107,6 +130,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ray.add_argument("--gpus-per-cell", type=amount(0), default=0.0,
                      help="GPUs Ray reserves per cell (fractions share a GPU); > 0 runs the cells on CUDA")
     ray.add_argument("--max-retries", type=count(0), default=2, help="reruns of a cell whose Ray worker died (default 2)")
+    p.add_argument("--costs", default=None,
+                   help="realtime protocol: JSON of each method's cost C (per model and batch size); entries it "
+                        "lacks are measured by a timing round on this machine and added, so a resumed or repeated "
+                        "run reuses them (default: <db>.costs.json beside the database)")
     p.add_argument("--limit", type=count(1), default=None, help="run at most this many new cells")
     p.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     p.add_argument("--no-progress", action="store_true")
@@ -121,8 +148,12 @@ def run(args: argparse.Namespace) -> int:
 
     grid = grid_from_args(args)
     grid.check_methods()  # before the database is created or any data generated
+    costs = args.costs or str(Path(args.db).with_suffix(".costs.json"))
     if args.dry_run:
-        print("model\tmethod\tcorruption\tseverity\tbatch_size\torder\tseed\tn_images")
+        from aqr.harness.realtime import CostTable
+
+        grid = grid.override(costs=tuple(sorted(CostTable.load(costs).as_mapping().items())) or None)
+        print("model\tmethod\tcorruption\tseverity\tbatch_size\torder\tseed\tn_images\tprotocol")
         for line in describe_cells(grid):
             print(line)
         print(f"{len(grid)} cells", file=sys.stderr)
@@ -134,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         ray = RayOptions(address=args.ray_address, cpus_per_cell=args.cpus_per_cell or args.threads or 1,
                          gpus_per_cell=args.gpus_per_cell, max_retries=args.max_retries)
     with ResultsDB(args.db) as db:
-        summary = run_grid(grid, db, args.cache, workers=args.workers, threads=args.threads,
+        summary = run_grid(grid, db, args.cache, workers=args.workers, threads=args.threads, costs_file=costs,
                            progress=not args.no_progress, limit=args.limit,
                            log=lambda m: print(m, file=sys.stderr), device=args.device,
                            loader_workers=args.loader_workers, executor=args.executor, ray=ray)

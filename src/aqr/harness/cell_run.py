@@ -19,7 +19,7 @@ from torch import nn
 
 from aqr.core.stats import StatsError
 from aqr.harness import continual
-from aqr.harness.cells import Cell, CellResult, stream_corruptions
+from aqr.harness.cells import REALTIME, Cell, CellResult, stream_corruptions
 from aqr.harness.eval_loop import array_batches, image_correct
 from aqr.harness.inputs import (clear_input_caches, data_loader, eval_data, eval_folder, load_model, model_preprocess,
                                 source_loader, uses_image_folders)
@@ -56,7 +56,7 @@ def build_method(cell: Cell, cache_dir: str | Path, device: str | None = None, l
         options["stats"] = stats
     if cls.needs_source and options.get("source") is None:
         options["source"] = method_source(cell, options, cls, device, loader_workers)
-    return create(cell.method, model, protocol=cell.protocol, seed=cell.seed, **options)
+    return create(cell.method, model, protocol=cell.method_protocol, seed=cell.seed, **options)
 
 
 def method_source(cell: Cell, options: dict[str, Any], cls: type, device: str | None = None,
@@ -105,9 +105,11 @@ def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False
             else:
                 images, labels = eval_data(cell)
                 batches, total = array_batches(images, labels, cell.batch_size), -(-len(labels) // cell.batch_size)
-            correct = image_correct(method, batches, progress, desc, total)
+            adapted = _realtime_batches(cell, total)
+            correct = image_correct(method, batches, progress, desc, total, adapted=adapted)
+            detail = None if adapted is None else _realtime_detail(cell, adapted)
             return CellResult("ok", 100.0 * float(correct.mean()), int(correct.size), time.perf_counter() - t0,
-                              **where, correct=pack_correct(correct))
+                              **where, correct=pack_correct(correct), detail=detail)
         except NotApplicable as err:
             return CellResult("n/a", None, None, time.perf_counter() - t0, str(err), **where)
         except Exception as err:  # recorded, so one broken cell doesn't stop a grid
@@ -122,10 +124,30 @@ def _run_continual(cell: Cell, method: nn.Module, progress: bool, desc: str, t0:
         raise ValueError("continual cells read CIFAR-C arrays; image folders are not supported")
     blocks = continual.stream_blocks(cell)
     images, labels, starts = continual.stream_batches(cell, blocks)
-    correct = continual.evaluate_stream(method, images, labels, starts, progress, desc)
+    adapted = _realtime_batches(cell, len(starts))
+    correct = continual.evaluate_stream(method, images, labels, starts, progress, desc, adapted)
     detail = continual.stream_detail(correct, [name for name, _, _ in blocks], len(blocks[0][2]))
+    if adapted is not None:
+        detail.update(_realtime_detail(cell, adapted))
     return CellResult("ok", 100.0 * float(correct.mean()), len(correct), time.perf_counter() - t0, **where,
                       detail=detail)
+
+
+def _realtime_batches(cell: Cell, n_batches: int) -> Any:
+    """Which batches a realtime cell's method adapts on (``None`` under the other protocols)."""
+    if cell.protocol != REALTIME:
+        return None
+    if cell.cost is None:
+        raise ValueError("a realtime cell needs its method's cost C (a timing round or a costs file; see "
+                         "aqr.harness.realtime)")
+    from aqr.harness.realtime import adapted_batches
+
+    return adapted_batches(n_batches, cell.cost)
+
+
+def _realtime_detail(cell: Cell, adapted: Any) -> dict[str, Any]:
+    """What a realtime cell records beside its accuracy: its cost and how many batches were adapted on."""
+    return {"cost": cell.cost, "batches": int(len(adapted)), "adapted_batches": int(sum(adapted))}
 
 
 def clear_caches() -> None:

@@ -13,7 +13,14 @@ A *continual* cell (corruption ``"continual"``, or ``"continual:fog+contrast+...
 sequence; :func:`stream_corruptions`) is one whole stream: for each corruption in turn, a block of
 the same ``n_images`` drawn images, one block after the other, evaluated without a reset (the
 ``stream`` preset). Its result keeps whether each image was classified right, in stream order, for
-the accuracy along the stream.
+the accuracy along the stream. A *gradual* cell (``"gradual"`` or ``"gradual:fog+contrast+..."``) is the
+same stream with each corruption's block repeated at severities ``1, 2, ..., s, ..., 2, 1`` (``s`` the
+cell's severity: nine blocks per corruption at 5, the ``gradual`` setting of the test-time-adaptation
+benchmark repository), again without a reset.
+
+A cell's ``protocol`` is a method's (``"episodic"``, ``"online"``) or ``"realtime"``: online, but the
+method adapts only on the batches it has time for when it costs ``cost`` times a plain forward pass
+(:mod:`aqr.harness.realtime`).
 """
 
 from __future__ import annotations
@@ -30,11 +37,18 @@ from aqr.data.streams import StreamOrder
 CONTINUAL = "continual"
 CONTINUAL_ORDER: tuple[str, ...] = CORRUPTIONS[:15]
 
+# A gradual cell's corruption: each corruption's severity rises to the cell's and falls back to 1
+GRADUAL = "gradual"
+
+# Cell protocols beyond the methods' own: online, adapting only on the batches a method has time for
+REALTIME = "realtime"
+CELL_PROTOCOLS = ("episodic", "online", REALTIME)
+
 # ModelSpec fields added after results were recorded: absent from a cell's dict while None
 OPTIONAL_MODEL_FIELDS = ("image_size", "resize")
 
 # Cell fields added after results were recorded: absent from a cell's dict while None
-OPTIONAL_CELL_FIELDS = ("order",)
+OPTIONAL_CELL_FIELDS = ("order", "cost")
 
 
 # The largest image index an index selection may name: beyond any image collection, and what an int64
@@ -173,7 +187,9 @@ class Cell:
 
     ``order``: ``None`` evaluates the drawn images in their seeded random order; otherwise the
     canonical text of a :class:`~aqr.data.streams.StreamOrder` (see :func:`canonical_order`) that
-    reorders them with the cell's seed.
+    reorders them with the cell's seed. ``cost``: under the ``"realtime"`` protocol, the method's time
+    per batch relative to the plain forward pass (``C``, see :mod:`aqr.harness.realtime`); ``None``
+    under the other protocols.
     """
 
     model: ModelSpec
@@ -187,6 +203,12 @@ class Cell:
     n_images: int | None
     protocol: str = "episodic"
     order: str | None = None
+    cost: float | None = None
+
+    @property
+    def method_protocol(self) -> str:
+        """The protocol the cell's method runs under (a realtime cell's method runs online)."""
+        return "online" if self.protocol == REALTIME else self.protocol
 
     @property
     def option_dict(self) -> dict[str, Any]:
@@ -236,18 +258,45 @@ def freeze_options(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def stream_corruptions(corruption: str) -> tuple[str, ...] | None:
-    """The corruptions a continual cell streams through, in order (see the module docs); ``None`` for a
-    cell of one corruption. ``ValueError`` for a sequence naming an unknown corruption."""
-    if corruption == CONTINUAL:
-        return CONTINUAL_ORDER
-    if not corruption.startswith(CONTINUAL + ":"):
+    """The corruptions a continual or gradual cell streams through, in order (see the module docs);
+    ``None`` for a cell of one corruption. ``ValueError`` for a sequence naming an unknown corruption."""
+    for kind in (CONTINUAL, GRADUAL):
+        if corruption == kind:
+            return CONTINUAL_ORDER
+        if corruption.startswith(kind + ":"):
+            names = tuple(n.strip() for n in corruption[len(kind) + 1 :].split("+") if n.strip())
+            unknown = [n for n in names if n not in CORRUPTIONS]
+            if not names or unknown:
+                raise ValueError(f"{kind} stream {corruption!r} must list known corruptions joined by '+'; "
+                                 f"unknown: {unknown or 'none given'}")
+            return names
+    return None
+
+
+def is_gradual(corruption: str) -> bool:
+    """Whether a cell's corruption is a gradual stream (severities rising and falling per corruption)."""
+    return corruption == GRADUAL or corruption.startswith(GRADUAL + ":")
+
+
+def severity_ramp(peak: int) -> tuple[int, ...]:
+    """A gradual stream's severities per corruption: ``1, ..., peak, ..., 1`` (nine blocks for 5)."""
+    return tuple(range(1, peak + 1)) + tuple(range(peak - 1, 0, -1))
+
+
+def stream_schedule(cell: "Cell") -> tuple[tuple[str, int], ...] | None:
+    """``(corruption, severity)`` of each block of a continual or gradual cell, in stream order; ``None``
+    for a cell of one corruption."""
+    names = stream_corruptions(cell.corruption)
+    if names is None:
         return None
-    names = tuple(n.strip() for n in corruption[len(CONTINUAL) + 1 :].split("+") if n.strip())
-    unknown = [n for n in names if n not in CORRUPTIONS]
-    if not names or unknown:
-        raise ValueError(f"continual stream {corruption!r} must list known corruptions joined by '+'; "
-                         f"unknown: {unknown or 'none given'}")
-    return names
+    if is_gradual(cell.corruption):
+        return tuple((name, s) for name in names for s in severity_ramp(cell.severity))
+    return tuple((name, cell.severity) for name in names)
+
+
+def block_name(corruption: str, severity: int, gradual: bool) -> str:
+    """How a stream's block is named in its result: the corruption, and its severity in a gradual stream."""
+    return f"{corruption}-{severity}" if gradual else corruption
 
 
 def data_corruptions(corruptions: Sequence[str]) -> tuple[str, ...]:

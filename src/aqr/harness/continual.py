@@ -22,24 +22,26 @@ from torch import nn
 
 from aqr.data.arrays import to_float
 from aqr.data.streams import StreamOrder, take
-from aqr.harness.cells import Cell, eval_indices, parse_range, stream_corruptions
+from aqr.harness.cells import Cell, block_name, eval_indices, is_gradual, parse_range, stream_schedule
 
 
 def stream_blocks(cell: Cell) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """``(corruption, images uint8 NHWC, labels)`` per block of a continual cell, images in draw order."""
+    """``(block name, images uint8 NHWC, labels)`` per block of a continual or gradual cell, images in draw
+    order (:func:`aqr.harness.cells.block_name`: a gradual stream's names carry the severity)."""
     from aqr.data import load_cifar_c
 
-    names = stream_corruptions(cell.corruption)
-    if names is None:
+    schedule = stream_schedule(cell)
+    if schedule is None:
         raise ValueError(f"cell corruption {cell.corruption!r} is not a continual stream")
     pool = parse_range(cell.data.eval_indices)
     if pool is None:
         raise ValueError("DataSpec.eval_indices must be set")
     indices = eval_indices(cell, pool)
     blocks = []
-    for name in names:
-        ds = load_cifar_c(cell.data.root, name, cell.severity, indices=indices)
-        blocks.append((name, np.asarray(ds.images), np.asarray(ds.labels)))
+    gradual = is_gradual(cell.corruption)
+    for name, severity in schedule:
+        ds = load_cifar_c(cell.data.root, name, severity, indices=indices)
+        blocks.append((block_name(name, severity, gradual), np.asarray(ds.images), np.asarray(ds.labels)))
     return blocks
 
 
@@ -64,17 +66,19 @@ def stream_batches(cell: Cell, blocks: Sequence[tuple[str, np.ndarray, np.ndarra
 
 
 def evaluate_stream(method: nn.Module, images: np.ndarray, labels: np.ndarray, starts: Sequence[int],
-                    progress: bool = False, desc: str = "") -> np.ndarray:
+                    progress: bool = False, desc: str = "", adapted: Sequence[bool] | None = None) -> np.ndarray:
     """Whether each image of the stream was classified right, feeding ``method`` the batches that begin at
-    ``starts`` in order (from the first image to the last)."""
+    ``starts`` in order (from the first image to the last). ``adapted`` (one per batch; realtime protocol):
+    the batches the method adapts on; the others get its ``forward_held`` predictions."""
     from tqdm.auto import tqdm
 
     correct = np.zeros(len(labels), dtype=bool)
     ends = [*starts[1:], len(labels)]
     device = next((p.device for p in method.parameters()), torch.device("cpu"))
-    for start, end in tqdm(list(zip(starts, ends)), desc=desc or "batches", leave=False, disable=not progress,
-                           unit="batch"):
-        logits = method(to_float(images[start:end]).to(device))
+    for k, (start, end) in enumerate(tqdm(list(zip(starts, ends)), desc=desc or "batches", leave=False,
+                                          disable=not progress, unit="batch")):
+        x = to_float(images[start:end]).to(device)
+        logits = method(x) if adapted is None or adapted[k] else method.forward_held(x)
         correct[start:end] = logits.argmax(1).cpu().numpy() == labels[start:end]
     return correct
 
@@ -92,10 +96,17 @@ def correctness(detail: dict[str, Any]) -> np.ndarray:
 
 
 def block_accuracies(detail: dict[str, Any]) -> dict[str, float]:
-    """Accuracy (%) of each block of an unmixed stream, by corruption."""
+    """Accuracy (%) of each block of an unmixed stream, by block name (blocks of the same name, as the
+    rising and falling severities of a gradual stream, together)."""
     correct = correctness(detail)
     size = detail["block_size"]
-    return {name: 100.0 * float(correct[k * size : (k + 1) * size].mean()) for k, name in enumerate(detail["corruptions"])}
+    hits: dict[str, list[float]] = {}
+    for k, name in enumerate(detail["corruptions"]):
+        block = correct[k * size : (k + 1) * size]
+        total = hits.setdefault(name, [0.0, 0.0])
+        total[0] += float(block.sum())
+        total[1] += len(block)
+    return {name: 100.0 * right / max(n, 1.0) for name, (right, n) in hits.items()}
 
 
 def along_stream(detail: dict[str, Any], window: int) -> np.ndarray:

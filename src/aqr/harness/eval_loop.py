@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -49,10 +49,12 @@ def evaluate_batches(method: nn.Module, batches: Iterable[tuple[torch.Tensor, An
 
 
 def image_correct(method: nn.Module, batches: Iterable[tuple[torch.Tensor, Any]], progress: bool = False,
-                  desc: str = "", total: int | None = None, device: torch.device | str | None = None) -> np.ndarray:
+                  desc: str = "", total: int | None = None, device: torch.device | str | None = None,
+                  adapted: Sequence[bool] | None = None) -> np.ndarray:
     """Whether ``method``'s top-1 prediction is right, per image, in the order of ``batches`` (bool array).
 
-    Raises ``ValueError`` when there is no image.
+    ``adapted`` (one per batch; the realtime protocol): the batches the method adapts on; the others get
+    its ``forward_held`` predictions. Raises ``ValueError`` when there is no image.
     """
     from tqdm.auto import tqdm
 
@@ -60,8 +62,10 @@ def image_correct(method: nn.Module, batches: Iterable[tuple[torch.Tensor, Any]]
         param = next(method.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
     found = []
-    for x, y in tqdm(batches, desc=desc or "batches", leave=False, disable=not progress, unit="batch", total=total):
-        logits = method(x.to(device, non_blocking=True))
+    for k, (x, y) in enumerate(tqdm(batches, desc=desc or "batches", leave=False, disable=not progress, unit="batch",
+                                    total=total)):
+        x = x.to(device, non_blocking=True)
+        logits = method(x) if adapted is None or adapted[k] else method.forward_held(x)
         found.append((logits.argmax(1).cpu() == torch.as_tensor(y).long()).numpy())
     if sum(len(f) for f in found) == 0:
         raise ValueError("no images to evaluate")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from aqr._version import __version__
 from aqr.harness.cell_run import needs_stats
-from aqr.harness.cells import Cell, CellResult, data_corruptions
+from aqr.harness.cells import REALTIME, Cell, CellResult, data_corruptions
 from aqr.harness.claims import BUSY, CLAIMED, Claims
 from aqr.harness.executors import CellExecutor, CellSettings, LocalExecutor
 from aqr.harness.inputs import ensure_data
@@ -87,7 +87,8 @@ def make_executor(executor: str, cache_dir: str | Path, settings: CellSettings, 
 def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", workers: int = 1,
              threads: int | None = None, progress: bool = True, limit: int | None = None,
              log: Callable[[str], None] = print, device: str | None = None, loader_workers: int = 0,
-             executor: str = "local", ray: RayOptions | None = None, lease_s: float = 120.0) -> GridSummary:
+             executor: str = "local", ray: RayOptions | None = None, lease_s: float = 120.0,
+             costs_file: str | Path | None = None) -> GridSummary:
     """Run every cell of ``grid`` not already in ``db``; each result is committed as it arrives.
 
     ``executor="local"`` runs cells in this process, or in ``workers`` processes; ``"ray"`` runs
@@ -97,7 +98,9 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
     process alone writes the database. Cells are claimed in ``db`` before they start (``lease_s``,
     see :mod:`aqr.harness.claims`), so runs sharing a database divide the cells. ``limit`` stops
     after that many new cells (smoke tests). A method name or option no cell could run raises before
-    anything is generated or recorded (:meth:`GridSpec.check_methods`).
+    anything is generated or recorded (:meth:`GridSpec.check_methods`). Realtime cells take their
+    methods' costs from ``costs_file``, which a timing round completes first where it lacks one
+    (:func:`aqr.harness.realtime.resolve_costs`).
     """
     for name, value, least in (("workers", workers, 1), ("threads", threads, 1), ("limit", limit, 1),
                                ("loader_workers", loader_workers, 0)):
@@ -106,7 +109,12 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
     grid.check_methods()  # before any data is generated or any row written
     t0 = time.perf_counter()
     summary = GridSummary()
-    ensure_data(grid.data, data_corruptions(grid.corruptions), progress=progress, severities=grid.severities)
+    ensure_data(grid.data, data_corruptions(grid.all_corruptions), progress=progress, severities=grid.all_severities)
+    if any(cell.protocol == REALTIME and cell.cost is None for cell in grid.cells()):
+        from aqr.harness.realtime import resolve_costs
+
+        costs = resolve_costs(list(grid.cells()), costs_file, cache_dir, device, threads, log=log)
+        grid = grid.override(costs=tuple(sorted(costs.items())))
     keyed = keyed_cells(grid)
     summary.total = len(keyed)
     db.add_membership(grid.name, [k for k, _, _ in keyed])
@@ -212,8 +220,9 @@ def _count(summary: GridSummary, cell: Cell, result: CellResult) -> None:
 def describe_cells(grid: GridSpec) -> Iterable[str]:
     """One line per cell (for ``--dry-run``)."""
     for cell in grid.cells():
+        protocol = cell.protocol + (f" C={cell.cost:g}" if cell.cost is not None else "")
         yield (f"{cell.model.name}\t{cell.variant}\t{cell.corruption}\t{cell.severity}\t{cell.batch_size}\t"
-               f"{cell.order or '-'}\t{cell.seed}\t{cell.n_images}")
+               f"{cell.order or '-'}\t{cell.seed}\t{cell.n_images}\t{protocol}")
 
 
 def result_json(summary: GridSummary) -> str:

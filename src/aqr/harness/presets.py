@@ -12,7 +12,7 @@ from aqr.harness.specs import GridSpec, MethodSpec
 
 
 # The presets preset() knows, and the methods of the paper's main tables.
-PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet", "stream", "stream-noniid")
+PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet", "stream", "stream-noniid", "field")
 BASELINES = ("source", "ttn", "tent", "sar", "moments", "aqr")
 
 # The stream preset's methods: per-batch AQR (the reference at batch 128), streaming AQR, and the
@@ -25,6 +25,31 @@ STREAM_METHODS = ("source", "ttn", "bn-ema", "tent", "sar", "aqr", "aqr:target=s
 NONIID_ORDERS = ("iid", "delta=1", "delta=0.1", "delta=0.01", "mixed")
 NONIID_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "aqr", "aqr:target=stream", "aqr:target=robust",
                   "aqr:target=robust,balance=0.5")
+
+
+# The field preset: the field's methods beside AQR's targets, all online, on the continual stream in three
+# settings (i.i.d., class-correlated, mixed domains), offline and under the realtime protocol.
+FIELD_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "sar", "eta", "eata", "cotta", "rotta", "lame", "roid",
+                 "deyo", "moments", "aqr", "aqr:target=stream", "aqr:target=robust")
+FIELD_ORDERS = (None, "delta=0.1", "mixed")       # continual (i.i.d.), correlated and mixed_domains
+FIELD_REALTIME_ORDERS = (None, "delta=0.1")      # the settings also run under the realtime protocol
+FIELD_MODELS = ("resnet20_trainstats", "resnet20_gn", "vit_ln")
+
+
+def field_grid(models: dict[str, ModelSpec], data: DataSpec) -> GridSpec:
+    """The ``field`` preset (see :func:`preset`): batch 64 on the three models and batch 16 on the BN one,
+    each offline (online protocol) in :data:`FIELD_ORDERS` and realtime in :data:`FIELD_REALTIME_ORDERS`."""
+    methods = tuple(MethodSpec.parse(m) for m in FIELD_METHODS)
+    three = tuple(models[n] for n in FIELD_MODELS)
+    common = dict(corruptions=(CONTINUAL,), severities=(5,), seeds=(0,), n_images=500)
+    realtime = GridSpec("field", three, data, methods, batch_sizes=(64,), protocol="realtime",
+                        orders=FIELD_REALTIME_ORDERS, **common)
+    bn = (models[FIELD_MODELS[0]],)
+    small = GridSpec("field", bn, data, methods, batch_sizes=(16,), protocol="online", orders=FIELD_ORDERS, **common)
+    small_realtime = GridSpec("field", bn, data, methods, batch_sizes=(16,), protocol="realtime",
+                              orders=FIELD_REALTIME_ORDERS, **common)
+    return GridSpec("field", three, data, methods, batch_sizes=(64,), protocol="online", orders=FIELD_ORDERS,
+                    parts=(realtime, small, small_realtime), **common)
 
 
 def default_models(data_dir: str | Path | None = None) -> dict[str, ModelSpec]:
@@ -97,7 +122,12 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
     in the continual order, blocks of ``n_images`` (2,000) test images, online (no reset), batch sizes
     1, 4, 16, 64 and 128, for :data:`STREAM_METHODS` (see docs/results/stream for its cost);
     ``stream-noniid``: that stream in each of :data:`NONIID_ORDERS`, blocks of 1,000 images,
-    batch sizes 16 and 64, seed 0, for :data:`NONIID_METHODS` (see docs/benchmark.md for its cost).
+    batch sizes 16 and 64, seed 0, for :data:`NONIID_METHODS` (see docs/benchmark.md for its cost);
+    ``field``: the field's methods and AQR's targets (:data:`FIELD_METHODS`) on the third-party BN
+    ResNet-20 (statistics from the 10,000 JPEG training images, as the zoo's models), the zoo's GN
+    ResNet-20 and ViT: the continual stream at severity 5, blocks of 500 images, batch 64 (and 16 on the
+    BN model), online, in the continual, correlated (delta 0.1) and mixed_domains settings, and under
+    the realtime protocol (:mod:`aqr.harness.realtime`) in the first two (see docs/results/field).
     """
     methods = tuple(MethodSpec(m) for m in BASELINES)
     if name == "imagenet":
@@ -129,6 +159,8 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
         return GridSpec("stream-noniid", tuple(models[n] for n in ("resnet20", "resnet20_gn", "vit_ln")), data,
                         tuple(MethodSpec.parse(m) for m in NONIID_METHODS), corruptions=(CONTINUAL,), severities=(5,),
                         batch_sizes=(16, 64), seeds=(0,), n_images=1000, protocol="online", orders=NONIID_ORDERS)
+    if name == "field":
+        return field_grid(models, data)
     if name == "smoke":
         smoke_data = replace(data, root=str(Path(cifar_c).parent / "cifar10c-smoke"))
         return GridSpec("smoke", (models["resnet20"],), smoke_data, methods,

@@ -2,7 +2,8 @@
 
 A :class:`GridSpec` is the cross product models x methods x corruptions x severities x batch sizes x
 stream orders x seeds, from a preset (:func:`aqr.harness.presets.preset`), a YAML/JSON file
-(:func:`aqr.harness.grid_files.load_grid`) or Python.
+(:func:`aqr.harness.grid_files.load_grid`) or Python; a grid may add the cells of further cross
+products (``GridSpec.parts``), as a preset of several settings does.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Iterator, Mapping
 
 from aqr.data.corruption_params import CORRUPTIONS
 from aqr.data.streams import StreamOrder
-from aqr.harness.cells import (CONTINUAL, Cell, DataSpec, ModelSpec, canonical_order, data_corruptions, freeze_options,
+from aqr.harness.cells import (CELL_PROTOCOLS, CONTINUAL, REALTIME, Cell, DataSpec, ModelSpec, canonical_order, data_corruptions, freeze_options,
                                index_count)
 
 
@@ -61,6 +62,9 @@ def check_method(spec: MethodSpec, protocol: str = "episodic", batch_size: int =
     from aqr.methods import ProtocolConfig, method_class
 
     cls = method_class(spec.name)
+    if protocol not in CELL_PROTOCOLS:
+        raise ValueError(f"protocol must be one of {CELL_PROTOCOLS}, got {protocol!r}")
+    protocol = "online" if protocol == REALTIME else protocol  # a realtime cell's method runs online
     label = spec.name + (":" + ",".join(f"{k}={v}" for k, v in spec.options.items()) if spec.options else "")
     protocol_keys = {f.name for f in fields(ProtocolConfig)} - set(CELL_OPTIONS)
     stats_keys = set(STATS_OPTIONS) if cls.needs_stats else set()
@@ -115,7 +119,13 @@ def _parse_scalar(text: str) -> Any:
 
 @dataclass(frozen=True)
 class GridSpec:
-    """A grid of cells: the cross product of its lists."""
+    """A grid of cells: the cross product of its lists, then the cells of its ``parts`` (further grids
+    over the same data, e.g. another protocol on some of the settings).
+
+    ``costs``: :func:`aqr.harness.realtime.cost_key` -> ``C`` for the cells of the ``"realtime"``
+    protocol (see :func:`aqr.harness.realtime.resolve_costs`); a realtime cell without one has
+    ``cost=None`` and cannot run.
+    """
 
     name: str
     models: tuple[ModelSpec, ...]
@@ -128,6 +138,8 @@ class GridSpec:
     n_images: int | None = 2000
     protocol: str = "episodic"
     orders: tuple[str | None, ...] = (None,)  # stream orders (None: the drawn images' seeded random order)
+    parts: tuple["GridSpec", ...] = ()
+    costs: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.orders, (str, StreamOrder)) or not self.orders:
@@ -136,6 +148,8 @@ class GridSpec:
         if len(set(orders)) != len(orders):
             raise ValueError(f"stream orders must be distinct, got {list(self.orders)}")
         object.__setattr__(self, "orders", orders)
+        if self.protocol not in CELL_PROTOCOLS:
+            raise ValueError(f"protocol must be one of {CELL_PROTOCOLS}, got {self.protocol!r}")
         unknown = [c for c in data_corruptions(self.corruptions) if c not in CORRUPTIONS]
         if unknown:
             raise ValueError(f"unknown corruptions {unknown}; expected names from {', '.join(CORRUPTIONS)} "
@@ -154,14 +168,34 @@ class GridSpec:
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
+        if any(part.data != self.data for part in self.parts):
+            raise ValueError("a grid's parts must evaluate the same data as the grid")
+
+    @property
+    def all_corruptions(self) -> tuple[str, ...]:
+        """The corruptions of the grid and its parts, each once."""
+        return tuple(dict.fromkeys(c for g in self._grids() for c in g.corruptions))
+
+    @property
+    def all_severities(self) -> tuple[int, ...]:
+        """The severities of the grid and its parts, each once."""
+        return tuple(dict.fromkeys(s for g in self._grids() for s in g.severities))
+
+    def _grids(self) -> Iterator["GridSpec"]:
+        yield self
+        for part in self.parts:
+            yield from part._grids()
 
     def check_methods(self) -> None:
         """Raise for a method name or option no cell of the grid could run (:func:`check_method`)."""
-        for method in self.methods:
-            check_method(method, self.protocol, min(self.batch_sizes, default=1))
+        for grid in self._grids():
+            for method in grid.methods:
+                check_method(method, grid.protocol, min(grid.batch_sizes, default=1))
 
     def cells(self) -> Iterator[Cell]:
-        """Every cell, model-major (so a model's statistics and weights are reused back to back)."""
+        """Every cell, model-major (so a model's statistics and weights are reused back to back), then
+        the cells of the parts; realtime cells carry their cost from ``costs`` where it has one."""
+        costs = dict(self.costs)
         for model in self.models:
             for corruption in self.corruptions:
                 for severity in self.severities:
@@ -169,14 +203,36 @@ class GridSpec:
                         for order in self.orders:
                             for seed in self.seeds:
                                 for method in self.methods:
-                                    yield Cell(model, self.data, method.name, freeze_options(method.options),
-                                               corruption, int(severity), int(batch_size), int(seed),
-                                               self.n_images, self.protocol, order)
+                                    cell = Cell(model, self.data, method.name, freeze_options(method.options),
+                                                corruption, int(severity), int(batch_size), int(seed),
+                                                self.n_images, self.protocol, order)
+                                    if self.protocol == REALTIME:
+                                        cost = costs.get(f"{model.name}|{cell.variant}|{int(batch_size)}")
+                                        cell = replace(cell, cost=None if cost is None else round(float(cost), 2))
+                                    yield cell
+        for part in self.parts:
+            yield from replace(part, costs=self.costs).cells()
 
     def __len__(self) -> int:
         return (len(self.models) * len(self.methods) * len(self.corruptions) * len(self.severities)
-                * len(self.batch_sizes) * len(self.orders) * len(self.seeds))
+                * len(self.batch_sizes) * len(self.orders) * len(self.seeds)) + sum(len(p) for p in self.parts)
 
     def override(self, **changes: Any) -> "GridSpec":
-        """A copy with some fields replaced (``None`` values are ignored)."""
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+        """A copy with some fields replaced (``None`` values are ignored), in its parts too.
+
+        In a part, ``models`` keeps those of the part's models the new list names (as given there; a part
+        left without a model is dropped); the name, ``orders``, ``corruptions`` and ``protocol`` stay the
+        part's own (a setting changes them with :func:`aqr.harness.settings.apply_setting`).
+        """
+        changes = {k: v for k, v in changes.items() if v is not None}
+        part_changes = {k: v for k, v in changes.items() if k not in ("name", "parts", "orders", "corruptions",
+                                                                      "protocol", "models")}
+        parts = []
+        for part in changes.get("parts", self.parts):
+            if "models" in changes:
+                kept = tuple(m for m in changes["models"] if m.name in {pm.name for pm in part.models})
+                if not kept:
+                    continue
+                part = replace(part, models=kept)
+            parts.append(part.override(**part_changes))
+        return replace(self, **{**changes, "parts": tuple(parts)})

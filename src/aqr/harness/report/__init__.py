@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from aqr.harness.report.field_tables import cost_points, plot_costs, setting_tables
 from aqr.harness.report.figures import (architecture_bars, closest_severity, mean_se, plot_architectures,
                                         plot_severity, severity_curves)
 from aqr.harness.report.orders import order_curves, order_table, order_tables, plot_orders, write_order_figures
@@ -29,7 +30,7 @@ from aqr.harness.report.tables import (BASE_METHODS, METHOD_LABELS, Entry, Table
                                        per_corruption_table, summarize, summary_table, variant_order)
 from aqr.harness.results import ResultsDB, Row
 
-__all__ = ["BASE_METHODS", "FORMATS", "METHOD_LABELS", "Entry", "Table", "ablation_tables", "architecture_bars",
+__all__ = ["cost_points", "plot_costs", "setting_tables", "BASE_METHODS", "FORMATS", "METHOD_LABELS", "Entry", "Table", "ablation_tables", "architecture_bars",
            "bold_best", "build_tables", "condition", "corruption_order", "entry_of", "flag_incomplete",
            "index_markdown", "latest_rows", "latex_escape", "load_rows", "mean_se", "method_label",
            "order_curves", "order_table", "order_tables", "paired_corruption_table", "paired_difference", "paired_table", "paired_tables", "per_corruption_table",
@@ -86,7 +87,9 @@ def provenance_summary(rows: Iterable[Row]) -> dict[str, list[str]]:
 
 def build_tables(rows: Sequence[Row]) -> list[Table]:
     """Every table the rows support: summaries, ablations, per-corruption tables, then the continual
-    cells' tables (:mod:`aqr.harness.report.stream_tables`)."""
+    cells' tables (:mod:`aqr.harness.report.stream_tables`) and the realtime protocol's beside them
+    (:mod:`aqr.harness.report.field_tables`)."""
+    rows_all = rows
     streams = stream_tables(rows)
     rows = [r for r in rows if not is_continual(r)]
     models = sorted({r.model for r in rows})
@@ -98,7 +101,7 @@ def build_tables(rows: Sequence[Row]) -> list[Table]:
     for model in models:
         settings = sorted({(r.severity, r.batch_size) for r in rows if r.model == model})
         tables.extend(per_corruption_table(rows, model, s, b) for s, b in settings)
-    return [t for t in tables if t is not None] + streams
+    return [t for t in tables if t is not None] + streams + setting_tables(rows_all)
 
 
 def write_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
@@ -106,6 +109,7 @@ def write_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Pa
     continual cells' figures (:mod:`aqr.harness.report.stream_tables`)."""
     out = Path(out_dir)
     figures: dict[str, list[Path]] = write_stream_figures(rows, out)
+    figures.update(plot_costs(rows, out))
     rows = [r for r in rows if not is_continual(r)]
     if not has_ok(rows):
         return figures
@@ -129,6 +133,7 @@ def report_dict(rows: Sequence[Row], tables: Sequence[Table], superseded: int = 
         "architecture_bars": {"severity": severity,
                               "bars": architecture_bars(paper, severity) if severity is not None else {}},
         "streams": stream_report(rows),
+        "costs": cost_points(rows),
     }
 
 

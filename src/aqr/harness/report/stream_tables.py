@@ -104,10 +104,16 @@ def block_table(rows: Sequence[Row], model: str, batch_size: int, order: str | N
                  ("Method", *names, "mean"), tuple(method_label(v) for v in variants), bold_best(entries), note)
 
 
+def offline_continual(rows: Sequence[Row]) -> list[Row]:
+    """The continual rows but the realtime protocol's (which :mod:`aqr.harness.report.field_tables` reports)."""
+    return [r for r in rows if is_continual(r) and r.protocol != "realtime"]
+
+
 def stream_tables(rows: Sequence[Row]) -> list[Table]:
     """Every stream table the rows support: per stream order, by batch size, then per block for each batch
-    size; then the stream orders compared (:func:`aqr.harness.report.orders.order_tables`)."""
-    continual = [r for r in rows if is_continual(r)]
+    size; then the stream orders compared (:func:`aqr.harness.report.orders.order_tables`). Realtime rows
+    are left out (see :func:`offline_continual`)."""
+    continual = offline_continual(rows)
     tables = []
     for order in _orders(continual):
         for model in sorted({r.model for r in continual}):
@@ -190,7 +196,7 @@ def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, wi
 def write_stream_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
     """Per stream order, the batch-size figure and one along-the-stream figure per batch size (none for a
     mixed order), when the rows support them; then the orders compared, one figure per batch size."""
-    continual = [r for r in rows if is_continual(r)]
+    continual = offline_continual(rows)
     out = Path(out_dir)
     figures: dict[str, list[Path]] = {}
     for order in _orders(continual):
@@ -209,8 +215,9 @@ def write_stream_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, 
 def stream_report(rows: Sequence[Row]) -> dict[str, Any]:
     """The JSON-able numbers of the stream figures: accuracy by batch size (rows without a stream order; those
     of each order under ``batch_sizes_by_order``), per block (unmixed orders) and by stream order."""
-    continual = [r for r in rows if is_continual(r) and r.status == "ok" and r.detail and not _mixed(row_order(r))]
-    orders = [o for o in _orders([r for r in rows if is_continual(r)]) if o is not None]
+    rows = offline_continual(rows)
+    continual = [r for r in rows if r.status == "ok" and r.detail and not _mixed(row_order(r))]
+    orders = [o for o in _orders(rows) if o is not None]
     report: dict[str, Any] = {
         "batch_sizes": batch_size_curves(rows),
         "blocks": [{"model": r.model, "variant": r.variant, "batch_size": r.batch_size, "seed": r.seed,

@@ -1,0 +1,89 @@
+"""The field's evaluation settings by name, as the test-time-adaptation benchmark repository names them.
+
+:func:`apply_setting` turns a grid into that setting:
+
+``reset_each_shift``
+    one cell per corruption, online: the method adapts through the corruption's images and starts
+    afresh for the next (a cell is a fresh method).
+``continual``
+    one stream of all the grid's corruptions, block after block, online and never reset.
+``gradual``
+    that stream with each corruption's severity rising 1, 2, ..., 5 and falling back to 1: nine blocks
+    per corruption (the cell's severity is the peak), online and never reset.
+``mixed_domains``
+    the continual stream with all blocks' images mixed in one random order.
+``correlated``
+    the grid's cells with their images in class-correlated order, Dirichlet concentration ``delta``
+    (small: long runs of one class); exactly what ``--order delta=D`` does, so the cells and their keys
+    are the same. On continual cells that is the reference's ``correlated`` setting.
+
+The setting is also read back from a cell (:func:`setting_of`), for reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from aqr.harness.cells import (CONTINUAL, CONTINUAL_ORDER, GRADUAL, Cell, canonical_order, is_gradual,
+                               stream_corruptions)
+from aqr.harness.specs import GridSpec
+
+SETTINGS = ("reset_each_shift", "continual", "gradual", "mixed_domains", "correlated")
+
+
+def _single(corruptions: Sequence[str]) -> tuple[str, ...]:
+    """The one-corruption names of a grid's corruptions, streams expanded, each once, in order."""
+    return tuple(dict.fromkeys(c for name in corruptions for c in (stream_corruptions(name) or (name,))))
+
+
+def stream_name(kind: str, corruptions: Sequence[str]) -> str:
+    """The corruption of a ``kind`` (``"continual"`` or ``"gradual"``) cell streaming ``corruptions``:
+    the bare kind for the benchmark's 15 in its order, else ``kind:a+b+...``."""
+    names = tuple(corruptions)
+    return kind if names == CONTINUAL_ORDER else f"{kind}:{'+'.join(names)}"
+
+
+def apply_setting(grid: GridSpec, setting: str, delta: float | None = None) -> GridSpec:
+    """``grid`` in the named setting (see the module docs); ``delta`` is required by ``correlated`` only.
+
+    The grid's name gets ``-<setting>`` appended (``-delta=D`` for ``correlated``, as ``--order`` does),
+    so reports keep settings apart. ``ValueError`` for an unknown setting or a missing or stray ``delta``.
+    """
+    if setting not in SETTINGS:
+        raise ValueError(f"unknown setting {setting!r}; expected one of {', '.join(SETTINGS)}")
+    if (setting == "correlated") != (delta is not None):
+        raise ValueError("--delta D goes with --setting correlated (and only there): the Dirichlet concentration "
+                         "of the class-correlated order")
+    if setting == "correlated":
+        order = canonical_order(f"delta={delta}")
+        return grid.override(orders=(order,), name=f"{grid.name}-{order}")
+    corruptions = _single(grid.corruptions)
+    online = "online" if grid.protocol == "episodic" else grid.protocol
+    changes: dict = {"name": f"{grid.name}-{setting}", "protocol": online, "orders": (None,)}
+    if setting == "reset_each_shift":
+        changes["corruptions"] = corruptions
+    elif setting == "continual":
+        changes["corruptions"] = (stream_name(CONTINUAL, corruptions),)
+    elif setting == "gradual":
+        changes.update(corruptions=(stream_name(GRADUAL, corruptions),), severities=(max(grid.severities),))
+    else:  # mixed_domains
+        changes.update(corruptions=(stream_name(CONTINUAL, corruptions),), orders=("mixed",))
+    return grid.override(**changes)
+
+
+def setting_of(cell: Cell) -> str:
+    """The setting a cell belongs to: ``gradual``, ``mixed_domains``, ``correlated`` (a class-correlated
+    order), ``continual`` (any other stream) or ``reset_each_shift`` (one corruption, online), else
+    ``episodic``."""
+    from aqr.data.streams import StreamOrder
+
+    order = StreamOrder.parse(cell.order) if cell.order is not None else None
+    if order is not None and order.mixed:
+        return "mixed_domains"
+    if order is not None and order.delta != float("inf"):
+        return "correlated"
+    if is_gradual(cell.corruption):
+        return "gradual"
+    if stream_corruptions(cell.corruption) is not None:
+        return "continual"
+    return "episodic" if cell.protocol == "episodic" else "reset_each_shift"

@@ -1,0 +1,202 @@
+"""The field's settings by name (``--setting``), gradual streams, and the realtime protocol's schedule, costs and keys."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from aqr.cli.bench import add_grid_arguments, grid_from_args
+from aqr.cli.common import UsageError
+from aqr.harness import continual
+from aqr.harness.cells import REALTIME, Cell, DataSpec, ModelSpec, severity_ramp, stream_schedule
+from aqr.harness.keys import cell_key
+from aqr.harness.presets import FIELD_METHODS, preset
+from aqr.harness.realtime import CostTable, adapted_batches, cost_key, measure_cost, resolve_costs, with_cost
+from aqr.harness.settings import SETTINGS, apply_setting, setting_of
+from aqr.harness.specs import GridSpec, MethodSpec
+
+DATA_DIR = "aqr-data"  # need not exist: grids and keys are computed without reading files
+FILES = {"weights": "w", "source": "s", "eval": "e", "labels": "l"}
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_grid_arguments(parser)
+    return parser.parse_args(["--data-dir", DATA_DIR, *argv])
+
+
+# ---- the schedule, on the protocol's own clock (one time unit per arriving batch) -------------------------
+@pytest.mark.parametrize("cost, expected", [(1.0, list(range(9))), (0.4, list(range(9))), (1.5, [0, 2, 4, 6, 8]),
+                                            (2.0, [0, 2, 4, 6, 8]), (3.0, [0, 3, 6]), (2.5, [0, 3, 6])])
+def test_schedule_adapts_when_the_method_is_free(cost: float, expected: list[int]) -> None:
+    assert np.flatnonzero(adapted_batches(9, cost)).tolist() == expected
+
+
+def test_schedule_refuses_a_cost_that_is_not_a_positive_number() -> None:
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive finite"):
+            adapted_batches(4, bad)
+
+
+class _Recorder(nn.Module):
+    """Counts which batches reach ``forward`` (adapted on) and which ``forward_held``; predicts class 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.calls: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append("adapt")
+        return torch.zeros(len(x), 10).index_fill_(1, torch.tensor([0]), 1.0)
+
+    def forward_held(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append("held")
+        return torch.zeros(len(x), 10).index_fill_(1, torch.tensor([1]), 1.0)
+
+
+def test_stream_feeds_skipped_batches_to_the_held_state() -> None:
+    images = np.zeros((40, 4, 4, 3), np.uint8)
+    labels = np.zeros(40, np.int64)
+    starts = list(range(0, 40, 8))
+    method = _Recorder()
+    correct = continual.evaluate_stream(method, images, labels, starts, adapted=adapted_batches(len(starts), 3.0))
+    assert method.calls == ["adapt", "held", "held", "adapt", "held"]
+    # the held predictions (class 1) are wrong here, the adapted ones (class 0) right: images of batches 0 and 3
+    assert correct.tolist() == [True] * 8 + [False] * 16 + [True] * 8 + [False] * 8
+
+
+# ---- settings ----------------------------------------------------------------------------------------
+def test_correlated_setting_gives_the_cells_and_keys_of_the_order_flag() -> None:
+    by_setting = grid_from_args(_args("--preset", "stream-noniid", "--setting", "correlated", "--delta", "0.1"))
+    by_order = grid_from_args(_args("--preset", "stream-noniid", "--order", "delta=0.1"))
+    assert by_setting.name == by_order.name == "stream-noniid-delta=0.1"
+    keys = [[cell_key(c, FILES, "v") for c in g.cells()] for g in (by_setting, by_order)]
+    assert keys[0] == keys[1] and len(keys[0]) == len(by_order)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--setting", "correlated", "--delta", "0.1", "--order", "iid"), "--setting and --order"),
+    (("--setting", "correlated"), "needs --delta"),
+    (("--setting", "continual", "--delta", "0.1"), "--delta goes with"),
+    (("--delta", "0.1"), "--delta goes with"),
+])
+def test_setting_flags_that_do_not_fit_are_usage_errors(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        grid_from_args(_args("--preset", "stream", *argv))
+
+
+def test_settings_shape_the_stream() -> None:
+    main = preset("main", data_dir=DATA_DIR)  # one cell per corruption, episodic
+    reset = apply_setting(main, "reset_each_shift")
+    assert reset.protocol == "online" and reset.corruptions == main.corruptions and reset.name == "main-reset_each_shift"
+    cont = apply_setting(main, "continual")
+    assert cont.corruptions == ("continual:" + "+".join(main.corruptions),) and cont.protocol == "online"
+    stream = preset("stream", data_dir=DATA_DIR)
+    assert apply_setting(stream, "continual").corruptions == ("continual",)
+    assert apply_setting(stream, "reset_each_shift").corruptions == tuple(stream_schedule_names(stream))
+    mixed = apply_setting(stream, "mixed_domains")
+    assert mixed.orders == ("mixed",) and mixed.corruptions == ("continual",)
+    gradual = apply_setting(stream, "gradual")
+    assert gradual.corruptions == ("gradual",) and gradual.severities == (5,)
+    assert {setting_of(c) for c in gradual.cells()} == {"gradual"}
+    assert {setting_of(c) for c in mixed.cells()} == {"mixed_domains"}
+    assert {setting_of(c) for c in reset.cells()} == {"reset_each_shift"}
+    assert {setting_of(c) for c in apply_setting(stream, "correlated", 0.1).cells()} == {"correlated"}
+    with pytest.raises(ValueError, match="unknown setting"):
+        apply_setting(stream, "sorted")
+    assert len(SETTINGS) == 5
+
+
+def stream_schedule_names(grid: GridSpec) -> list[str]:
+    cell = next(grid.cells())
+    return [name for name, _ in stream_schedule(cell)]
+
+
+def test_gradual_stream_rises_to_the_cell_severity_and_falls_back() -> None:
+    assert severity_ramp(5) == (1, 2, 3, 4, 5, 4, 3, 2, 1)
+    cell = next(apply_setting(preset("stream", data_dir=DATA_DIR), "gradual").cells())
+    schedule = stream_schedule(cell)
+    assert len(schedule) == 15 * 9
+    assert schedule[:10] == tuple(("gaussian_noise", s) for s in severity_ramp(5)) + (("shot_noise", 1),)
+    with pytest.raises(ValueError, match="unknown"):
+        stream_schedule(replace(cell, corruption="gradual:fog+smoke"))
+
+
+def test_gradual_blocks_of_one_name_are_reported_together() -> None:
+    detail = continual.stream_detail(np.array([1, 1, 0, 0, 1, 0], bool), ["fog-1", "fog-2", "fog-1"], 2)
+    assert continual.block_accuracies(detail) == {"fog-1": 75.0, "fog-2": 0.0}
+
+
+# ---- costs and keys --------------------------------------------------------------------------------------
+def _cell(**changes) -> Cell:
+    base = Cell(ModelSpec("m", "resnet20"), DataSpec(), "tent", (), "continual", 5, 64, 0, 100, REALTIME)
+    return replace(base, **changes)
+
+
+def test_cost_enters_the_key_of_realtime_cells_only() -> None:
+    online = _cell(protocol="online")
+    assert "cost" not in online.to_dict()  # keys of the cells of other protocols are unchanged
+    keys = {cell_key(_cell(cost=c), FILES, "v") for c in (1.5, 2.0, 2.01)}
+    assert len(keys) == 3
+    assert Cell.from_dict(_cell(cost=1.5).to_dict()) == _cell(cost=1.5)
+    assert _cell().method_protocol == "online"
+
+
+def test_cost_table_round_trip_and_bad_files(tmp_path) -> None:
+    path = tmp_path / "costs.json"
+    assert CostTable.load(path).entries == {}
+    table = CostTable({cost_key("m", "tent", 64): {"cost": 2.37, "clock": "cpu"}})
+    table.save(path)
+    assert CostTable.load(path).cost("m", "tent", 64) == 2.37
+    assert with_cost(_cell(), CostTable.load(path).as_mapping()).cost == 2.37
+    assert with_cost(_cell(method="sar"), CostTable.load(path).as_mapping()).cost is None
+    path.write_text(json.dumps({"format": "aqr-realtime-costs", "entries": {"m|tent|64": {"cost": -1}}}))
+    with pytest.raises(ValueError, match="positive 'cost'"):
+        CostTable.load(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a realtime costs file"):
+        CostTable.load(path)
+
+
+def test_costs_in_the_file_are_used_without_a_timing_round(tmp_path) -> None:
+    path = tmp_path / "costs.json"
+    CostTable({cost_key("m", "tent", 64): {"cost": 3.0}}).save(path)
+    costs = resolve_costs([_cell()], path, tmp_path, log=lambda m: pytest.fail(f"measured: {m}"))
+    assert costs == {"m|tent|64": 3.0}
+    grid = GridSpec("g", (ModelSpec("m", "resnet20"),), DataSpec(), (MethodSpec("tent"),), corruptions=("continual",),
+                    severities=(5,), batch_sizes=(64,), seeds=(0,), n_images=100, protocol=REALTIME,
+                    costs=tuple(costs.items()))
+    assert [c.cost for c in grid.cells()] == [3.0]
+
+
+def test_timing_round_reports_the_median_ratio() -> None:
+    plain = nn.Linear(8, 8)
+    batches = [torch.randn(16, 8) for _ in range(5)]
+    result = measure_cost(plain, plain, batches, warmup=2, clock="cpu")
+    assert len(result["ratios"]) == 3 and result["cost"] > 0 and result["clock"] == "cpu"
+    with pytest.raises(ValueError, match="warm-up"):
+        measure_cost(plain, plain, batches[:2], warmup=2)
+
+
+def test_field_preset_shape() -> None:
+    grid = preset("field", data_dir=DATA_DIR)
+    cells = list(grid.cells())
+    assert len(cells) == len(grid)
+    by = {(c.model.name, c.batch_size, c.order, c.protocol) for c in cells}
+    models = {"resnet20_trainstats", "resnet20_gn", "vit_ln"}
+    assert {m for m, *_ in by} == models
+    assert {(m, o) for m, b, o, p in by if p == REALTIME} == {(m, o) for m in models for o in (None, "delta=0.1")}
+    assert {m for m, b, *_ in by if b == 16} == {"resnet20_trainstats"}
+    assert {c.method for c in cells} == {MethodSpec.parse(m).name for m in FIELD_METHODS}
+    assert all(c.n_images == 500 and c.corruption == "continual" for c in cells)
+    keys = [cell_key(c, FILES, "v") for c in cells]
+    assert len(set(keys)) == len(keys)
+    only_gn = grid.override(models=tuple(m for m in grid.models if m.name == "resnet20_gn"))
+    assert {c.model.name for c in only_gn.cells()} == {"resnet20_gn"}
