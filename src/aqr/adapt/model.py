@@ -139,6 +139,12 @@ def _check_reachable(model: nn.Module, maps: Mapping[str, LayerMap]) -> None:
                     return
 
 
+def _check_input(x: object) -> None:
+    """Refuse images stored as integers (token ids, 2-D, pass): torch would only say the dtypes differ."""
+    if isinstance(x, torch.Tensor) and not x.is_floating_point() and (x.dtype in (torch.uint8, torch.bool) or x.ndim >= 3):
+        raise TypeError(f"aqr.AQR got a {x.dtype} batch {tuple(x.shape)}; models take float images, e.g. x.float() / 255")
+
+
 class AQR(nn.Module):
     """``model`` with every selected normalization output recalibrated on each batch.
 
@@ -198,9 +204,7 @@ class AQR(nn.Module):
         return list(self._maps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(x, torch.Tensor) and not x.is_floating_point() and (x.dtype in (torch.uint8, torch.bool) or x.ndim >= 3):
-            # images stored as integers (token ids, 2-D, pass): torch would only say the dtypes differ
-            raise TypeError(f"aqr.AQR got a {x.dtype} batch {tuple(x.shape)}; models take float images, e.g. x.float() / 255")
+        _check_input(x)
         if self._batch is not None:
             return self._stream_forward(x)
         with torch.no_grad():
@@ -246,6 +250,38 @@ class AQR(nn.Module):
                                                    "unchanged (on_nonfinite='skip' returns them)")
                 return out
             finally:
+                batch.begin(0)
+                self._owner = None
+
+    def forward_held(self, x: torch.Tensor) -> torch.Tensor:
+        """The output for a batch mapped with the running state as it stands, which the batch leaves as it
+        was (``target="stream"``/``"robust"``): each layer maps it as :meth:`forward` maps a batch of fewer than
+        ``rebuild_every`` images, merging nothing of it, staging nothing and committing nothing. Before the
+        first batch, and for ``target="batch"`` (which keeps no state), that is the model's own output in eval
+        mode. NaN/Inf: as :meth:`forward` (``on_nonfinite``), and the state is unchanged either way."""
+        _check_input(x)
+        if self._batch is None:
+            with torch.no_grad():
+                return structural_twin(self.model)(x)
+        if self._owner == threading.get_ident():
+            raise RuntimeError("a streaming AQR was called from inside its own forward pass")
+        with self._lock:
+            self._owner = threading.get_ident()
+            batch = self._batch
+            try:
+                batch.begin(int(x.shape[0]) if x.ndim else 0)
+                batch.held = True
+                with torch.no_grad():
+                    out = self._twin(x)
+                if not self._reach_checked:
+                    self._check_every_layer_called()
+                finite = not batch.nonfinite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
+                if not finite and self.config.on_nonfinite == "raise":
+                    raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
+                                                   "unchanged (on_nonfinite='skip' returns them)")
+                return out
+            finally:
+                batch.held = False
                 batch.begin(0)
                 self._owner = None
 

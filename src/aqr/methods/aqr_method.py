@@ -63,6 +63,16 @@ class AQRMethod(TTAMethod):
         with torch.no_grad():
             return self.adapter(x)
 
+    @property
+    def holds_state(self) -> bool:
+        """Streaming AQR under the online protocol: its running estimate carries over."""
+        target = getattr(self.config, "target_kind", None)  # moments' config has no target
+        return not self.protocol.episodic and target is not None and target.keeps_state
+
+    def predict_held(self, x: torch.Tensor) -> torch.Tensor:
+        """The map from the running estimate as it stands, which the batch does not update (:meth:`aqr.AQR.forward_held`)."""
+        return self.adapter.forward_held(x)
+
     def reset_extra_state(self) -> None:
         reset = getattr(self.adapter, "reset", None)
         if callable(reset):

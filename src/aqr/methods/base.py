@@ -16,6 +16,13 @@ Protocols (``ProtocolConfig.protocol``):
     forward pass that computed the (last) loss, i.e. predictions made *before* that update.
 
 Stateless methods (source, TTN, AQR) behave identically under both protocols.
+
+Batches a method has no time to adapt on (the realtime protocol, where the stream runs at the speed of
+the plain model): :meth:`TTAMethod.forward_held` predicts them with the state the method holds from its
+last adapted batch, and they change nothing. A method holds a state (:attr:`TTAMethod.holds_state`)
+only under ``"online"`` and only if it carries something across batches (weights, running statistics,
+a running estimate); otherwise, episodic or stateless, what it holds between batches is the model the
+user gave (eval mode, BatchNorm on its running statistics), which is what ``forward_held`` returns.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 from torch import nn
+
+from .held import RebuiltCache, running_statistics, source_view
 
 PROTOCOLS = ("episodic", "online")
 
@@ -86,6 +95,10 @@ class SerializedCalls:
         with self._lock:
             super().reset()  # type: ignore[misc]
 
+    def forward_held(self, x: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            return super().forward_held(x)  # type: ignore[misc]
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_lock", None)  # locks cannot be copied; a copy gets its own
@@ -127,7 +140,11 @@ class TTAMethod(nn.Module):
         super().__init__()
         self.config = config if config is not None else self.Config()
         self.protocol = protocol if protocol is not None else ProtocolConfig()
-        self.model = self.configure_model(copy.deepcopy(model))
+        private = copy.deepcopy(model)
+        # the user's BatchNorm statistics, which configure_model may drop or replace (forward_held needs them)
+        self._source_statistics = running_statistics(private)
+        self._source_views = RebuiltCache()  # device -> the copy's twin that computes the user's model
+        self.model = self.configure_model(private)
         self.optimizer = self.build_optimizer()
         self._initial_state = self._snapshot() if self.optimizer is not None else None
         self._batches_since_reset = 0
@@ -159,6 +176,11 @@ class TTAMethod(nn.Module):
     def reset_extra_state(self) -> None:
         """Reset method-specific state beyond weights and optimizer (e.g. SAR's loss EMA)."""
 
+    def predict_held(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the state held from the last adapted batch (only called when :attr:`holds_state`),
+        under ``no_grad``, updating nothing: by default the configured model with its current weights."""
+        return self.model(x)
+
     # ---- protocol -----------------------------------------------------------------------
     @property
     def updates_weights(self) -> bool:
@@ -179,6 +201,45 @@ class TTAMethod(nn.Module):
                     logits = self.predict(x)
         self._batches_since_reset += 1
         return logits.detach()
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether an adapted state carries over from one batch to the next (the online protocol of a method
+        that adapts weights, statistics or a running estimate): :meth:`forward_held` predicts with it."""
+        return not self.protocol.episodic and self.updates_weights
+
+    def forward_held(self, x: torch.Tensor) -> torch.Tensor:
+        """Scored logits for a batch the method has no time to adapt on: the predictions of the state it
+        holds from its last adapted batch; ``x`` leaves no trace.
+
+        Detached, computed without gradients. Nothing changes: no weight, optimizer, statistic, memory,
+        teacher or stream update, no reset, and the batch counter that seeds ``forward`` does not move, so
+        later ``forward`` calls give what they would had ``x`` never been seen. With :attr:`holds_state`
+        the logits are :meth:`predict_held`'s (the current state as the method configures its model, e.g.
+        TENT's current weights normalizing with the batch's statistics); otherwise (episodic, or a method
+        that keeps nothing across batches) the user's model as given: eval mode, BatchNorm on its running
+        statistics, the initial weights.
+        """
+        with self._seeded(x.device), torch.no_grad():
+            logits = self.predict_held(x) if self.holds_state else self.source_logits(x)
+        return logits.detach()
+
+    def source_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The user's model as given on ``x`` (eval mode, its BatchNorm running statistics, the initial
+        weights), computed over the private copy without changing it (:func:`aqr.methods.held.source_view`)."""
+        with torch.no_grad():
+            return self._source_view(x.device)(x)
+
+    def _source_view(self, device: torch.device) -> nn.Module:
+        view = self._source_views.get(device)
+        if view is None:
+            initial = {}
+            if self._initial_state is not None:  # trained parameters read their initial values
+                trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
+                initial = {k: v for k, v in self._initial_state[0].items() if k in trained}
+            view = self._source_views.setdefault(device, source_view(self.model, self._source_statistics, initial,
+                                                                     device))
+        return view
 
     def reset(self) -> None:
         """Restore the original weights, buffers and optimizer state, and clear extra state."""

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from aqr.core.twin import structural_twin
+
 from .base import NotApplicable, SerializedCalls, TTAMethod
 from .norm_layers import MovingStatsBatchNorm, replace_batchnorms
 
@@ -107,6 +109,16 @@ class BNEma(SerializedCalls, TTAMethod):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self._lock:
             return super().forward(x)
+
+    @property
+    def holds_state(self) -> bool:
+        return not self.protocol.episodic
+
+    def predict_held(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalized with the current EMA statistics, which this batch does not move (a twin of the model
+        whose layers only normalize, :mod:`aqr.core.twin`; the model itself is not touched)."""
+        frozen = {name: (lambda m: m.normalize) for name, m in self.model.named_modules() if isinstance(m, EmaBatchNorm)}
+        return structural_twin(self.model, frozen)(x)
 
     def reset_extra_state(self) -> None:
         for layer in self.layers:

@@ -239,6 +239,10 @@ class CoTTA(TTAMethod):
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.teacher_logits(x)
 
+    def predict_held(self, x: torch.Tensor) -> torch.Tensor:
+        """The teacher's plain forward: no augmentation average (which would draw from the generators)."""
+        return self.teacher(x)
+
     def loss(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         """The consistency loss of step 2, averaged over the batch."""
         if self.config.loss == "ce":

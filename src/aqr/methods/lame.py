@@ -148,7 +148,9 @@ class LAME(TTAMethod):
         self.iterations = 0  # fixed-point iterations of the last batch
         return model
 
-    def _keep_features(self, _module: nn.Module, args: tuple) -> None:
+    def _keep_features(self, module: nn.Module, args: tuple) -> None:
+        if module is not self.model.get_submodule(self.feature_layer_name):
+            return  # a twin of the layer (forward_held's view of the user's model) keeps nothing
         self._features = args[0] if args else None
 
     def features_and_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -156,6 +156,11 @@ class NormTrainingMethod(TTAMethod):
         with torch.no_grad():
             return self._split(x, lambda good: self.postprocess(self.model(good)))
 
+    def predict_held(self, x: torch.Tensor) -> torch.Tensor:
+        """The current weights, BatchNorm on the batch's statistics; no :meth:`postprocess` (ROID's prior
+        correction is computed from each batch alone and carries nothing over)."""
+        return self._split(x, self.model)
+
     # ---- internals --------------------------------------------------------------------
     def _adapt_finite(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.model(x)

@@ -137,6 +137,10 @@ class RBN(SerializedCalls, TTAMethod):
         self.make_lock()
         return model
 
+    @property
+    def holds_state(self) -> bool:
+        return True  # always online: its statistics carry over (forward_held normalizes with them, no update)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Score ``x`` with the current statistics, then let it update the memory and the statistics."""
         with self._lock:

@@ -182,6 +182,10 @@ class RoTTA(SerializedCalls, TTAMethod):
         with torch.no_grad():
             return self.teacher(x)
 
+    def predict_held(self, x: torch.Tensor) -> torch.Tensor:
+        """The teacher with its robust BatchNorm's current statistics (not updated); nothing enters the memory."""
+        return self.teacher(x)
+
     def adapt(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.predict(x)
         finite = torch.isfinite(logits).all(1) & torch.isfinite(x.flatten(1)).all(1)

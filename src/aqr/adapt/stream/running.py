@@ -319,6 +319,13 @@ class LayerStream:
         y, table = self._map_tentative(x, images, pre, knots, window, group, weight)
         return y, StagedLarge(knots, table, window, images)
 
+    def held(self, x: torch.Tensor, images: int, pre: Affine | None = None) -> torch.Tensor | None:
+        """``x`` (A, C, B) mapped with the committed state alone, as a batch of fewer than ``rebuild_every``
+        images is, but staging nothing: the batch leaves no trace. ``None`` when a value was NaN or Inf.
+        Needs a started state (before the first batch there is no running estimate to map with)."""
+        r = self.kernels.scan(x, images, pre, self.knots, self.source, self.table, MAP, COUNT_STRIDE, COUNT_CELLS)
+        return r.y if r.finite else None
+
     def _map_tentative(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, window: TailWindow,
                        group: PendingGroup | None, weight: float) -> tuple[torch.Tensor, StreamTable]:
         """``x`` mapped with tentative knots: ``group`` merged into ``knots`` (a copy, changed in place) at

@@ -37,6 +37,7 @@ class StreamBatch:
     own: float = 0.0  # target="robust": the share of its own histogram a batch's target takes
     runs: float = 1.0  # target="robust": how clearly the recent predicted classes come in runs (1 - own_batch_share)
     recent: list[int] = field(default_factory=list)  # target="robust": the last MARGINAL_WINDOW predicted classes
+    held: bool = False  # the batch is mapped with the committed state and stages nothing (AQR.forward_held)
 
     def begin(self, images: int) -> None:
         self.images, self.staged, self.nonfinite = images, [], False
@@ -129,6 +130,8 @@ class StreamLayerMap(LayerMap):
     def _fast(self, x: torch.Tensor, pre: Affine | None = None,
               unmapped: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """The layer output ``x`` mapped with the running estimate; the batch's update is staged."""
+        if self.batch.held:
+            return self._held(x, pre, unmapped)
         stream = self.stream(x.device)
         acb = as_acb(x, self.info.channel_dim)
         if not stream.kernels.takes(acb):  # float64 or autograd on CPU: the torch kernels on the same state
@@ -141,6 +144,21 @@ class StreamLayerMap(LayerMap):
             self.batch.nonfinite = True
             return self._nonfinite(x if unmapped is None else unmapped())
         self.batch.staged.append((self.stream(x.device), staged))
+        return y.reshape(x.shape)
+
+    def _held(self, x: torch.Tensor, pre: Affine | None, unmapped: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+        """``x`` mapped with the committed running estimate, staging nothing; before the first batch (no
+        estimate on this device yet) the layer's own output, unmapped."""
+        if x.device not in self.streams or not self.streams[x.device].started:
+            return x if unmapped is None else unmapped()
+        stream = self.stream(x.device)
+        acb = as_acb(x, self.info.channel_dim)
+        if not stream.kernels.takes(acb):
+            stream = _with_torch_kernels(stream)
+        y = stream.held(acb, self.batch.images, pre)
+        if y is None:
+            self.batch.nonfinite = True
+            return self._nonfinite(x if unmapped is None else unmapped())
         return y.reshape(x.shape)
 
 
