@@ -200,3 +200,61 @@ def test_field_preset_shape() -> None:
     assert len(set(keys)) == len(keys)
     only_gn = grid.override(models=tuple(m for m in grid.models if m.name == "resnet20_gn"))
     assert {c.model.name for c in only_gn.cells()} == {"resnet20_gn"}
+
+
+# ---- end to end on a tiny stream ---------------------------------------------------------------------
+from tests.test_bench_stream import tiny_stream  # noqa: E402,F401 - the fixture
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_gradual_cell_ramps_each_corruption(tiny_stream, tmp_path) -> None:
+    from aqr.data.cifar_c import GenerationConfig, generate_cifar_c
+    from aqr.data.arrays import load_npz_arrays
+    from aqr.harness.cell_run import run_cell
+
+    images, labels = load_npz_arrays(tiny_stream.models[0].source_data)
+    generate_cifar_c(images, labels, tmp_path / "ramp", GenerationConfig(corruptions=("gaussian_noise", "contrast"),
+                                                                        severities=(1, 2, 3)), progress=False)
+    data = replace(tiny_stream.data, root=str(tmp_path / "ramp"))
+    grid = apply_setting(replace(tiny_stream, severities=(3,), data=data), "gradual")
+    cell = next(c for c in grid.cells() if c.method == "bn-ema" and c.model.name == "tiny_bn")
+    assert cell.corruption == "gradual:gaussian_noise+contrast" and cell.severity == 3
+    result = run_cell(cell, tmp_path / "cache")
+    assert result.status == "ok", result.message
+    names = [f"{c}-{s}" for c in ("gaussian_noise", "contrast") for s in (1, 2, 3, 2, 1)]
+    assert result.detail["corruptions"] == names and result.n_images == 12 * len(names)
+    blocks = continual.stream_blocks(cell)
+    assert [b[0] for b in blocks] == names
+    assert not np.array_equal(blocks[0][1], blocks[2][1])  # severity 1 and 3 differ
+    assert np.array_equal(blocks[0][1], blocks[4][1])      # the ramp comes back to the same images
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_realtime_grid_records_cost_and_adapted_batches(tiny_stream, tmp_path) -> None:
+    from aqr.harness.grid_driver import run_grid
+    from aqr.harness.report import report
+    from aqr.harness.results import ResultsDB
+
+    offline = replace(tiny_stream, methods=(MethodSpec("source"), MethodSpec("bn-ema"), MethodSpec("tent")))
+    grid = replace(offline, parts=(replace(offline, protocol=REALTIME),))
+    costs = tmp_path / "costs.json"
+    CostTable({cost_key(m.name, v, 4): {"cost": c} for m in grid.models
+               for v, c in (("source", 1.0), ("bn-ema", 1.1), ("tent", 3.0))}).save(costs)
+    db_path = tmp_path / "r.db"
+    with ResultsDB(db_path) as db:
+        summary = run_grid(grid, db, tmp_path / "cache", progress=False, log=lambda m: None, costs_file=costs)
+        rows = db.rows()
+    assert summary.errors == 0, summary.error_messages
+    realtime = {(r.model, r.method): r for r in rows if r.protocol == REALTIME and r.status == "ok"}
+    assert realtime
+    for (model, method), row in realtime.items():
+        batches = row.detail["batches"]  # 2 blocks of 12 images in batches of 4
+        assert batches == 6 and row.config["cost"] == {"source": 1.0, "bn-ema": 1.1, "tent": 3.0}[method]
+        assert row.detail["adapted_batches"] == {"source": 6, "bn-ema": 3, "tent": 2}[method]
+    # source adapts on nothing: realtime and offline predictions are the same
+    same = [r for r in rows if r.method == "source" and r.model == "tiny_bn"]
+    assert len({r.accuracy for r in same}) == 1 and len(same) == 2
+    result = report(db_path, tmp_path / "report")
+    table = next(t for t in result["tables"] if t["name"] == "field_continual")
+    assert "realtime" in table["header"] and "C" in table["header"]
+    assert not any(t["name"].startswith("stream_") and "realtime" in json.dumps(t) for t in result["tables"])

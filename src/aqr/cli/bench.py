@@ -17,7 +17,7 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that choose and shape a grid."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None,
-                     help="main, tails, granularity, vit-blocks, smoke, imagenet, stream or stream-noniid")
+                     help="main, tails, granularity, vit-blocks, smoke, imagenet, stream, stream-noniid or field")
     src.add_argument("--config", default=None, help="grid file (.yaml needs aqr[bench], or .json)")
     p.add_argument("--data-dir", default=None,
                    help="folder with cifar10_test.npz, cifar10_train_jpeg75.npz, checkpoints/, frost/ "

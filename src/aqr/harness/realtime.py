@@ -169,7 +169,7 @@ def measure_cost(method: torch.nn.Module, plain: torch.nn.Module, batches: Seque
 def measure_cell_cost(cell: Cell, cache_dir: str | Path, device: str | None = None, rounds: int = 7,
                       warmup: int = 2, clock: str | None = None) -> dict[str, Any]:
     """:func:`measure_cost` of a realtime cell's method against the unadapted model, on the first
-    ``warmup + rounds`` batches of the cell's own stream (its images and order)."""
+    ``warmup + rounds`` full batches of the cell's own stream (its images, in its order)."""
     from aqr.data.arrays import to_float
     from aqr.harness import continual
     from aqr.harness.cell_run import build_method
@@ -180,15 +180,16 @@ def measure_cell_cost(cell: Cell, cache_dir: str | Path, device: str | None = No
     method = build_method(cell, cache_dir, device)
     plain = build_method(replace(cell, method="source", options=(), protocol="online", cost=None), cache_dir, device)
     if stream_corruptions(cell.corruption) is not None:
-        images, _, starts = continual.stream_batches(cell, continual.stream_blocks(cell))
+        images = continual.stream_batches(cell, continual.stream_blocks(cell))[0]
     else:
-        images, labels = eval_data(cell)
-        starts = list(range(0, len(labels), cell.batch_size))
-    ends = [*starts[1:], len(images)]
-    wanted = [(a, b) for a, b in zip(starts, ends) if b - a == cell.batch_size][: warmup + rounds]
-    if len(wanted) < warmup + 1:
-        raise ValueError(f"cell has {len(wanted)} full batches of {cell.batch_size}; a timing round needs "
+        images = eval_data(cell)[0]
+    # full batches in stream order (across block ends: the cost does not depend on where a block ends)
+    size = cell.batch_size
+    count = min(len(images) // size, warmup + rounds)
+    if count < warmup + 1:
+        raise ValueError(f"the cell's {len(images)} images make {count} batches of {size}; a timing round needs "
                          f"at least {warmup + 1}")
+    wanted = [(k * size, (k + 1) * size) for k in range(count)]
     target = torch.device(device or "cpu")
     batches = [to_float(images[a:b]).to(target) for a, b in wanted]
     result = measure_cost(method, plain, batches, warmup, clock)
