@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from aqr.data.location import DATA_DIR_ENV
+from aqr.util.threads import torch_threads
 
 
 @pytest.fixture(scope="session")
@@ -24,10 +25,7 @@ def data_dir() -> Path:
 
 @pytest.fixture()
 def one_thread():
-    """One torch thread for the test: tiny models run fastest so and do not fight other jobs for the cores."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    """One torch thread for the test: tiny models run fastest so and do not fight other jobs for the cores.
+    A module takes it for all its tests with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    with torch_threads(1):
+        yield

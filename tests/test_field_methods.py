@@ -20,17 +20,11 @@ from aqr.methods.eata import eata_selection, fisher_information, fisher_penalty
 from aqr.methods.roid import prior_correction, roid_weights, soft_likelihood_ratio, symmetric_cross_entropy
 from tests.models_tiny import bn_cnn, gn_cnn, images, tiny_vit
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NAMES = ["eta", "eata", "roid", "deyo"]
 SCALES = {"bn": 15.0, "gn": 40.0, "vit": 4.0}  # head scale: entropies spread around the filters' thresholds
 BUILDERS = {"bn": bn_cnn, "gn": gn_cnn, "vit": tiny_vit}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def model(kind: str = "gn") -> nn.Module:

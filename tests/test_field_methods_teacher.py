@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aqr.methods.rotta_memory import ClassBalancedMemory
-from aqr.methods import NotApplicable, create
+from aqr.methods import NotApplicable, create, method_class
 from aqr.methods.augment import (STRONG, AugmentParams, Generators, adjust_hue, affine, gaussian_blur, hsv_to_rgb,
                                  rgb_to_hsv, tta_augment)
 from aqr.methods.cotta import soft_cross_entropy, weight_and_bias
@@ -21,13 +21,7 @@ from aqr.methods.rbn import RobustBatchNorm
 from aqr.methods.rotta import prediction_entropy, timeliness_weights
 from tests.models_tiny import bn_cnn, gn_cnn, images, tiny_vit
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -401,3 +395,17 @@ def test_rotta_non_finite_images_never_enter_the_memory() -> None:
     assert m.offered == 7 and torch.isfinite(m.memory.items()).all()
     assert all(torch.isfinite(p).all() for p in m.teacher.state_dict().values())
     assert torch.isfinite(m(images(8, seed=7))).all()
+
+
+def test_one_optimizer_config_and_preset_helper_for_the_field_methods() -> None:
+    from aqr.methods.options import OptimizerConfig
+
+    for name in ("eta", "roid", "deyo", "cotta", "rotta"):
+        for defaults in ("cifar10", "imagenet"):
+            config = method_class(name).from_options(defaults=defaults)
+            assert isinstance(config, OptimizerConfig) and config.defaults == defaults
+        with pytest.raises(ValueError, match=f"{name}: defaults must be one of"):
+            method_class(name).from_options(defaults="mnist")
+    # SGD without momentum is plain SGD, whatever nesterov says (torch refuses Nesterov without momentum)
+    sgd = create("cotta", bn_cnn(), optimizer="sgd", momentum=0.0).optimizer
+    assert isinstance(sgd, torch.optim.SGD) and not sgd.param_groups[0]["nesterov"]

@@ -12,13 +12,7 @@ from aqr.methods.lame import affinity_matrix, laplacian_optimization
 from aqr.models.features import feature_layer, feature_layer_name
 from tests.models_tiny import bn_cnn, gn_cnn, images, tiny_vit
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def net_and_features(n: int = 16, seed: int = 1) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:

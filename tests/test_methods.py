@@ -14,6 +14,8 @@ from torch import nn
 from aqr import methods
 from aqr.methods import NotApplicable, create, softmax_entropy
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NUM_CLASSES = 5
 
 
@@ -99,15 +101,6 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def mean_entropy(logits: torch.Tensor) -> float:
     return softmax_entropy(logits).mean().item()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is fastest and does not fight other jobs for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 MODELS = {"bn": (lambda: conv_net("bn"), images), "gn": (lambda: conv_net("gn"), images), "ln": (TinyViT, tokens)}

@@ -33,7 +33,6 @@ nothing: no step, no teacher update, no restore.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +42,8 @@ from torch import nn
 from .augment import SOFT, STRONG, Generators, tta_augment
 from .base import NotApplicable, TTAMethod
 from .norm_layers import use_batch_statistics
+from .options import OptimizerConfig, check_positive, check_unit, config_from_preset
 
-OPTIMIZERS = ("adam", "sgd")
 LOSSES = ("ce", "symmetric")
 
 #: The reference's settings per benchmark (``cfgs/cifar10_c/cotta.yaml``, ``cfgs/imagenet_c/cotta.yaml``).
@@ -55,65 +54,10 @@ COTTA_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def check_unit(name: str, value: Any, low_open: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a real number in [0, 1] (``(0, 1]`` with ``low_open``)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (0 < value <= 1 if low_open else 0 <= value <= 1)
-    if not ok:
-        raise ValueError(f"{name} must lie in {'(0, 1]' if low_open else '[0, 1]'}, got {value!r}")
-
-
-def check_positive(name: str, value: Any, integer: bool = False, zero: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite positive number (an int with ``integer``; 0 allowed
-    with ``zero``)."""
-    kinds = (int,) if integer else (int, float)
-    ok = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
-    if not (ok and (value >= 0 if zero else value > 0)):
-        what = "integer" if integer else "number"
-        raise ValueError(f"{name} must be a {'non-negative' if zero else 'positive'} {what}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """The optimizer of a teacher-student method (the reference's ``OPTIM`` section).
-
-    Attributes:
-        optimizer: ``"adam"`` or ``"sgd"``.
-        lr: learning rate.
-        beta: Adam's first moment coefficient (its second is 0.999).
-        momentum: SGD momentum.
-        nesterov: SGD with Nesterov momentum (the reference's default).
-        weight_decay: weight decay of either optimizer.
-    """
-
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    beta: float = 0.9
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        check_positive("lr", self.lr, zero=True)
-        check_positive("weight_decay", self.weight_decay, zero=True)
-        check_unit("beta", self.beta)
-        check_unit("momentum", self.momentum)
-        if not isinstance(self.nesterov, bool):
-            raise ValueError(f"nesterov must be True or False, got {self.nesterov!r}")
-
-    def build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        """The optimizer over ``params``."""
-        if self.optimizer == "adam":
-            return torch.optim.Adam(params, lr=self.lr, betas=(self.beta, 0.999), weight_decay=self.weight_decay)
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov,
-                               weight_decay=self.weight_decay)
-
-
 @dataclass(frozen=True)
 class CoTTAConfig(OptimizerConfig):
-    """CoTTA options (optimizer options as in :class:`OptimizerConfig`); defaults: the reference's CIFAR-10-C.
+    """CoTTA options (optimizer options as in :class:`~aqr.methods.options.OptimizerConfig`); defaults: the
+    reference's CIFAR-10-C.
 
     Attributes:
         ema: the teacher keeps this share of its weights per step (``M_TEACHER.MOMENTUM``, 0.999).
@@ -143,14 +87,6 @@ class CoTTAConfig(OptimizerConfig):
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if not isinstance(self.soft_augment, bool):
             raise ValueError(f"soft_augment must be True or False, got {self.soft_augment!r}")
-
-
-def config_from_preset(config_cls: type, presets: dict[str, dict[str, Any]], method: str,
-                       defaults: str = "cifar10", **options: Any) -> Any:
-    """``config_cls`` from the preset ``defaults`` of ``presets``, overridden by ``options``."""
-    if defaults not in presets:
-        raise ValueError(f"{method}: defaults must be one of {sorted(presets)}, got {defaults!r}")
-    return config_cls(**{**presets[defaults], **options})
 
 
 def soft_cross_entropy(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:

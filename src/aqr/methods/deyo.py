@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import softmax_entropy
-from .norm_training import NormTrainingMethod, OptimizerConfig, _check_number
+from .norm_training import NormTrainingMethod
+from .options import OptimizerConfig, check_number
 from .sar import frozen_module_names, resolve_freeze_rules
 
 AUGMENTATIONS = ("patch", "pixel", "occ")
@@ -51,7 +52,7 @@ AUGMENTATIONS = ("patch", "pixel", "occ")
 
 @dataclass(frozen=True)
 class DeYOConfig(OptimizerConfig):
-    """DeYO options (and the optimizer's, see :class:`~aqr.methods.norm_training.OptimizerConfig`).
+    """DeYO options (and the optimizer's, see :class:`~aqr.methods.options.OptimizerConfig`).
 
     Attributes:
         margin: the entropy filter keeps samples below ``margin * ln C``.
@@ -79,9 +80,9 @@ class DeYOConfig(OptimizerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_number("margin", self.margin, 0.0)
-        _check_number("e0_factor", self.e0_factor, 0.0)
-        _check_number("plpd_threshold", self.plpd_threshold, -1.0, 1.0)
+        check_number("margin", self.margin, 0.0)
+        check_number("e0_factor", self.e0_factor, 0.0)
+        check_number("plpd_threshold", self.plpd_threshold, -1.0, 1.0)
         if self.aug not in AUGMENTATIONS:
             raise ValueError(f"aug must be one of {AUGMENTATIONS}, got {self.aug!r}")
         for name in ("patch_len", "occlusion_size"):

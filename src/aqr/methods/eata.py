@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import softmax_entropy
-from .norm_training import OPTIMIZER_PRESETS, NormTrainingMethod, OptimizerConfig, _check_number, finite_images
+from .norm_training import NormTrainingMethod, finite_images
+from .options import OPTIMIZER_PRESETS, OptimizerConfig, check_number
 
 ETA_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "cifar10": MappingProxyType({**OPTIMIZER_PRESETS["cifar10"], "d_margin": 0.4}),
@@ -61,7 +62,7 @@ EATA_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
 
 @dataclass(frozen=True)
 class ETAConfig(OptimizerConfig):
-    """ETA options (and the optimizer's, see :class:`~aqr.methods.norm_training.OptimizerConfig`).
+    """ETA options (and the optimizer's, see :class:`~aqr.methods.options.OptimizerConfig`).
 
     Attributes:
         e0: absolute entropy threshold; ``None`` means ``e0_factor * ln(C)``.
@@ -78,10 +79,10 @@ class ETAConfig(OptimizerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.e0 is not None:
-            _check_number("e0", self.e0, 0.0)
-        _check_number("e0_factor", self.e0_factor, 0.0)
-        _check_number("d_margin", self.d_margin, 0.0)
-        _check_number("probs_momentum", self.probs_momentum, 0.0, 1.0)
+            check_number("e0", self.e0, 0.0)
+        check_number("e0_factor", self.e0_factor, 0.0)
+        check_number("d_margin", self.d_margin, 0.0)
+        check_number("probs_momentum", self.probs_momentum, 0.0, 1.0)
 
     def threshold(self, num_classes: int) -> float:
         """The entropy threshold ``E0`` for a ``num_classes``-way classifier."""
@@ -109,7 +110,7 @@ class EATAConfig(ETAConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_number("fisher_alpha", self.fisher_alpha, 0.0)
+        check_number("fisher_alpha", self.fisher_alpha, 0.0)
         for name in ("source_images", "fisher_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

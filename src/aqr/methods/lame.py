@@ -39,7 +39,7 @@ from torch import nn
 from aqr.models.features import feature_layer_name
 
 from .base import TTAMethod
-from .cotta import check_positive, config_from_preset
+from .options import check_positive, config_from_preset
 
 AFFINITIES = ("rbf", "knn", "linear")
 

@@ -7,12 +7,14 @@ All three follow the test-time-adaptation benchmark code (github.com/mariodoeble
   normalizes with the statistics of the current batch, in any mode, without running statistics;
 * the affine weight and bias of every BatchNorm/GroupNorm/LayerNorm layer are trained (DeYO skips
   the top layers, see :mod:`aqr.methods.deyo`), everything else is frozen;
-* the optimizer is the reference's ``OPTIM`` section: Adam (``betas=(beta, 0.999)``) or SGD
-  (``momentum``, dampening 0, Nesterov); neither scales the learning rate with the batch size.
+* the optimizer is the reference's ``OPTIM`` section (:class:`aqr.methods.options.OptimizerConfig`):
+  Adam (``betas=(beta, 0.999)``) or SGD (``momentum``, dampening 0, Nesterov); neither scales the
+  learning rate with the batch size.
 
 ``defaults=`` picks the preset that fills the options a caller does not give: ``"cifar10"`` (the
 reference's ``cfgs/cifar10_c``: Adam, lr 1e-3) or ``"imagenet"`` (``cfgs/imagenet_c``: SGD with
-Nesterov momentum 0.9, lr 2.5e-4); each method adds its own preset values.
+Nesterov momentum 0.9, lr 2.5e-4), :data:`aqr.methods.options.OPTIMIZER_PRESETS`; each method adds its
+own preset values.
 
 Non-finite input: an image with a NaN or Inf pixel goes through the model apart from the others
 (so, through batch statistics, it cannot turn their logits into NaN) and never enters a loss, a
@@ -22,10 +24,7 @@ stay finite.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from types import MappingProxyType
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -33,63 +32,8 @@ from torch import nn
 
 from .base import NotApplicable, TTAMethod
 from .norm_layers import norm_affine_parameters
+from .options import OPTIMIZER_PRESETS, config_from_preset
 from .tent import configure_for_entropy_minimization
-
-OPTIMIZERS = ("adam", "sgd")
-
-#: The reference's optimizer settings per benchmark (``cfgs/cifar10_c/*.yaml``, ``cfgs/imagenet_c/*.yaml``).
-OPTIMIZER_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
-    "cifar10": MappingProxyType({"optimizer": "adam", "lr": 1e-3}),
-    "imagenet": MappingProxyType({"optimizer": "sgd", "lr": 2.5e-4}),
-})
-
-
-def _check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high != math.inf else "")
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Optimizer options of the reference-style methods (defaults: the reference's CIFAR-10-C ones).
-
-    Attributes:
-        defaults: the preset the unset options came from, ``"cifar10"`` or ``"imagenet"``.
-        optimizer: ``"adam"`` or ``"sgd"``.
-        lr: learning rate (not scaled with the batch size, as in the reference).
-        beta: Adam's first beta (the second is 0.999).
-        momentum: SGD momentum (dampening 0).
-        nesterov: SGD with Nesterov momentum (the reference's default).
-        weight_decay: L2 penalty of either optimizer.
-    """
-
-    defaults: str = "cifar10"
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    beta: float = 0.9
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        _check_number("lr", self.lr, 0.0)
-        _check_number("beta", self.beta, 0.0, 1.0)
-        _check_number("momentum", self.momentum, 0.0, 1.0)
-        _check_number("weight_decay", self.weight_decay, 0.0)
-
-    def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        """The configured optimizer over ``params``."""
-        params = list(params)
-        if self.optimizer == "adam":
-            return torch.optim.Adam(params, lr=self.lr, betas=(self.beta, 0.999), weight_decay=self.weight_decay)
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, dampening=0.0,
-                               weight_decay=self.weight_decay, nesterov=self.nesterov and self.momentum > 0)
-
 
 def finite_images(x: torch.Tensor) -> torch.Tensor:
     """Boolean mask over the batch: the samples of ``x`` all of whose values are finite."""
@@ -107,11 +51,9 @@ class NormTrainingMethod(TTAMethod):
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = OPTIMIZER_PRESETS
 
     @classmethod
-    def from_options(cls, **options: Any) -> Any:
-        defaults = options.pop("defaults", "cifar10")
-        if defaults not in cls.PRESETS:
-            raise ValueError(f"defaults must be one of {tuple(cls.PRESETS)}, got {defaults!r}")
-        return cls.Config(**{**cls.PRESETS[defaults], "defaults": defaults, **options})
+    def from_options(cls, defaults: str = "cifar10", **options: Any) -> Any:
+        """The config from the preset ``defaults`` (``"cifar10"`` or ``"imagenet"``) and ``options``."""
+        return config_from_preset(cls.Config, cls.PRESETS, cls.name, defaults, **options)
 
     # ---- hooks ------------------------------------------------------------------------
     def frozen_modules(self, model: nn.Module) -> frozenset[str]:
@@ -147,7 +89,7 @@ class NormTrainingMethod(TTAMethod):
         return model
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return self.config.build_optimizer(self.trained)
+        return self.config.build(self.trained)
 
     def adapt(self, x: torch.Tensor) -> torch.Tensor:
         return self._split(x, self._adapt_finite)

@@ -45,12 +45,13 @@ from torch import nn
 
 from .augment import roid_augment
 from .base import softmax_entropy
-from .norm_training import NormTrainingMethod, OptimizerConfig, _check_number
+from .norm_training import NormTrainingMethod
+from .options import OptimizerConfig, check_number
 
 
 @dataclass(frozen=True)
 class ROIDConfig(OptimizerConfig):
-    """ROID options (and the optimizer's, see :class:`~aqr.methods.norm_training.OptimizerConfig`).
+    """ROID options (and the optimizer's, see :class:`~aqr.methods.options.OptimizerConfig`).
 
     Attributes:
         use_weighting: certainty and diversity weighting (and dropping the least diverse samples).
@@ -73,9 +74,9 @@ class ROIDConfig(OptimizerConfig):
         for name in ("use_weighting", "use_prior_correction", "use_consistency"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        _check_number("momentum_src", self.momentum_src, 0.0, 1.0)
-        _check_number("momentum_probs", self.momentum_probs, 0.0, 1.0)
-        _check_number("temperature", self.temperature, 0.0, low_open=True)
+        check_number("momentum_src", self.momentum_src, 0.0, 1.0)
+        check_number("momentum_probs", self.momentum_probs, 0.0, 1.0)
+        check_number("temperature", self.temperature, 0.0, low_open=True)
 
 
 def _min_max(values: torch.Tensor) -> torch.Tensor:

@@ -49,9 +49,9 @@ from aqr.methods.rotta_memory import ClassBalancedMemory
 
 from .augment import SOFT, STRONG, Generators, tta_augment
 from .base import NotApplicable, SerializedCalls, TTAMethod
-from .cotta import (OptimizerConfig, check_positive, check_unit, config_from_preset, ema_update, frozen_copy,
-                    grads_finite, soft_cross_entropy)
+from .cotta import ema_update, frozen_copy, grads_finite, soft_cross_entropy
 from .norm_layers import batchnorm_layers
+from .options import OptimizerConfig, check_positive, check_unit, config_from_preset
 from .rbn import RobustBatchNorm, use_robust_batchnorm
 
 #: The reference's settings per benchmark (``cfgs/cifar10_c/rotta.yaml``, ``cfgs/imagenet_c/rotta.yaml``: the same).
@@ -60,7 +60,7 @@ ROTTA_PRESETS: dict[str, dict[str, Any]] = {"cifar10": {}, "imagenet": {}}
 
 @dataclass(frozen=True)
 class RoTTAConfig(OptimizerConfig):
-    """RoTTA options (optimizer options as in :class:`~aqr.methods.cotta.OptimizerConfig`).
+    """RoTTA options (optimizer options as in :class:`~aqr.methods.options.OptimizerConfig`).
 
     Attributes:
         bn_momentum: EMA weight of a batch's statistics in the RBN layers (``ROTTA.ALPHA``, 0.05).
