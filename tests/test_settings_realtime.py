@@ -160,6 +160,8 @@ def test_cost_table_round_trip_and_bad_files(tmp_path) -> None:
     path.write_text(json.dumps({"format": "aqr-realtime-costs", "entries": {"m|tent|64": {"cost": -1}}}))
     with pytest.raises(ValueError, match="positive 'cost'"):
         CostTable.load(path)
+    path.write_text(json.dumps({"format": "aqr-realtime-costs", "entries": {"m|ttn|64": {"not_applicable": "no BN"}}}))
+    assert CostTable.load(path).as_mapping() == {} and CostTable.load(path).cost("m", "ttn", 64) is None
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a realtime costs file"):
         CostTable.load(path)
@@ -258,3 +260,18 @@ def test_a_realtime_grid_records_cost_and_adapted_batches(tiny_stream, tmp_path)
     table = next(t for t in result["tables"] if t["name"] == "field_continual")
     assert "realtime" in table["header"] and "C" in table["header"]
     assert not any(t["name"].startswith("stream_") and "realtime" in json.dumps(t) for t in result["tables"])
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_timing_round_measures_missing_costs_and_records_what_cannot_run(tiny_stream, tmp_path) -> None:
+    grid = replace(tiny_stream, methods=(MethodSpec("ttn"), MethodSpec("tent")), protocol=REALTIME)
+    path = tmp_path / "costs.json"
+    logged: list[str] = []
+    costs = resolve_costs(list(grid.cells()), path, tmp_path / "cache", log=logged.append)
+    table = CostTable.load(path)
+    assert set(costs) == {"tiny_bn|ttn|4", "tiny_bn|tent|4", "tiny_gn|tent|4"}
+    assert "not_applicable" in table.entries["tiny_gn|ttn|4"] and all(c > 0 for c in costs.values())
+    assert table.entries["tiny_bn|tent|4"]["rounds"] >= 1
+    logged.clear()
+    assert resolve_costs(list(grid.cells()), path, tmp_path / "cache", log=logged.append) == costs
+    assert logged == []  # nothing measured again

@@ -60,7 +60,8 @@ class CostTable:
     """Measured costs ``C`` by (model, method variant, batch size), as read from and written to a JSON file.
 
     ``entries`` maps :func:`cost_key` to a record with at least ``"cost"`` (two decimals), and how it was
-    measured (clock, rounds' ratios, device, threads, host, versions).
+    measured (clock, rounds' ratios, device, threads, host, versions); or, for a method that cannot run on
+    the model (TTN without BatchNorm), ``"not_applicable"`` with the reason, and no cost.
     """
 
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -79,6 +80,8 @@ class CostTable:
         if not isinstance(data, dict) or data.get("format") != COSTS_FORMAT or not isinstance(data.get("entries"), dict):
             raise ValueError(f"{path}: not a realtime costs file (expected format {COSTS_FORMAT!r} with 'entries')")
         for key, entry in data["entries"].items():
+            if isinstance(entry, dict) and isinstance(entry.get("not_applicable"), str) and "cost" not in entry:
+                continue  # the method cannot run on that model: its cells are n/a, they need no cost
             cost = entry.get("cost") if isinstance(entry, dict) else None
             if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost <= 0:
                 raise ValueError(f"{path}: entry {key!r} needs a positive 'cost', got {cost!r}")
@@ -95,11 +98,11 @@ class CostTable:
 
     def cost(self, model: str, variant: str, batch_size: int) -> float | None:
         entry = self.entries.get(cost_key(model, variant, batch_size))
-        return None if entry is None else float(entry["cost"])
+        return None if entry is None or "cost" not in entry else float(entry["cost"])
 
     def as_mapping(self) -> dict[str, float]:
-        """:func:`cost_key` -> cost, what a grid needs to key its realtime cells."""
-        return {key: float(entry["cost"]) for key, entry in self.entries.items()}
+        """:func:`cost_key` -> cost, what a grid needs to key its realtime cells (not the n/a entries)."""
+        return {key: float(entry["cost"]) for key, entry in self.entries.items() if "cost" in entry}
 
 
 def with_cost(cell: Cell, costs: Mapping[str, float]) -> Cell:
@@ -205,16 +208,24 @@ def resolve_costs(cells: Sequence[Cell], costs_file: str | Path | None, cache_di
     """Costs for every realtime cell of ``cells``: read from ``costs_file``, the missing ones measured on
     this machine (:func:`measure_cell_cost`, ``threads`` torch threads) and added to the file first,
     so an interrupted or repeated run keys its cells the same."""
+    from aqr.methods import NotApplicable
     from aqr.util.threads import torch_threads
 
     table = CostTable.load(costs_file) if costs_file is not None else CostTable()
-    missing = [c for c in cost_needed(with_cost(c, table.as_mapping()) for c in cells)]
+    missing = [c for c in cost_needed(with_cost(c, table.as_mapping()) for c in cells)
+               if cost_key(c.model.name, c.variant, c.batch_size) not in table.entries]
     for cell in missing:
         log(f"timing round: {cell.model.name} {cell.variant} batch {cell.batch_size}")
-        with torch_threads(threads):
-            entry = measure_cell_cost(cell, cache_dir, device, rounds)
+        try:
+            with torch_threads(threads):
+                entry = measure_cell_cost(cell, cache_dir, device, rounds)
+        except NotApplicable as err:  # its cells are recorded n/a when they run
+            entry = {"not_applicable": str(err), "model": cell.model.name, "method": cell.variant,
+                     "batch_size": cell.batch_size}
+            log(f"  n/a: {err}")
+        else:
+            log(f"  C = {entry['cost']:.2f} ({entry['clock']} clock, median of {entry['rounds']} rounds)")
         table.entries[cost_key(cell.model.name, cell.variant, cell.batch_size)] = entry
-        log(f"  C = {entry['cost']:.2f} ({entry['clock']} clock, median of {entry['rounds']} rounds)")
         if costs_file is not None:
             table.save(costs_file)
     return table.as_mapping()
