@@ -275,3 +275,9 @@ def test_timing_round_measures_missing_costs_and_records_what_cannot_run(tiny_st
     logged.clear()
     assert resolve_costs(list(grid.cells()), path, tmp_path / "cache", log=logged.append) == costs
     assert logged == []  # nothing measured again
+
+
+def test_a_method_as_fast_as_the_plain_model_keeps_up_with_the_stream() -> None:
+    plain = nn.Linear(8, 8)
+    result = measure_cost(plain, plain, [torch.randn(16, 8) for _ in range(11)], warmup=2, clock="cpu")
+    assert result["cost"] == 1.0 or result["median_ratio"] > 1.0 + result["spread"]
