@@ -4,6 +4,7 @@ protocols, resets, targets, non-finite input, option routing and cell keys. Tiny
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 
@@ -267,6 +268,17 @@ def test_every_target_runs_and_resets(name: str, target: str) -> None:
         fresh = create(name, model, stats=stats, protocol="online", target=target, compile=False,
                        **({} if name == "aqr+lame" else partner_options(name)))
         assert not torch.allclose(fresh(batches[2]), outs[2], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["aqr+tent", "aqr+lame"])
+def test_a_copy_continues_the_stream(name: str) -> None:
+    model = bn_cnn()
+    stats = stats_of(model, "output" if name == "aqr+lame" else "pre-affine")
+    method = create(name, model, stats=stats, protocol="online", target="stream", compile=False)
+    method(images(8, seed=13, shift=0.4))
+    twin = copy.deepcopy(method)
+    x = images(8, seed=14, shift=0.4)
+    assert torch.allclose(twin(x), method(x), atol=1e-6)
 
 
 def test_episodic_streaming_target_warns() -> None:
