@@ -147,17 +147,28 @@ def test_without_an_update_the_composition_is_aqr(make, mode: str) -> None:
         assert torch.allclose(composed(x), expected, atol=1e-5), name
 
 
+def _eq1(rows: torch.Tensor, source_q: torch.Tensor, target_q: torch.Tensor) -> torch.Tensor:
+    """Eq. 1 written out, differentiable in ``rows`` with the knots constant: a value in ``[p_j^T, p_{j+1}^T)``
+    goes to ``p_j^S + (x - p_j^T) * slope_j`` (the edge segments extended beyond the end knots)."""
+    k = target_q.shape[1]
+    j = (torch.searchsorted(target_q, rows.detach(), right=True) - 1).clamp(0, k - 2)
+    t0, t1 = target_q.gather(1, j), target_q.gather(1, j + 1)
+    s0, s1 = source_q.gather(1, j), source_q.gather(1, j + 1)
+    width = t1 - t0
+    return s0 + (rows - t0) * torch.where(width > 0, (s1 - s0) / torch.where(width > 0, width, 1.0), 0.0)
+
+
 def _reference_step(model: nn.Module, stats: SourceStats, x: torch.Tensor) -> list[torch.Tensor]:
     """Gradients of TENT's loss with respect to the BatchNorms' weights and biases of ``bn_cnn``, written out:
-    each BN normalizes with batch statistics, the exact map with the batch's knots held constant (the
-    reference path, differentiable in the values), then the layer's affine step."""
+    each BN normalizes with batch statistics, Eq. 1 with the batch's own knots held constant, then the
+    layer's affine step."""
     params = [p.detach().clone().requires_grad_(True) for i in (1, 4) for p in (model[i].weight, model[i].bias)]
 
     def bn_block(h: torch.Tensor, name: str, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         x_hat = F.batch_norm(h, None, None, None, None, True, 0.0, 1e-5)
         rows = to_channel_rows(x_hat, 1)
         tq = channel_quantiles(rows.detach(), stats.num_quantiles)
-        z = from_channel_rows(map_rows_with_lines(rows, stats.source_quantiles(name).to(rows), tq, None), x_hat, 1)
+        z = from_channel_rows(_eq1(rows, stats.source_quantiles(name).to(rows), tq), x_hat, 1)
         return z * w.view(1, -1, 1, 1) + b.view(1, -1, 1, 1)
 
     h = torch.relu(bn_block(model[0](x), "1", params[0], params[1]))
@@ -422,3 +433,19 @@ def test_cells_of_compositions_carry_aqrs_versions_and_their_statistics_point() 
     lame = dataclasses.replace(cell, method="aqr+lame", options=())
     plain = dataclasses.replace(cell, method="aqr", options=())
     assert stats_options(lame) == stats_options(plain) and "point" not in stats_options(plain)
+
+
+def test_the_segment_search_agrees_with_searchsorted() -> None:
+    from aqr.core.qmap_grad import knots_at_or_below
+
+    g = torch.Generator().manual_seed(15)
+    for trial in range(40):
+        k = 3 + trial % 30
+        knots = torch.sort(torch.randn(4, k, generator=g) * (0.01 + trial / 10), dim=1).values
+        if trial % 3 == 0:
+            knots[:, 1:4] = knots[:, 1:2]  # a run of tied knots
+        if trial % 5 == 0:
+            knots[2] = 0.5  # a constant channel (the search falls back to torch's)
+        values = torch.randn(4, 300, generator=g) * 3
+        values[:, :k] = knots  # values on the knots
+        assert torch.equal(knots_at_or_below(values, knots), torch.searchsorted(knots, values, right=True))

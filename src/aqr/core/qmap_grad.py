@@ -10,14 +10,15 @@ earlier batches too.
 :func:`with_segment_slopes` attaches that gradient to a map computed by any path (the C or Triton
 fast paths, the streaming kernels): the forward value is the given one, untouched, and the backward
 pass multiplies the incoming gradient by the slopes of the reference map
-(:func:`aqr.core.qmap.map_rows_with_lines`) with the knots the map used.
+(:func:`aqr.core.qmap.map_rows_with_lines`) with the knots the map used (:func:`segment_slopes`; at a
+value equal to a knot, the slope of the segment starting there).
 """
 
 from __future__ import annotations
 
 import torch
 
-from aqr.core.qmap import map_rows_with_lines, to_channel_rows
+from aqr.core.qmap import to_channel_rows
 
 Lines = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -29,6 +30,63 @@ def from_channel_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch
     return rows.reshape(shape).movedim(0, dim)
 
 
+#: cells per knot of the table that finds each value's segment, and the most knots one cell may hold
+#: before the search falls back to ``torch.searchsorted`` (constant channels, long runs of tied knots)
+CELLS_PER_KNOT = 4
+MAX_KNOTS_PER_CELL = 8
+
+
+def knots_at_or_below(rows: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
+    """``torch.searchsorted(knots, rows, right=True)``: how many of each row's sorted knots are ``<=`` each
+    value, for ``(C, M)`` rows and ``(C, K)`` knots.
+
+    Found through a table of ``CELLS_PER_KNOT * K`` equal cells per row between its end knots: the knots
+    in cells before a value's cell are all below it, those after it all above, so only the few knots in
+    its own cell are compared (a binary search of every value is several times slower on CPU).
+    """
+    c, k = knots.shape
+    cells = CELLS_PER_KNOT * k
+    lo = knots[:, :1]
+    span = knots[:, -1:] - lo
+    scale = torch.where(span > 0, cells / torch.where(span > 0, span, torch.ones_like(span)), torch.zeros_like(span))
+
+    def cell_of(v: torch.Tensor) -> torch.Tensor:  # monotone in v, so a knot <= v never lands in a later cell
+        return torch.nan_to_num((v - lo) * scale, nan=0.0).floor_().clamp_(0, cells - 1).long()
+
+    knot_cells = cell_of(knots)
+    per_cell = torch.zeros(c, cells, dtype=torch.long, device=knots.device)
+    per_cell.scatter_add_(1, knot_cells, torch.ones_like(knot_cells))
+    crowded = int(per_cell.max())
+    if crowded > MAX_KNOTS_PER_CELL:
+        return torch.searchsorted(knots, rows, right=True)
+    before = per_cell.cumsum(1) - per_cell  # knots in the cells before each cell
+    where = cell_of(rows)
+    first = before.gather(1, where)
+    inside = per_cell.gather(1, where)
+    count = first
+    for d in range(crowded):  # the knots of the value's own cell, in order
+        knot = knots.gather(1, (first + d).clamp_(max=k - 1))
+        count = count + ((inside > d) & (knot <= rows)).long()
+    return count
+
+
+def segment_slopes(rows: torch.Tensor, source_q: torch.Tensor, target_q: torch.Tensor,
+                   lines: Lines | None = None) -> torch.Tensor:
+    """The derivative of :func:`aqr.core.qmap.map_rows_with_lines` at each value of ``(C, M)`` ``rows``, the
+    knots constant: the slope of the value's segment (the edge segments' beyond the end knots, 0 on a
+    zero-width one), the tail lines' slopes below ``p1^T`` and from ``p_{K-2}^T`` on."""
+    k = target_q.shape[1]
+    rise, run = source_q.diff(dim=1), target_q.diff(dim=1)
+    slope = torch.where(run > 0, rise / torch.where(run > 0, run, torch.ones_like(run)), torch.zeros_like(run))
+    segment = (knots_at_or_below(rows, target_q) - 1).clamp_(0, k - 2)
+    out = slope.gather(1, segment)
+    if lines is not None:
+        a_lo, _, a_hi, _ = lines
+        out = torch.where(rows < target_q[:, 1:2], a_lo.expand_as(out), out)
+        out = torch.where(rows >= target_q[:, k - 2 : k - 1], a_hi.expand_as(out), out)
+    return out
+
+
 def segment_slope_vjp(x: torch.Tensor, grad: torch.Tensor, source_q: torch.Tensor, target_q: torch.Tensor,
                       lines: Lines | None, dim: int) -> torch.Tensor:
     """``grad`` times the map's segment slope at each value of ``x`` (channels on ``dim``), knots constant."""
@@ -36,11 +94,8 @@ def segment_slope_vjp(x: torch.Tensor, grad: torch.Tensor, source_q: torch.Tenso
     rows = to_channel_rows(x.detach(), dim).to(work)
     sq, tq = source_q.to(rows), target_q.to(rows).contiguous()
     lines = None if lines is None else tuple(t.to(rows) for t in lines)  # type: ignore[assignment]
-    with torch.enable_grad():
-        rows = rows.requires_grad_(True)
-        mapped = map_rows_with_lines(rows, sq, tq, lines)  # type: ignore[arg-type]
-        (out,) = torch.autograd.grad(mapped, rows, to_channel_rows(grad, dim).to(work))
-    return from_channel_rows(out, x, dim).to(grad.dtype)
+    slopes = segment_slopes(rows, sq, tq, lines)  # type: ignore[arg-type]
+    return from_channel_rows(slopes.mul_(to_channel_rows(grad, dim).to(work)), x, dim).to(grad.dtype)
 
 
 class _SegmentSlopes(torch.autograd.Function):
