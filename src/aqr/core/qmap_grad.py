@@ -102,11 +102,13 @@ class _SegmentSlopes(torch.autograd.Function):
     """Forward: the given mapped values; backward: :func:`segment_slope_vjp`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mapped: torch.Tensor, source_q: torch.Tensor,  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, mapped: tuple[torch.Tensor], source_q: torch.Tensor,  # type: ignore[override]
                 target_q: torch.Tensor, lines: Lines | None, dim: int) -> torch.Tensor:
         ctx.save_for_backward(x, source_q, target_q, *(lines or ()))
         ctx.dim, ctx.has_lines = dim, lines is not None
-        return mapped.view_as(mapped)
+        # handed in a tuple, so the output is no input returned as-is (a view, which a later in-place op,
+        # say ReLU(inplace=True) after a layer without affine parameters, could not modify)
+        return mapped[0]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -123,5 +125,5 @@ def with_segment_slopes(x: torch.Tensor, mapped: torch.Tensor, source_q: torch.T
     extended), the knots held constant."""
     if not x.requires_grad:
         return mapped
-    return _SegmentSlopes.apply(x, mapped.detach(), source_q.detach(), target_q.detach(),
+    return _SegmentSlopes.apply(x, (mapped.detach(),), source_q.detach(), target_q.detach(),
                                 None if lines is None else tuple(t.detach() for t in lines), dim)
