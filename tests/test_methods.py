@@ -123,7 +123,7 @@ def field_options(name: str, data=images) -> dict:
 # ---------------------------------------------------------------------------- registry
 def test_available_and_create() -> None:
     assert methods.available() == ["source", "ttn", "tent", "sar", "aqr", "moments", "rbn", "bn-ema", *FIELD,
-                                   "cotta", "rotta", "lame"]
+                                   "cotta", "rotta", "lame", "aqr+tent", "aqr+eta", "aqr+roid", "aqr+lame"]
     net = conv_net()
     for name in ["source", "ttn", "tent", "sar", "rbn"]:
         m = create(name, net, protocol="online" if name == "rbn" else "episodic")
@@ -436,7 +436,9 @@ def test_methods_declare_what_a_caller_must_supply() -> None:
                      "sar": (False, True, False), "aqr": (True, False, False), "moments": (True, False, False),
                      "rbn": (False, False, False), "bn-ema": (False, False, False), "eta": (False, False, False),
                      "eata": (False, False, True), "roid": (False, False, False), "deyo": (False, False, False),
-                     "cotta": (False, False, False), "rotta": (False, False, False), "lame": (False, False, False)}
+                     "cotta": (False, False, False), "rotta": (False, False, False), "lame": (False, False, False),
+                     "aqr+tent": (True, True, False), "aqr+eta": (True, False, False), "aqr+roid": (True, False, False),
+                     "aqr+lame": (True, False, False)}
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         methods.method_class("nope")
 

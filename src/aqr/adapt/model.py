@@ -65,6 +65,7 @@ def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> It
     one entered before it produced. :class:`AQR` is the faster way (it folds eval BatchNorms into the map).
     """
     stats.check_model(model)
+    stats.check_point("output", "aqr.recalibrating")
     config = AQRConfig(**options)  # type: ignore[arg-type]
     if config.target_kind.keeps_state:
         raise ValueError(f"target={config.target!r} keeps a state across batches, which a context manager cannot: "
@@ -182,6 +183,7 @@ class AQR(nn.Module):
     def __init__(self, model: nn.Module, stats: SourceStats, **options: object) -> None:
         super().__init__()
         stats.check_model(model)
+        stats.check_point("output", "aqr.AQR")
         self.model = model
         self.stats = stats
         self.config = AQRConfig(**options)  # type: ignore[arg-type]

@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--groups", type=count(1, 4096), default=None,
                    help="also keep each group's knots (source class y in group y %% G), for target='robust' with "
                         "balance < 1 (its groups: 16 by default)")
+    p.add_argument("--point", choices=("output", "pre-affine"), default="output",
+                   help="where the values are read: each layer's output (for aqr, aqr+lame; default) or before its "
+                        "affine step (for aqr+tent, aqr+eta, aqr+roid)")
     p.add_argument("--batch-size", type=count(1), default=500)
     p.add_argument("--seed", type=count(0), default=0, help="seeds the image draw and the statistics' sampling")
     p.add_argument("--no-progress", action="store_true")
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         stats = calibrate(model, data_loader(source, args.batch_size, args.workers, args.device), layers=layers,
                           num_quantiles=args.num_quantiles, tail=args.tail, tail_unit=args.tail_unit,
                           max_samples=args.max_samples, seed=args.seed, progress=not args.no_progress,
-                          groups=args.groups)
+                          groups=args.groups, point=args.point)
     path = stats.save(args.out)
     how = f" ({preprocess})" if is_image_source(args.data) else ""
     print(f"wrote {path}: {len(stats.layer_names)} layers, K={args.num_quantiles}, {len(source)} source images{how}",

@@ -34,6 +34,7 @@ from aqr.core.layers import (
     norm_layers,
     select_layers,
 )
+from aqr.core.points import OUTPUT, PRE_AFFINE, check_point, normalized
 from aqr.core.qmap import check_tail, sort_rows, sorted_quantiles
 from aqr.core.stats import MAX_TAIL_DRAW, LayerStats, SourceStats, weights_summary
 from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
@@ -170,9 +171,10 @@ class LayerCollector:
         return self._knots(num_quantiles)[1].cpu()
 
     def finish(
-        self, module: nn.Module, num_quantiles: int, tail_batch: int, tail_repeats: int
+        self, module: nn.Module, num_quantiles: int, tail_batch: int, tail_repeats: int, affine: bool = True
     ) -> LayerStats:
-        """The layer's statistics: ``num_quantiles`` knots and Average Sample Tails over ``tail_batch``."""
+        """The layer's statistics: ``num_quantiles`` knots and Average Sample Tails over ``tail_batch``;
+        the layer's affine parameters with them unless ``affine`` is false (values taken before them)."""
         ordered, q = self._knots(num_quantiles)
         if self.per_input:
             # min over 100 inputs = min of their per-input minima (a channel's draws are uniform
@@ -183,8 +185,8 @@ class LayerCollector:
             high = average_sample_tails(maxs, tail_batch, tail_repeats, self.seed)[1]
         else:
             low, high = average_sample_tails(ordered, tail_batch, tail_repeats, self.seed)
-        weight = getattr(module, "weight", None)
-        bias = getattr(module, "bias", None)
+        weight = getattr(module, "weight", None) if affine else None
+        bias = getattr(module, "bias", None) if affine else None
         return LayerStats(
             info=self.info,
             quantiles=q.cpu(),
@@ -253,6 +255,7 @@ def calibrate(
     progress: bool = False,
     compile: bool = True,
     groups: int | None = None,
+    point: str = OUTPUT,
 ) -> SourceStats:
     """Run ``model`` over ``source`` once and return the statistics AQR needs.
 
@@ -279,8 +282,13 @@ def calibrate(
         groups: also keep class-conditional knots (``target="robust"`` maps each group of predicted
             classes onto them): source class ``y`` in group ``y % groups``, ``max_samples // groups``
             values per channel and group. Needs ``(input, label)`` batches of integer labels.
+        point: where the values are read (:mod:`aqr.core.points`): ``"output"`` (default), each layer's
+            output, which :class:`aqr.AQR` maps; ``"pre-affine"``, the normalized values before the
+            layer's affine step, which the compositions with gradient methods map
+            (:mod:`aqr.methods.compose`); the statistics then hold no affine parameters.
     """
     check_tail(tail)
+    check_point(point)
     if num_quantiles < 3:
         raise ValueError(f"num_quantiles must be >= 3, got {num_quantiles}")
     if max_samples < 2:
@@ -339,8 +347,10 @@ def calibrate(
                                                               seed * 1_000_003 + i + 7919 * (g + 1))
                                                for g in range(groups)]
 
-                    def hook(_m: nn.Module, _i: object, out: object, c: LayerCollector = collectors[info.name]) -> None:
+                    def hook(m: nn.Module, inputs: object, out: object, c: LayerCollector = collectors[info.name]) -> None:
                         out = check_output(c.info, out)
+                        if point == PRE_AFFINE:  # the same values, before the layer's affine step
+                            out = check_output(c.info, normalized(m, inputs[0], c.info))  # type: ignore[index]
                         c.update(out)
                         if groups is not None:
                             _update_groups(by_group[c.info.name], out, current["group"])
@@ -351,7 +361,8 @@ def calibrate(
     if order is None:
         raise ValueError("the source data yielded no images (no batch, or only empty ones)")
     stats = {
-        name: c.finish(modules[name], num_quantiles, tail_batch, tail_repeats) for name, c in collectors.items()
+        name: c.finish(modules[name], num_quantiles, tail_batch, tail_repeats, affine=point == OUTPUT)
+        for name, c in collectors.items()
     }
     if groups is not None:
         for name, layer in stats.items():
@@ -371,6 +382,7 @@ def calibrate(
         weights_summary=weights_summary(model),
         groups=groups,
         group_images=None if groups is None else tuple(group_images),
+        point=point,
     )
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from aqr._version import __version__
 from aqr.core.layers import LayerInfo, fingerprint, norm_layers
+from aqr.core.points import OUTPUT, POINTS
 from aqr.core.tails import TAIL_UNITS, TAILS
 from aqr.util.files import atomic_write
 
@@ -185,10 +186,13 @@ class SourceStats:
     # images each group had; every layer then has its group_quantiles. None: no class information.
     groups: int | None = None
     group_images: tuple[int, ...] | None = None
+    # where the values were read (aqr.core.points): "output" (what aqr.AQR maps) or "pre-affine"
+    point: str = OUTPUT
 
     def __post_init__(self) -> None:
         """Raise :class:`StatsError` naming what is unusable (each layer checked itself)."""
         k = _integer(self.num_quantiles, "", "num_quantiles", 3)
+        _choice(self.point, "", "point", POINTS)
         _choice(self.tail, "", "tail", TAILS)
         _choice(self.tail_unit, "", "tail_unit", TAIL_UNITS)
         _integer(self.tail_batch, "", "tail_batch", 1, MAX_TAIL_DRAW)
@@ -228,6 +232,7 @@ class SourceStats:
     def __repr__(self) -> str:
         channels = sum(layer.info.channels for layer in self.layers.values())
         groups = "" if self.groups is None else f", groups={self.groups}"
+        groups += "" if self.point == OUTPUT else f", point={self.point!r}"
         return (f"SourceStats({len(self.layers)} layers, {channels} channels, K={self.num_quantiles}, "
                 f"tail={self.tail!r}, tail_unit={self.tail_unit!r}, max_samples={self.max_samples}{groups}, "
                 f"aqr {self.aqr_version})")
@@ -261,6 +266,12 @@ class SourceStats:
         if kind == "affine" and layer.affine_weight is not None and layer.affine_bias is not None:
             return layer.affine_bias, layer.affine_weight.abs()
         return layer.mean, layer.std
+
+    def check_point(self, point: str, user: str) -> None:
+        """Raise :class:`StatsError` unless the values were read at ``point`` (``user`` names who maps them)."""
+        if self.point != point:
+            raise StatsError(f"{user} maps the values at point={point!r}, these statistics were taken at "
+                             f"point={self.point!r}: calibrate with point={point!r}")
 
     # ---- model checks -------------------------------------------------------------------------
     def check_model(self, model: nn.Module) -> None:
@@ -338,6 +349,8 @@ class SourceStats:
         }
         if self.groups is not None:
             meta["groups"], meta["group_images"] = self.groups, list(self.group_images or ())
+        if self.point != OUTPUT:  # only then: files of the output point keep their bytes
+            meta["point"] = self.point
         if self.weights_summary is not None:
             tensors[WEIGHTS_KEY] = self.weights_summary
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
@@ -430,6 +443,7 @@ class SourceStats:
             aqr_version=_get(meta, "aqr_version", default="?"),
             groups=_get(meta, "groups", default=None),
             group_images=_group_images(_get(meta, "group_images", default=None)),
+            point=_get(meta, "point", default=OUTPUT),
         )
 
 

@@ -80,8 +80,20 @@ def _key(config: Mapping[str, Any], method: str, fingerprints: Mapping[str, str]
     }
     if config.get("order") is not None:
         payload["stream_order_version"] = STREAM_ORDER_VERSION
-    if method in ("aqr", "moments"):  # both read the source statistics
+    reads_stats, maps = _aqr_parts(method)
+    if reads_stats:
         payload["aqr_stats_version"] = AQR_STATS_VERSION
-    if method == "aqr":
+    if maps:
         payload["aqr_fast_path_version"] = AQR_FAST_PATH_VERSION
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:32]
+
+
+def _aqr_parts(method: str) -> tuple[bool, bool]:
+    """Whether the method reads AQR's source statistics (aqr, moments, the compositions) and whether it maps
+    with AQR's quantile map (aqr and the compositions), from its class; an unknown name has neither."""
+    from aqr.methods import METHODS
+
+    cls = METHODS.get(method)
+    if cls is None:
+        return False, False
+    return bool(cls.needs_stats), bool(getattr(cls, "uses_quantile_map", False))

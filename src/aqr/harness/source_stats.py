@@ -31,7 +31,18 @@ def stats_options(cell: Cell) -> dict[str, Any]:
            "tail_unit": str(opts.get("tail_unit", DEFAULT_TAIL_UNIT))}
     if float(opts.get("balance", 1.0)) < 1:  # class-conditional knots (only then: other cells keep their files)
         out["groups"] = int(opts.get("groups", DEFAULT_GROUPS))
+    point = stats_point(cell.method)
+    if point != "output":  # the values before the affine step (only then: other cells keep their files)
+        out["point"] = point
     return out
+
+
+def stats_point(method: str) -> str:
+    """Where the method's statistics are read (:mod:`aqr.core.points`): its class's ``stats_point``, else
+    ``"output"``, the layers' outputs."""
+    from aqr.methods import METHODS
+
+    return str(getattr(METHODS.get(method), "stats_point", "output"))
 
 
 def stats_path(cell: Cell, cache_dir: str | Path) -> Path:
@@ -59,7 +70,7 @@ def compute_stats(cell: Cell, progress: bool = False, device: str | None = None,
     with torch_threads(threads):
         return calibrate(model, data_loader(source, 500, loader_workers, device), num_quantiles=opts["K"],
                          max_samples=opts["max_samples"], tail_unit=opts["tail_unit"], progress=progress,
-                         groups=opts.get("groups"))
+                         groups=opts.get("groups"), point=opts.get("point", "output"))
 
 
 def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False, device: str | None = None,

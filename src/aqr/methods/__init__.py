@@ -14,13 +14,18 @@ benchmark code.
 >>> method = create("cotta", model, protocol="online")  # mean teacher, augmentation averaging, stochastic restore
 >>> method = create("rotta", model, protocol="online", defaults="imagenet")  # RBN + balanced memory + teacher
 >>> method = create("lame", model)              # Laplacian-regularized output correction, no weight update
+>>> method = create("aqr+tent", model, stats=pre_affine_stats, protocol="online")  # AQR's map before TENT's affine
+>>> method = create("aqr+lame", model, stats=stats, target="stream")  # LAME on the AQR-recalibrated outputs
 
 ``create`` deep-copies ``model``; the user's model is never modified. Options are the fields of
 :class:`ProtocolConfig` (``protocol``, ``steps``, ``seed``) plus the method's own config dataclass
 (``TentConfig``, ``SARConfig``, ``AQRMethodConfig``, ``MomentsConfig``, ``RBNConfig``, ``BNEmaConfig``,
 ``ETAConfig``, ``EATAConfig``, ``ROIDConfig``, ``DeYOConfig``, ``CoTTAConfig``, ``RoTTAConfig``, ``LAMEConfig``;
 the field's methods also take ``defaults="cifar10"`` or ``"imagenet"``, the reference's presets, which other
-options override). A method class declares what a caller must supply: ``needs_stats`` (AQR, moments),
+options override). The compositions ``aqr+tent``, ``aqr+eta``, ``aqr+roid`` and ``aqr+lame`` take AQR's options and their
+partner's side by side (:mod:`aqr.methods.compose`; the first three need statistics taken before the
+affine step, ``aqr.calibrate(..., point="pre-affine")``, their ``stats_point``).
+A method class declares what a caller must supply: ``needs_stats`` (AQR, moments, the compositions),
 ``needs_batch_size`` (TENT, SAR) and ``needs_source`` (EATA); see :func:`method_class`.
 """
 
@@ -35,6 +40,8 @@ from torch import nn
 from .aqr_method import AQRMethod, AQRMethodConfig
 from .base import NotApplicable, ProtocolConfig, TTAMethod, softmax_entropy
 from .bn_ema import BNEma, BNEmaConfig, EmaBatchNorm
+from .compose import (AQRETA, AQRLAME, AQRROID, AQRETAConfig, AQRLAMEConfig, AQRROIDConfig, AQRTent,
+                      AQRTentConfig)
 from .cotta import COTTA_PRESETS, CoTTA, CoTTAConfig
 from .deyo import DeYO, DeYOConfig
 from .eata import EATA, ETA, EATAConfig, ETAConfig
@@ -50,7 +57,7 @@ from .ttn import TTN
 
 METHODS: Mapping[str, type[TTAMethod]] = MappingProxyType(
     {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, Moments, RBN, BNEma, ETA, EATA, ROID, DeYO, CoTTA,
-                               RoTTA, LAME)}
+                               RoTTA, LAME, AQRTent, AQRETA, AQRROID, AQRLAME)}
 )
 
 _PROTOCOL_KEYS = frozenset(f.name for f in fields(ProtocolConfig))
@@ -83,6 +90,14 @@ def create(name: str, model: nn.Module, **options: Any) -> TTAMethod:
 
 
 __all__ = [
+    "AQRETA",
+    "AQRETAConfig",
+    "AQRLAME",
+    "AQRLAMEConfig",
+    "AQRROID",
+    "AQRROIDConfig",
+    "AQRTent",
+    "AQRTentConfig",
     "AQRMethod",
     "AQRMethodConfig",
     "BNEma",

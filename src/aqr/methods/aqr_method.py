@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -40,6 +40,8 @@ class AQRMethod(TTAMethod):
     name = "aqr"
     Config = AQRMethodConfig
     needs_stats = True
+    #: the method maps with AQR's quantile map: its cells' keys carry the fast path's version
+    uses_quantile_map: ClassVar[bool] = True
 
     @classmethod
     def from_options(cls, **options: Any) -> Any:

@@ -153,11 +153,16 @@ class LAME(TTAMethod):
             return  # a twin of the layer (forward_held's view of the user's model) keeps nothing
         self._features = args[0] if args else None
 
+    def logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits LAME corrects: the model's (``aqr+lame``: the AQR-adapted model's), whose pass over
+        ``x`` leaves the features in the hook of the feature layer."""
+        return self.model(x)
+
     def features_and_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The features (N, d) and logits (N, K) of ``x``."""
         self._features = None
         with torch.no_grad():
-            logits = self.model(x)
+            logits = self.logits_of(x)
         feats, self._features = self._features, None
         if logits.ndim != 2:
             raise ValueError(f"lame needs logits of shape (images, classes), the model gives {tuple(logits.shape)}")

@@ -43,3 +43,4 @@ class Moments(AQRMethod):
 
     name = "moments"
     Config = MomentsConfig
+    uses_quantile_map = False  # an affine map: no fast path of AQR's (its statistics, though)
