@@ -46,6 +46,9 @@ def images(n: int = 16, seed: int = 1, shift: float = 0.0) -> torch.Tensor:
 
 NET = bn_net()
 STATS = aqr.calibrate(NET, [images(64, seed=s) for s in range(2)], num_quantiles=21, compile=False)
+# the compositions with a gradient method map the normalized values before the affine step
+PRE_AFFINE_STATS = aqr.calibrate(NET, [images(64, seed=s) for s in range(2)], num_quantiles=21, compile=False,
+                                 point="pre-affine")
 
 
 def options(name: str, protocol: str, target: str | None = None) -> dict:
@@ -53,7 +56,7 @@ def options(name: str, protocol: str, target: str | None = None) -> dict:
     cls = method_class(name)
     opts: dict = {"protocol": protocol}
     if cls.needs_stats:
-        opts["stats"] = STATS
+        opts["stats"] = PRE_AFFINE_STATS if getattr(cls, "stats_point", "output") == "pre-affine" else STATS
     if cls.needs_source:
         opts["source"] = images(32, seed=11)
     opts |= {
@@ -65,7 +68,7 @@ def options(name: str, protocol: str, target: str | None = None) -> dict:
         "cotta": {"augmentations": 2, "anchor_threshold": 1.0},  # always averages augmentations (draws)
         "rotta": {"capacity": 8, "update_every": 8},
         "rbn": {"capacity": 8, "update_every": 8},
-    }.get(name, {})
+    }.get(name.removeprefix("aqr+"), {})  # a composition takes its partner's options
     if target is not None:
         opts.update(target=target, horizon=16)
     return opts
@@ -79,6 +82,7 @@ def cases() -> list[tuple[str, str, str | None]]:
             found.append((name, protocol, None))
     for target in ("stream", "robust"):
         found += [("aqr", "online", target), ("aqr", "episodic", target)]
+        found += [(name, "online", target) for name in METHODS if name.startswith("aqr+")]
     return found
 
 
@@ -191,6 +195,10 @@ def test_which_methods_hold_a_state() -> None:
     holding = {(n, p, t) for n, p, t in CASES if build(n, p, t).holds_state}
     weights = {"tent", "sar", "eta", "eata", "roid", "deyo", "cotta", "rotta", "bn-ema", "rbn"}
     expected = {(n, "online", None) for n in weights} | {("aqr", "online", "stream"), ("aqr", "online", "robust")}
+    # the compositions: the gradient ones hold their weights (and a streaming map's state), aqr+lame only AQR's stream
+    composed = {"aqr+tent", "aqr+eta", "aqr+roid"} & set(METHODS)
+    expected |= {(n, "online", t) for n in composed for t in (None, "stream", "robust")}
+    expected |= {("aqr+lame", "online", t) for t in ("stream", "robust") if "aqr+lame" in METHODS}
     assert holding == expected
 
 

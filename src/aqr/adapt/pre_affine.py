@@ -49,13 +49,16 @@ from aqr.core.stats import SourceStats
 class PreAffineForward:
     """The ``forward`` of one normalization layer of the copy: normalize, map, the layer's affine step."""
 
-    def __init__(self, module: nn.Module, layer_map: LayerMap) -> None:
+    def __init__(self, module: nn.Module, layer_map: LayerMap, owner: "PreAffineAQR") -> None:
         self.module = module
         self.layer_map = layer_map
         self.info = layer_map.info
+        self.owner = owner
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x_hat = normalized(self.module, x, self.info)
+        if self.owner.holding and self.owner.batch is None:  # a per-batch map keeps nothing to predict with
+            return affine(self.module, x_hat, self.info)
         plain = x_hat.detach()
         with torch.no_grad():
             mapped = self.layer_map(self.module, (plain,), plain)
@@ -123,8 +126,9 @@ class PreAffineAQR:
         for name, layer_map in self.maps.items():
             module = modules[name]
             layer_info(name, module)
-            module.forward = PreAffineForward(module, layer_map)  # type: ignore[method-assign]
+            module.forward = PreAffineForward(module, layer_map, self)  # type: ignore[method-assign]
         self._frozen = False
+        self.holding = False
         if self.batch is not None:
             model.register_forward_pre_hook(self._begin)
             model.register_forward_hook(self._commit)
@@ -143,10 +147,22 @@ class PreAffineAQR:
         finally:
             self._frozen = old
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Within the block, forward passes predict with what the maps hold from the adapted batches and
+        leave it as it was: a streaming target maps with its committed running state (staging and
+        committing nothing), a per-batch target does not map (it keeps nothing across batches)."""
+        old, self.holding, self._frozen = (self.holding, self._frozen), True, True
+        try:
+            yield
+        finally:
+            self.holding, self._frozen = old
+
     def _begin(self, _model: nn.Module, args: tuple) -> None:
         x = args[0] if args else None
         batch = self.batch
         batch.begin(int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim else 0)  # type: ignore[union-attr]
+        batch.held = self.holding  # type: ignore[union-attr]
         batch.own, batch.runs = self.target.batch_shares(batch.recent, self.config)  # type: ignore[union-attr]
 
     def _commit(self, _model: nn.Module, _args: tuple, out: object) -> None:
@@ -166,6 +182,7 @@ class PreAffineAQR:
                 raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
                                                "unchanged (on_nonfinite='skip' returns them)")
         finally:
+            batch.held = False  # type: ignore[union-attr]
             batch.begin(0)  # type: ignore[union-attr]
 
     def reset(self) -> None:

@@ -30,7 +30,8 @@ NONIID_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "aqr", "aqr:target=s
 # The field preset: the field's methods beside AQR's targets, all online, on the continual stream in three
 # settings (i.i.d., class-correlated, mixed domains), offline and under the realtime protocol.
 FIELD_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "sar", "eta", "eata", "cotta", "rotta", "lame", "roid",
-                 "deyo", "moments", "aqr", "aqr:target=stream", "aqr:target=robust")
+                 "deyo", "moments", "aqr", "aqr:target=stream", "aqr:target=robust",
+                 "aqr+tent", "aqr+eta", "aqr+roid", "aqr+lame")
 FIELD_ORDERS = (None, "delta=0.1", "mixed")       # continual (i.i.d.), correlated and mixed_domains
 FIELD_REALTIME_ORDERS = (None, "delta=0.1")      # the settings also run under the realtime protocol
 FIELD_MODELS = ("resnet20_trainstats", "resnet20_gn", "vit_ln")
@@ -123,7 +124,8 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
     1, 4, 16, 64 and 128, for :data:`STREAM_METHODS` (see docs/results/stream for its cost);
     ``stream-noniid``: that stream in each of :data:`NONIID_ORDERS`, blocks of 1,000 images,
     batch sizes 16 and 64, seed 0, for :data:`NONIID_METHODS` (see docs/benchmark.md for its cost);
-    ``field``: the field's methods and AQR's targets (:data:`FIELD_METHODS`) on the third-party BN
+    ``field``: the field's methods, AQR's targets and AQR composed with TENT, ETA, ROID and LAME
+    (:data:`FIELD_METHODS`) on the third-party BN
     ResNet-20 (statistics from the 10,000 JPEG training images, as the zoo's models), the zoo's GN
     ResNet-20 and ViT: the continual stream at severity 5, blocks of 500 images, batch 64 (and 16 on the
     BN model), online, in the continual, correlated (delta 0.1) and mixed_domains settings, and under

@@ -146,6 +146,12 @@ class PreAffineComposition:
         super().reset_extra_state()  # type: ignore[misc]
         self.aqr.reset()
 
+    def predict_held(self, x: torch.Tensor) -> torch.Tensor:
+        """The partner's held prediction (its current affine weights) over what the maps hold: a streaming
+        target's committed state, no map for a per-batch target; nothing is staged or committed."""
+        with self.aqr.held():
+            return super().predict_held(x)  # type: ignore[misc]
+
     def loss(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
         """The partner's loss; its auxiliary forward passes (ROID's augmented images) leave AQR's stream alone."""
         with self.aqr.frozen():
@@ -208,6 +214,22 @@ class AQRLAME(LAME):
 
     def logits_of(self, x: torch.Tensor) -> torch.Tensor:
         return self.adapter(x)
+
+    @property
+    def holds_state(self) -> bool:
+        """Online with a streaming target, AQR's running state carries over (LAME itself keeps nothing)."""
+        return not self.protocol.episodic and self.config.aqr_config().target_kind.keeps_state
+
+    def predict_held(self, x: torch.Tensor) -> torch.Tensor:
+        """AQR's held prediction (its committed running state); LAME's correction is per-batch work."""
+        return self.adapter.forward_held(x)
+
+    def source_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The user's model: AQR's plain twin of the copy (the copy itself carries AQR's hooks)."""
+        from aqr.core.twin import structural_twin
+
+        with torch.no_grad():
+            return structural_twin(self.model)(x)
 
     def reset_extra_state(self) -> None:
         super().reset_extra_state()

@@ -144,14 +144,23 @@ class LAME(TTAMethod):
         model.eval().requires_grad_(False)
         self.feature_layer_name = feature_layer_name(model, self.config.feature_layer)
         self._features: torch.Tensor | None = None
+        self._holding = False
         model.get_submodule(self.feature_layer_name).register_forward_pre_hook(self._keep_features)
         self.iterations = 0  # fixed-point iterations of the last batch
         return model
 
     def _keep_features(self, module: nn.Module, args: tuple) -> None:
-        if module is not self.model.get_submodule(self.feature_layer_name):
-            return  # a twin of the layer (forward_held's view of the user's model) keeps nothing
+        if getattr(self, "_holding", False):
+            return  # forward_held's pass (the user's model, or AQR's held state) keeps nothing
         self._features = args[0] if args else None
+
+    def forward_held(self, x: torch.Tensor) -> torch.Tensor:
+        """As :meth:`TTAMethod.forward_held`; the feature hook keeps nothing of the pass."""
+        self._holding = True
+        try:
+            return super().forward_held(x)
+        finally:
+            self._holding = False
 
     def logits_of(self, x: torch.Tensor) -> torch.Tensor:
         """The logits LAME corrects: the model's (``aqr+lame``: the AQR-adapted model's), whose pass over
