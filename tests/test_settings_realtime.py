@@ -202,6 +202,8 @@ def test_field_preset_shape() -> None:
     assert len(set(keys)) == len(keys)
     only_gn = grid.override(models=tuple(m for m in grid.models if m.name == "resnet20_gn"))
     assert {c.model.name for c in only_gn.cells()} == {"resnet20_gn"}
+    one_size = grid.override(batch_sizes=(64,))  # the batch-16 parts become the batch-64 cells: each cell once
+    assert len(list(one_size.cells())) == len(one_size) == len({c for c in cells if c.batch_size == 64})
 
 
 # ---- end to end on a tiny stream ---------------------------------------------------------------------

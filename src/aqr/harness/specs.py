@@ -194,7 +194,20 @@ class GridSpec:
 
     def cells(self) -> Iterator[Cell]:
         """Every cell, model-major (so a model's statistics and weights are reused back to back), then
-        the cells of the parts; realtime cells carry their cost from ``costs`` where it has one."""
+        the cells of the parts (each cell once, e.g. when an override made a part repeat the grid);
+        realtime cells carry their cost from ``costs`` where it has one."""
+        seen: set[Cell] = set()
+        for cell in self._own_cells():
+            if cell not in seen:
+                seen.add(cell)
+                yield cell
+        for part in self.parts:
+            for cell in replace(part, costs=self.costs).cells():
+                if cell not in seen:
+                    seen.add(cell)
+                    yield cell
+
+    def _own_cells(self) -> Iterator[Cell]:
         costs = dict(self.costs)
         for model in self.models:
             for corruption in self.corruptions:
@@ -210,12 +223,11 @@ class GridSpec:
                                         cost = costs.get(f"{model.name}|{cell.variant}|{int(batch_size)}")
                                         cell = replace(cell, cost=None if cost is None else round(float(cost), 2))
                                     yield cell
-        for part in self.parts:
-            yield from replace(part, costs=self.costs).cells()
 
     def __len__(self) -> int:
-        return (len(self.models) * len(self.methods) * len(self.corruptions) * len(self.severities)
-                * len(self.batch_sizes) * len(self.orders) * len(self.seeds)) + sum(len(p) for p in self.parts)
+        own = (len(self.models) * len(self.methods) * len(self.corruptions) * len(self.severities)
+               * len(self.batch_sizes) * len(self.orders) * len(self.seeds))
+        return sum(1 for _ in self.cells()) if self.parts else own
 
     def override(self, **changes: Any) -> "GridSpec":
         """A copy with some fields replaced (``None`` values are ignored), in its parts too.
