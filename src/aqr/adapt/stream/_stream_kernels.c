@@ -141,6 +141,21 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
         _mm256_storeu_ps(lanes, vmx);
         for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
         bad |= _mm256_movemask_ps(vbad) != 0;
+    } else { /* no map: the extremes and the check alone */
+        const __m256 vps = _mm256_set1_ps(ps), vpb = _mm256_set1_ps(pb), zero = _mm256_setzero_ps();
+        __m256 vmn = _mm256_set1_ps(mn), vmx = _mm256_set1_ps(mx), vbad = _mm256_setzero_ps();
+        for (; b + 8 <= B; b += 8) {
+            const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + b), vps), vpb);
+            vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_NEQ_UQ)); /* NaN or +-inf */
+            vmn = _mm256_min_ps(vmn, v);
+            vmx = _mm256_max_ps(vmx, v);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmn);
+        for (int j = 0; j < 8; j++) mn = lanes[j] < mn ? lanes[j] : mn;
+        _mm256_storeu_ps(lanes, vmx);
+        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+        bad |= _mm256_movemask_ps(vbad) != 0;
     }
 #endif
     for (; b < B; b++) {
