@@ -74,10 +74,12 @@ def peak_bytes(fn, x: torch.Tensor) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn(x)
+    # each op's own allocations less its own frees, and the frees between ops ("[memory]"), in time order
+    changes = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+                     for e in prof.events())
     live = peak = 0
-    events = sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start)
-    for e in events:
-        live += e.cpu_memory_usage
+    for _, change in changes:
+        live += change
         peak = max(peak, live)
     return peak
 
