@@ -141,6 +141,21 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
         _mm256_storeu_ps(lanes, vmx);
         for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
         bad |= _mm256_movemask_ps(vbad) != 0;
+    } else { /* no map: the extremes and the check alone */
+        const __m256 vps = _mm256_set1_ps(ps), vpb = _mm256_set1_ps(pb), zero = _mm256_setzero_ps();
+        __m256 vmn = _mm256_set1_ps(mn), vmx = _mm256_set1_ps(mx), vbad = _mm256_setzero_ps();
+        for (; b + 8 <= B; b += 8) {
+            const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + b), vps), vpb);
+            vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_NEQ_UQ)); /* NaN or +-inf */
+            vmn = _mm256_min_ps(vmn, v);
+            vmx = _mm256_max_ps(vmx, v);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmn);
+        for (int j = 0; j < 8; j++) mn = lanes[j] < mn ? lanes[j] : mn;
+        _mm256_storeu_ps(lanes, vmx);
+        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+        bad |= _mm256_movemask_ps(vbad) != 0;
     }
 #endif
     for (; b < B; b++) {
@@ -374,9 +389,9 @@ static void stream_cdf_at(const double *z, const double *h, int64_t n, double v,
 /* out[1..K-2] = the quantiles at levels j / (K - 1) of (1 - w) F_a + w F_b; exact for these
    piecewise-linear CDFs (their breakpoints are the union of the points; atoms are kept). The
    mixture's quantile curve passes through (z, H(z-)) and (z, H(z)) at every breakpoint z and is
-   linear between breakpoints; one merge of the two point lists walks it. O(na + nb + K). */
+   linear between breakpoints; one merge of the two point lists walks it. O(na + nb + K). levels (K): j / (K - 1). */
 static void stream_mix_quantiles(const double *za, const double *ha, int64_t na, const double *zb, const double *hb,
-                          int64_t nb, double w, int64_t K, float *out) {
+                          int64_t nb, double w, int64_t K, const double *levels, float *out) {
     int64_t a_lt = 0, a_le = 0, b_lt = 0, b_le = 0, t = 1;
     double zp = 0, hp = 0;
     int first = 1;
@@ -401,7 +416,7 @@ static void stream_mix_quantiles(const double *za, const double *ha, int64_t na,
         hl = hl < hp ? hp : hl; /* rounding must not make the curve go down */
         hr = hr < hl ? hl : hr;
         for (; t < K - 1; t++) { /* levels on the rising segment (zp, hp) -> (v, hl) */
-            const double u = (double)t / (double)(K - 1);
+            const double u = levels[t];
             if (u > hl) break;
             double f = hl > hp ? (u - hp) / (hl - hp) : 1.0;
             f = f < 0 ? 0 : (f > 1 ? 1 : f);
@@ -409,7 +424,7 @@ static void stream_mix_quantiles(const double *za, const double *ha, int64_t na,
             out[t] = stream_float(q < zp ? zp : (q > v ? v : q));
         }
         for (; t < K - 1; t++) { /* levels inside the atom at v */
-            if ((double)t / (double)(K - 1) > hr) break;
+            if (levels[t] > hr) break;
             out[t] = stream_float(v);
         }
         zp = v, hp = hr;
@@ -456,19 +471,28 @@ static int64_t stream_merge_scratch_bytes(int64_t K, int64_t GC) {
 /* k (K), in place: the inner knots become the quantiles of (1 - w) F_k + w F_hist, F_hist the
    histogram cnt (GC + 4) taken on the bins of the knots bk (K) (k itself for the stream, the
    layer's knots for a group) and spread out to its extremes gmin / gmax; unchanged when cnt holds
-   nothing. mem: stream_merge_scratch_bytes(K, GC). The ends are the caller's. */
+   nothing. mem: stream_merge_scratch_bytes(K, GC), its first K doubles the levels j / (K - 1)
+   (stream_merge_levels). The ends are the caller's. */
 static void stream_merge_histogram(float *k, const float *bk, int64_t K, const int32_t *cnt, int64_t GC, float gmin,
                                    float gmax, double w, char *mem) {
     const int64_t bins = GC + STREAM_EDGE_BINS;
     double total = 0;
     for (int64_t j = 0; j < bins; j++) total += cnt[j] > 0 ? (double)cnt[j] : 0.0;
     if (!(total > 0)) return;
-    double *za = (double *)mem, *ha = za + K, *zb = ha + K, *hb = zb + bins + 2;
+    const double *ha = (const double *)mem;
+    double *za = (double *)mem + K, *zb = za + K, *hb = zb + bins + 2;
     float *fresh = (float *)(hb + bins + 2);
-    for (int64_t j = 0; j < K; j++) za[j] = k[j], ha[j] = (double)j / (double)(K - 1);
+    for (int64_t j = 0; j < K; j++) za[j] = k[j];
     const int64_t nb = stream_histogram_points(bk, K, cnt, GC, gmin, gmax, total, zb, hb);
-    stream_mix_quantiles(za, ha, K, zb, hb, nb, w, K, fresh);
+    stream_mix_quantiles(za, ha, K, zb, hb, nb, w, K, ha, fresh);
     for (int64_t j = 1; j < K - 1; j++) k[j] = fresh[j];
+}
+
+/* The levels j / (K - 1) into the first K doubles of a merge's scratch mem (once per part). */
+static char *stream_merge_levels(char *mem, int64_t K) {
+    double *levels = (double *)mem;
+    for (int64_t j = 0; j < K; j++) levels[j] = (double)j / (double)(K - 1);
+    return mem;
 }
 
 /* k (K): the ends become lo / hi, each kept outside the inner knots. */
@@ -480,7 +504,7 @@ static inline void stream_set_ends(float *k, int64_t K, float lo, float hi) {
 static void stream_merge_part(void *p, int part, int64_t c0, int64_t c1) {
     const stream_merge_args *a = (const stream_merge_args *)p;
     const int64_t K = a->K, GC = a->GC;
-    char *mem = a->scratch + part * stream_merge_scratch_bytes(K, GC);
+    char *mem = stream_merge_levels(a->scratch + part * stream_merge_scratch_bytes(K, GC), K);
     for (int64_t c = c0; c < c1; c++) {
         float *k = a->kn + c * K;
         if (a->counts && a->w > 0)
@@ -527,7 +551,7 @@ typedef struct {
 static void stream_group_merge_part(void *p, int part, int64_t r0, int64_t r1) {
     const stream_group_merge_args *a = (const stream_group_merge_args *)p;
     const int64_t K = a->K, GC = a->GC;
-    char *mem = a->scratch + part * stream_merge_scratch_bytes(K, GC);
+    char *mem = stream_merge_levels(a->scratch + part * stream_merge_scratch_bytes(K, GC), K);
     for (int64_t r = r0; r < r1; r++) {
         float *k = a->gk + r * K;
         const double w = a->w[r], old0 = k[0], oldl = k[K - 1];
@@ -580,11 +604,39 @@ static int stream_cmp_double(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
+/* v[0..n) ascending (no NaN): insertion sort for the few knots of a handful of groups, else qsort. */
+static void stream_sort_doubles(double *v, int64_t n) {
+    if (n > 64) {
+        qsort(v, (size_t)n, sizeof(double), stream_cmp_double);
+        return;
+    }
+    for (int64_t i = 1; i < n; i++) {
+        const double x = v[i];
+        int64_t j = i;
+        for (; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];
+        v[j] = x;
+    }
+}
+
+/* out (na + nb) = the ascending a (na) and b (nb) merged; an a that is not ascending (a grid from
+   hi < lo) is sorted first. The sorted multiset is unique, so this equals sorting the union. */
+static void stream_merge_sorted(double *a, int64_t na, const double *b, int64_t nb, double *out) {
+    for (int64_t i = 1; i < na; i++)
+        if (a[i] < a[i - 1]) {
+            stream_sort_doubles(a, na);
+            break;
+        }
+    int64_t i = 0, j = 0, o = 0;
+    while (i < na && j < nb) out[o++] = b[j] < a[i] ? b[j++] : a[i++];
+    while (i < na) out[o++] = a[i++];
+    while (j < nb) out[o++] = b[j++];
+}
+
 /* out[1..K-2] = the inner quantiles (levels j / (K - 1)) of the CDF that is hl[i] just left of and
    hr[i] at each sorted breakpoint z[i] (n of them), linear in between (the quantile curve runs
    through (z, H(z-)) and (z, H(z))); pts / lev: scratch of 2 n + 1 doubles each. */
 static void stream_curve_quantiles(const double *z, const double *hl, const double *hr, int64_t n, int64_t K,
-                                   double *pts, double *lev, float *out) {
+                                   const double *levels, double *pts, double *lev, float *out) {
     const int64_t np = 2 * n + 1;
     pts[0] = z[0], lev[0] = 0.0;
     for (int64_t i = 0; i < n; i++) {
@@ -594,7 +646,7 @@ static void stream_curve_quantiles(const double *z, const double *hl, const doub
     for (int64_t i = 1; i < np; i++) lev[i] = lev[i] < lev[i - 1] ? lev[i - 1] : lev[i]; /* never down */
     int64_t i = 0; /* the first point whose level is at least u (levels nondecreasing, u increasing) */
     for (int64_t t = 1; t < K - 1; t++) {
-        const double u = (double)t / (double)(K - 1);
+        const double u = levels[t];
         while (i < np && lev[i] < u) i++;
         if (i >= np) { /* rounding left the top levels unreached: the last point */
             out[t] = stream_float(pts[np - 1]);
@@ -623,13 +675,14 @@ static void stream_mixture_part(void *p, int part, int64_t c0, int64_t c1) {
             lo = k[1] < lo ? k[1] : lo;
             hi = k[K - 2] > hi ? k[K - 2] : hi;
         }
-        for (int64_t i = 0; i < grid; i++) z[i] = lo + (hi - lo) * ((double)i / (double)(grid - 1));
+        /* the grid (ascending) into pts, the groups' end knots into lev, sorted, then both merged into z */
+        for (int64_t i = 0; i < grid; i++) pts[i] = lo + (hi - lo) * ((double)i / (double)(grid - 1));
         for (int64_t g = 0; g < M; g++) {
             const float *k = a->gk + (g * C + c) * K;
-            z[grid + 4 * g] = k[0], z[grid + 4 * g + 1] = k[1], z[grid + 4 * g + 2] = k[K - 2];
-            z[grid + 4 * g + 3] = k[K - 1];
+            lev[4 * g] = k[0], lev[4 * g + 1] = k[1], lev[4 * g + 2] = k[K - 2], lev[4 * g + 3] = k[K - 1];
         }
-        qsort(z, (size_t)n, sizeof(double), stream_cmp_double);
+        stream_sort_doubles(lev, 4 * M);
+        stream_merge_sorted(pts, grid, lev, 4 * M, z);
         for (int64_t i = 0; i < n; i++) hl[i] = hr[i] = 0.0;
         for (int64_t g = 0; g < M; g++) { /* each group's CDF at every point, in one walk (both sorted) */
             const float *k = a->gk + (g * C + c) * K;
@@ -646,7 +699,7 @@ static void stream_mixture_part(void *p, int part, int64_t c0, int64_t c1) {
             }
         }
         for (int64_t i = 0; i < n; i++) hl[i] /= a->total, hr[i] /= a->total; /* once: equal weights, the mean */
-        stream_curve_quantiles(z, hl, hr, n, K, pts, lev, a->kn + c * K);
+        stream_curve_quantiles(z, hl, hr, n, K, levels, pts, lev, a->kn + c * K);
     }
 }
 

@@ -153,11 +153,14 @@ class StagedSmall:
 
 @dataclass
 class StagedLarge:
-    """A batch of ``rebuild_every`` or more images: the tentative state it was mapped with."""
+    """A batch of ``rebuild_every`` or more images: the tentative knots and table it was mapped with, and
+    its images' extremes, which join the tail window at the commit (a copy of the window with them
+    would hold the window's memory for every layer until the forward pass ends)."""
 
     knots: torch.Tensor
     table: StreamTable
-    window: TailWindow
+    lo: torch.Tensor
+    hi: torch.Tensor
     images: int
 
 
@@ -317,7 +320,7 @@ class LayerStream:
             weight = batch_weight(images, self.seen + self.group.images, s.horizon)
             knots[:, 1:-1] = torch.lerp(knots[:, 1:-1], batch[:, 1:-1], weight)
         y, table = self._map_tentative(x, images, pre, knots, window, group, weight)
-        return y, StagedLarge(knots, table, window, images)
+        return y, StagedLarge(knots, table, r.lo, r.hi, images)
 
     def held(self, x: torch.Tensor, images: int, pre: Affine | None = None) -> torch.Tensor | None:
         """``x`` (A, C, B) mapped with the committed state alone, as a batch of fewer than ``rebuild_every``
@@ -366,7 +369,7 @@ class LayerStream:
         elif isinstance(staged, StagedLarge):
             self.knots.copy_(staged.knots)
             copy_into(self.table, staged.table)
-            copy_into(self.window, staged.window)
+            kern.push(self.window, None, None, staged.lo, staged.hi)  # as the tentative window took them
             self.seen += self.group.images + staged.images
             self.group.clear()
         else:

@@ -132,7 +132,7 @@ class StreamLayerMap(LayerMap):
         """The layer output ``x`` mapped with the running estimate; the batch's update is staged."""
         if self.batch.held:
             return self._held(x, pre, unmapped)
-        stream = self.stream(x.device)
+        state = stream = self.stream(x.device)
         acb = as_acb(x, self.info.channel_dim)
         if not stream.kernels.takes(acb):  # float64 or autograd on CPU: the torch kernels on the same state
             stream = _with_torch_kernels(stream)
@@ -143,7 +143,7 @@ class StreamLayerMap(LayerMap):
         if staged is None:
             self.batch.nonfinite = True
             return self._nonfinite(x if unmapped is None else unmapped())
-        self.batch.staged.append((self.stream(x.device), staged))
+        self.batch.staged.append((state, staged))
         return y.reshape(x.shape)
 
     def _held(self, x: torch.Tensor, pre: Affine | None, unmapped: Callable[[], torch.Tensor] | None) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""CPU cost of AQR's modes against the plain model, measured apart from ``benchmarks/speed.py``.
+
+A second harness, written to miss what ``speed.py`` might: the baseline is the bare model called under
+``torch.no_grad()`` (no method wrapper around it), the statistics come from 2,000 clean test images,
+the images fed are Gaussian noise at severity 5 (CIFAR-10-C's recipe, :func:`aqr.data.corruptions.corrupt`),
+and every mode sees the same images in batches of its size. Each round times every mode once, back to
+back (round-robin), over ``--images`` images (at least ``--min-batches`` batches); a mode's ratio is the
+median over the rounds of its time over the plain forward's time in the same round.
+
+Rows (``--rows``, ``mode:batch``): ``batch`` is per-batch AQR (``aqr.AQR(model, stats)``), ``stream``
+streaming AQR (``target="stream"``), ``robust`` its class-balanced form (``target="robust"``), each
+after ``--warmup`` images that take the stateful modes past their warm-up (the own-batch share of
+``robust`` needs 256 predictions). ``--memory`` also measures each mode's peak of tensor memory allocated
+during one forward pass over what was allocated before it (torch's profiler, CPU allocator), against the
+plain forward's.
+
+    AQR_DATA_DIR=... python benchmarks/cost_check.py --threads 1
+    AQR_DATA_DIR=... python benchmarks/cost_check.py --threads 2 --rows batch:128
+    AQR_DATA_DIR=... python benchmarks/cost_check.py --memory --rounds 1
+
+The CPU clock (``--clock cpu``, the default) counts the process's CPU time, which other jobs on a
+shared machine inflate much less than the wall time; with several threads, threads that spin
+waiting for each other count too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import aqr
+from aqr import models
+from aqr.data import load_npz_arrays, to_float
+from aqr.data.corruptions import corrupt, image_rng
+
+DEFAULT_ROWS = ["stream:1", "stream:16", "robust:16", "stream:64", "robust:64", "batch:128"]
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def noisy_images(clean: np.ndarray, severity: int = 5, seed: int = 0) -> torch.Tensor:
+    """``clean`` (N, 32, 32, 3) uint8 with CIFAR-10-C's Gaussian noise at ``severity``, as float (N, 3, 32, 32)."""
+    out = np.stack([corrupt(img, "gaussian_noise", severity, image_rng(seed, "gaussian_noise", severity, i))
+                    for i, img in enumerate(clean)])
+    return to_float(out)
+
+
+def build(mode: str, model: torch.nn.Module, stats: aqr.SourceStats):
+    """The callable of one mode (gradients off)."""
+    if mode == "plain":
+        def plain(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return model(x)
+        return plain
+    target = {"batch": "batch", "stream": "stream", "robust": "robust"}[mode]
+    return aqr.AQR(model, stats, target=target)
+
+
+def feed(fn, x: torch.Tensor, batch: int) -> None:
+    for i in range(0, len(x), batch):
+        fn(x[i : i + batch])
+
+
+def peak_bytes(fn, x: torch.Tensor) -> int:
+    """Peak tensor memory allocated during ``fn(x)`` over what was allocated before it (CPU allocator)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(x)
+    # each op's own allocations less its own frees, and the frees between ops ("[memory]"), in time order
+    changes = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+                     for e in prof.events())
+    live = peak = 0
+    for _, change in changes:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="mode:batch, mode in batch, stream, robust")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--images", type=int, default=128, help="images per mode and round (at least --min-batches batches)")
+    parser.add_argument("--min-batches", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=512, help="images before the rounds")
+    parser.add_argument("--calib-images", type=int, default=2000)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
+    parser.add_argument("--memory", action="store_true", help="also the peak tensor memory of one forward pass")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    data = os.environ.get("AQR_DATA_DIR")
+    if not data:
+        sys.exit("cost_check needs $AQR_DATA_DIR (cifar10_test.npz and the akamaster ResNet-20 checkpoint)")
+    torch.set_num_threads(args.threads)
+    data = Path(data)
+    model = models.load("resnet20", checkpoint=data / "checkpoints" / "akamaster" / "resnet20-12fca82f.th").eval()
+    clean, labels = load_npz_arrays(data / "cifar10_test.npz")
+    stats = aqr.calibrate(model, to_float(clean[: args.calib_images]).split(500))
+    rows = [(r.split(":")[0], int(r.split(":")[1])) for r in args.rows]
+    per_round = max(args.images, args.min_batches * max(b for _, b in rows))
+    start = args.calib_images
+    x = noisy_images(clean[start : start + args.warmup + per_round])
+    warm, timed = x[: args.warmup], x[args.warmup :]
+    clock = CLOCKS[args.clock]
+    print(f"threads {args.threads}, clock {args.clock}, torch {torch.__version__}, {args.rounds} rounds, "
+          f"{per_round} images per mode and round", flush=True)
+    results = []
+    for batch in sorted({b for _, b in rows}):
+        modes = ["plain"] + [m for m, b in rows if b == batch]
+        runners = {m: build(m, model, stats) for m in modes}
+        n = (len(timed) // batch) * batch
+        for fn in runners.values():
+            feed(fn, warm, batch)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(args.rounds):
+            for m, fn in runners.items():
+                t0 = clock()
+                feed(fn, timed[:n], batch)
+                times[m].append((clock() - t0) / n)
+        with torch.no_grad():
+            predicted = model(timed[:n]).argmax(1).unique().numel()
+        for m in modes[1:]:
+            ratio = statistics.median(t / p for t, p in zip(times[m], times["plain"]))
+            row = {"mode": m, "batch": batch, "ratio": ratio, "ms_per_image": statistics.median(times[m]) * 1e3,
+                   "plain_ms_per_image": statistics.median(times["plain"]) * 1e3,
+                   "ratios": [t / p for t, p in zip(times[m], times["plain"])], "classes_predicted": predicted}
+            if args.memory:
+                xb = timed[:batch]
+                plain_peak = peak_bytes(runners["plain"], xb)
+                row["extra_peak_bytes"] = peak_bytes(runners[m], xb)
+                row["plain_peak_bytes"] = plain_peak
+                if m != "batch":
+                    row["state_bytes"] = runners[m].memory_bytes()
+            results.append(row)
+            mem = (f"  peak {row['extra_peak_bytes'] / 2**20:.2f} MiB vs plain {row['plain_peak_bytes'] / 2**20:.2f} MiB"
+                   f" (x{row['extra_peak_bytes'] / row['plain_peak_bytes']:.3f})" if args.memory else "")
+            print(f"{m:7s} batch {batch:4d}: x{ratio:.2f}  ({row['ms_per_image']:.3f} vs "
+                  f"{row['plain_ms_per_image']:.3f} ms per image; {predicted} classes predicted){mem}", flush=True)
+    by = {(r["mode"], r["batch"]): r["ratio"] for r in results}
+    for b in sorted({b for _, b in rows}):
+        if ("robust", b) in by and ("stream", b) in by:
+            print(f"robust / stream at batch {b}: {by[('robust', b)] / by[('stream', b)]:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"threads": args.threads, "clock": args.clock, "torch": torch.__version__,
+                                         "rounds": args.rounds, "images_per_round": per_round, "rows": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
