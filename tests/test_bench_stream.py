@@ -77,7 +77,7 @@ def test_the_noniid_preset_runs_every_method_in_every_order(tiny_stream, tmp_pat
     table = next(t for t in result["tables"] if t["name"] == "orders_tiny-bn_bs4")
     assert [h for h in table["header"][1:]] == list(NONIID_ORDERS)
     by_order = {r.config["order"]: r.accuracy for r in rows if r.model == "tiny_bn" and r.variant == "rbn"}
-    rbn = next(row for row in table["rows"] if row["label"] == "rbn")
+    rbn = next(row for row in table["rows"] if row["label"] == "RBN")
     assert [c["mean"] for c in rbn["cells"]] == [pytest.approx(by_order[o]) for o in NONIID_ORDERS]
     assert (tmp_path / "report" / "figures" / "stream_orders_bs4.png").is_file()
 
