@@ -225,6 +225,27 @@ class AQR(nn.Module):
 
     def _stream_forward(self, x: torch.Tensor) -> torch.Tensor:
         """One batch of the stream: mapped with the running estimate, which it updates if all was finite."""
+        with self._stream_batch(x, held=False) as batch:
+            batch.own, batch.runs = self._target.batch_shares(batch.recent, self.config)
+            out, finite = self._mapped(x, batch)
+            if finite:
+                labels = self._predicted(out, batch.images) if self._target.needs_classes else None
+                with self._state_lock:
+                    batch.commit(labels)
+                if self.config.passes == 2:  # the batch again, mapped with the state it just updated
+                    batch.begin(batch.images)
+                    with torch.no_grad():
+                        out = self._twin(x)
+                    batch.staged = []
+            elif self.config.on_nonfinite == "raise":
+                raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
+                                               "unchanged (on_nonfinite='skip' returns them)")
+            return out
+
+    @contextlib.contextmanager
+    def _stream_batch(self, x: torch.Tensor, held: bool) -> Iterator[StreamBatch]:
+        """The stream's batch record, begun for ``x`` (``held``: mapped with the committed state, staging
+        nothing), under the stream lock, and cleared again on the way out."""
         if self._owner == threading.get_ident():
             raise RuntimeError("a streaming AQR was called from inside its own forward pass")
         with self._lock:
@@ -232,28 +253,21 @@ class AQR(nn.Module):
             batch = self._batch
             try:
                 batch.begin(int(x.shape[0]) if x.ndim else 0)
-                batch.own, batch.runs = self._target.batch_shares(batch.recent, self.config)
-                with torch.no_grad():
-                    out = self._twin(x)
-                if not self._reach_checked:
-                    self._check_every_layer_called()
-                finite = not batch.nonfinite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
-                if finite:
-                    labels = self._predicted(out, batch.images) if self._target.needs_classes else None
-                    with self._state_lock:
-                        batch.commit(labels)
-                    if self.config.passes == 2:  # the batch again, mapped with the state it just updated
-                        batch.begin(batch.images)
-                        with torch.no_grad():
-                            out = self._twin(x)
-                        batch.staged = []
-                elif self.config.on_nonfinite == "raise":
-                    raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
-                                                   "unchanged (on_nonfinite='skip' returns them)")
-                return out
+                batch.held = held
+                yield batch
             finally:
+                batch.held = False
                 batch.begin(0)
                 self._owner = None
+
+    def _mapped(self, x: torch.Tensor, batch: StreamBatch) -> tuple[object, bool]:
+        """The twin's output for ``x`` (no gradient) and whether it, and every layer's values, were finite."""
+        with torch.no_grad():
+            out = self._twin(x)
+        if not self._reach_checked:
+            self._check_every_layer_called()
+        finite = not batch.nonfinite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
+        return out, finite
 
     def forward_held(self, x: torch.Tensor) -> torch.Tensor:
         """The output for a batch mapped with the running state as it stands, which the batch leaves as it
@@ -265,27 +279,12 @@ class AQR(nn.Module):
         if self._batch is None:
             with torch.no_grad():
                 return structural_twin(self.model)(x)
-        if self._owner == threading.get_ident():
-            raise RuntimeError("a streaming AQR was called from inside its own forward pass")
-        with self._lock:
-            self._owner = threading.get_ident()
-            batch = self._batch
-            try:
-                batch.begin(int(x.shape[0]) if x.ndim else 0)
-                batch.held = True
-                with torch.no_grad():
-                    out = self._twin(x)
-                if not self._reach_checked:
-                    self._check_every_layer_called()
-                finite = not batch.nonfinite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
-                if not finite and self.config.on_nonfinite == "raise":
-                    raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
-                                                   "unchanged (on_nonfinite='skip' returns them)")
-                return out
-            finally:
-                batch.held = False
-                batch.begin(0)
-                self._owner = None
+        with self._stream_batch(x, held=True) as batch:
+            out, finite = self._mapped(x, batch)
+            if not finite and self.config.on_nonfinite == "raise":
+                raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
+                                               "unchanged (on_nonfinite='skip' returns them)")
+            return out
 
     def _predicted(self, out: object, images: int) -> torch.Tensor:
         """Each image's predicted class from the logits (``target="robust"``)."""
