@@ -302,6 +302,19 @@ def test_robust_options_on_another_target_are_refused(net_stats, target, option)
     aqr.AQR(net, stats, target=target, **{name: aqr.AQRConfig.__dataclass_fields__[name].default})  # the default: fine
 
 
+@pytest.mark.parametrize("option", [{"estimator": "knot-ema"}, {"horizon": 64.0}, {"tail_window": 32},
+                                    {"rebuild_every": 4}, {"stream_grid": 256}])
+def test_stream_options_on_the_batch_target_are_refused(net_stats, option):
+    import aqr
+
+    net, stats = net_stats
+    (name, value), = option.items()
+    with pytest.raises(ValueError, match=rf"{name}={value!r}.*target='batch' would ignore"):
+        aqr.AQR(net, stats, **option)
+    for target in ("stream", "robust"):  # the running targets read them
+        aqr.AQR(net, stats, target=target, **option)
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])
 def test_integer_images_get_a_clear_error(net_stats, dtype):
     import aqr

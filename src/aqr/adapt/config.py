@@ -24,8 +24,20 @@ from aqr.core.qmap import DEFAULT_GAUSSIAN_P, check_tail
 from aqr.core.stats import SOURCE_MOMENTS
 
 
-# The options only target="robust" reads (passes=2 too: each target lists the passes it takes)
+# The options only target="robust" reads (passes=2 too: each target lists the passes it takes), and those
+# only the running targets ("stream", "robust") read
 ROBUST_OPTIONS = ("groups", "class_horizon", "own_batch", "balance", "recent_horizon")
+STREAM_OPTIONS = ("estimator", "horizon", "tail_window", "rebuild_every", "stream_grid")
+
+
+def refuse_ignored(config: AQRConfig, names: tuple[str, ...], owner: str, target: str) -> None:
+    """Raise ``ValueError`` where ``config`` sets one of ``names`` (options of ``owner`` only) to another
+    value than its default: ``target`` would ignore it."""
+    defaults = {f.name: f.default for f in fields(AQRConfig)}
+    changed = [f"{name}={getattr(config, name)!r}" for name in names if getattr(config, name) != defaults[name]]
+    if changed:
+        raise ValueError(f"{', '.join(changed)}: {'options' if len(changed) > 1 else 'an option'} of "
+                         f"{owner} only, which target={target!r} would ignore")
 
 
 class Target:
@@ -44,17 +56,18 @@ class Target:
         if config.passes not in self.passes:
             raise ValueError(f"passes={config.passes} is not an option of target={self.name!r} (it takes "
                              f"{' or '.join(map(str, self.passes))})")
+        self.check_stream_options(config)
         self.check_robust_options(config)
+
+    def check_stream_options(self, config: AQRConfig) -> None:
+        """Raise ``ValueError`` where ``config`` sets an option of the running targets to another value than
+        its default: this target keeps no running estimate and would ignore it."""
+        refuse_ignored(config, STREAM_OPTIONS, "target='stream' and 'robust'", self.name)
 
     def check_robust_options(self, config: AQRConfig) -> None:
         """Raise ``ValueError`` where ``config`` sets an option of ``target="robust"`` alone to another value
         than its default: this target would ignore it."""
-        defaults = {f.name: f.default for f in fields(AQRConfig)}
-        changed = [f"{name}={getattr(config, name)!r}" for name in ROBUST_OPTIONS
-                   if getattr(config, name) != defaults[name]]
-        if changed:
-            raise ValueError(f"{', '.join(changed)}: {'options' if len(changed) > 1 else 'an option'} of "
-                             f"target='robust' only, which target={self.name!r} would ignore")
+        refuse_ignored(config, ROBUST_OPTIONS, "target='robust'", self.name)
 
     def describe(self, config: AQRConfig) -> str:
         """The target's part of :class:`aqr.AQR`'s ``repr``."""
@@ -75,6 +88,9 @@ class StreamTarget(Target):
             raise ValueError(f"target={self.name!r} runs the fast path: mode='exact' is not available with it")
         if config.match != "quantiles":
             raise ValueError(f"target={self.name!r} maps running quantiles: match='moments' has no streaming form yet")
+
+    def check_stream_options(self, config: AQRConfig) -> None:
+        """Its own options: nothing to refuse."""
 
     def check_tail(self, tail: str) -> None:
         """Raise ``ValueError`` unless the running state can map with the tail strategy ``tail``."""
@@ -339,7 +355,7 @@ class StreamOptions:
     stream_grid: int = AQRConfig.stream_grid
 
     def __post_init__(self) -> None:
-        AQRConfig(**_group_values(self, StreamOptions))
+        AQRConfig(target="stream", **_group_values(self, StreamOptions))
 
 
 @dataclass(frozen=True)
