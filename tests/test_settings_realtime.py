@@ -81,6 +81,21 @@ def test_correlated_setting_gives_the_cells_and_keys_of_the_order_flag() -> None
     assert keys[0] == keys[1] and len(keys[0]) == len(by_order)
 
 
+def test_a_setting_or_order_reaches_every_part_of_a_grid() -> None:
+    """The field preset's realtime and batch-16 parts take the setting too, each keeping its protocol."""
+    for argv, order in ((("--setting", "correlated", "--delta", "0.1"), "delta=0.1"),
+                        (("--order", "delta=0.1"), "delta=0.1"), (("--setting", "continual"), None),
+                        (("--setting", "mixed_domains"), "mixed")):
+        grid = grid_from_args(_args("--preset", "field", *argv))
+        cells = list(grid.cells())
+        assert {c.order for c in cells} == {order}
+        assert {(c.protocol, c.batch_size) for c in cells} == {("online", 64), ("online", 16), (REALTIME, 64),
+                                                                (REALTIME, 16)}
+    by_setting = grid_from_args(_args("--preset", "field", "--setting", "correlated", "--delta", "0.1"))
+    by_order = grid_from_args(_args("--preset", "field", "--order", "delta=0.1"))
+    assert [cell_key(c, FILES, "v") for c in by_setting.cells()] == [cell_key(c, FILES, "v") for c in by_order.cells()]
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--setting", "correlated", "--delta", "0.1", "--order", "iid"), "--setting and --order"),
     (("--setting", "correlated"), "needs --delta"),

@@ -94,7 +94,8 @@ def grid_from_args(args: argparse.Namespace):
         if order.startswith("mixed") and single:  # those cells would fail: they hold one corruption
             raise UsageError(f"--order {args.order!r} mixes corruptions; a bench cell of one corruption cannot "
                              "(use 'iid' or 'delta=D', or continual cells)")
-        changes.update(orders=(order,), name=f"{grid.name}-{order}")
+        changes.update(orders=(order,), name=f"{grid.name}-{order}",
+                       parts=tuple(part.override(orders=(order,)) for part in grid.parts))
     changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
                    n_images=args.n_images)
     grid = grid.override(**changes)

@@ -47,19 +47,21 @@ def apply_setting(grid: GridSpec, setting: str, delta: float | None = None) -> G
     """``grid`` in the named setting (see the module docs); ``delta`` is required by ``correlated`` only.
 
     The grid's name gets ``-<setting>`` appended (``-delta=D`` for ``correlated``, as ``--order`` does),
-    so reports keep settings apart. ``ValueError`` for an unknown setting or a missing or stray ``delta``.
+    so reports keep settings apart. The grid's parts take the setting too, each keeping its protocol (a
+    realtime part stays realtime). ``ValueError`` for an unknown setting or a missing or stray ``delta``.
     """
     if setting not in SETTINGS:
         raise ValueError(f"unknown setting {setting!r}; expected one of {', '.join(SETTINGS)}")
     if (setting == "correlated") != (delta is not None):
         raise ValueError("--delta D goes with --setting correlated (and only there): the Dirichlet concentration "
                          "of the class-correlated order")
+    parts = tuple(apply_setting(part, setting, delta) for part in grid.parts)
     if setting == "correlated":
         order = canonical_order(f"delta={delta}")
-        return grid.override(orders=(order,), name=f"{grid.name}-{order}")
+        return grid.override(orders=(order,), name=f"{grid.name}-{order}", parts=parts)
     corruptions = _single(grid.corruptions)
     online = "online" if grid.protocol == "episodic" else grid.protocol
-    changes: dict = {"name": f"{grid.name}-{setting}", "protocol": online, "orders": (None,)}
+    changes: dict = {"name": f"{grid.name}-{setting}", "protocol": online, "orders": (None,), "parts": parts}
     if setting == "reset_each_shift":
         changes["corruptions"] = corruptions
     elif setting == "continual":
