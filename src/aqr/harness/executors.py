@@ -63,6 +63,21 @@ def run_cell_task(cell_dict: dict, cache_dir: str, stats_file: str | None, setti
                     loader_workers=settings.loader_workers, stats_file=stats_file, threads=settings.threads)
 
 
+def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
+    """In a worker process: end it as soon as ``parent_pid`` is no longer its parent (the driver was killed),
+    instead of computing cells whose results no one will write down."""
+    import os
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="aqr-exit-with-parent", daemon=True).start()
+
+
 class LocalExecutor:
     """Cells in this process (``workers`` <= 1) or in ``workers`` spawned processes of this machine."""
 
@@ -80,8 +95,10 @@ class LocalExecutor:
         self._pool: ProcessPoolExecutor | None = None
         if self.workers > 1:
             import multiprocessing as mp
+            import os
 
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
+                                             initializer=exit_with_parent, initargs=(os.getpid(),))
 
     def capacity(self) -> int:
         return 1 if self._pool is None else 2 * self.workers
