@@ -35,6 +35,15 @@ FIELD_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "sar", "eta", "eata",
 FIELD_ORDERS = (None, "delta=0.1", "mixed")       # continual (i.i.d.), correlated and mixed_domains
 FIELD_REALTIME_ORDERS = (None, "delta=0.1")      # the settings also run under the realtime protocol
 FIELD_MODELS = ("resnet20_trainstats", "resnet20_gn", "vit_ln")
+# AQR's configurations in the field preset (as tables label them), and the one of them per setting and
+# protocol reported as AQR's default: chosen before the final run by
+# aqr.harness.report.field_target.choose_defaults on another image draw (seed 1, blocks of 200 images,
+# batch 64, the three models: docs/results/field/selection.db); tests check the choice against that database.
+FIELD_AQR_CONFIGS = ("aqr", "aqr[target=stream]", "aqr[target=robust]", "aqr+tent", "aqr+eta", "aqr+roid", "aqr+lame")
+FIELD_DEFAULTS: dict[str, dict[str, str]] = {
+    "continual": {"offline": "aqr+roid", "realtime": "aqr[target=stream]"},
+    "correlated (delta=0.1)": {"offline": "aqr[target=robust]", "realtime": "aqr[target=robust]"},
+}
 
 
 def field_grid(models: dict[str, ModelSpec], data: DataSpec) -> GridSpec:

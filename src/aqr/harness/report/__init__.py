@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aqr.harness.report.field_tables import cost_points, plot_costs, setting_tables
+from aqr.harness.report.field_target import choose_defaults, target_table
 from aqr.harness.report.figures import (architecture_bars, closest_severity, mean_se, plot_architectures,
                                         plot_severity, severity_curves)
 from aqr.harness.report.orders import order_curves, order_table, order_tables, plot_orders, write_order_figures
@@ -28,9 +29,10 @@ from aqr.harness.report.stream_tables import stream_report, stream_tables, write
 from aqr.harness.report.tables import (BASE_METHODS, METHOD_LABELS, Entry, Table, ablation_tables, bold_best,
                                        corruption_order, entry_of, flag_incomplete, has_ok, method_label,
                                        per_corruption_table, summarize, summary_table, variant_order)
+from aqr.harness.presets import FIELD_DEFAULTS
 from aqr.harness.results import ResultsDB, Row
 
-__all__ = ["cost_points", "plot_costs", "setting_tables", "BASE_METHODS", "FORMATS", "METHOD_LABELS", "Entry", "Table", "ablation_tables", "architecture_bars",
+__all__ = ["choose_defaults", "cost_points", "plot_costs", "setting_tables", "target_table", "BASE_METHODS", "FORMATS", "METHOD_LABELS", "Entry", "Table", "ablation_tables", "architecture_bars",
            "bold_best", "build_tables", "condition", "corruption_order", "entry_of", "flag_incomplete",
            "index_markdown", "latest_rows", "latex_escape", "load_rows", "mean_se", "method_label",
            "order_curves", "order_table", "order_tables", "paired_corruption_table", "paired_difference", "paired_table", "paired_tables", "per_corruption_table",
@@ -87,8 +89,11 @@ def provenance_summary(rows: Iterable[Row]) -> dict[str, list[str]]:
 
 def build_tables(rows: Sequence[Row]) -> list[Table]:
     """Every table the rows support: summaries, ablations, per-corruption tables, then the continual
-    cells' tables (:mod:`aqr.harness.report.stream_tables`) and the realtime protocol's beside them
-    (:mod:`aqr.harness.report.field_tables`)."""
+    cells' tables (:mod:`aqr.harness.report.stream_tables`), the realtime protocol's beside them
+    (:mod:`aqr.harness.report.field_tables`) and the field preset's target table, AQR's default configurations
+    (:data:`aqr.harness.presets.FIELD_DEFAULTS`) against the best field method
+    (:mod:`aqr.harness.report.field_target`)."""
+
     rows_all = rows
     streams = stream_tables(rows)
     rows = [r for r in rows if not is_continual(r)]
@@ -101,7 +106,8 @@ def build_tables(rows: Sequence[Row]) -> list[Table]:
     for model in models:
         settings = sorted({(r.severity, r.batch_size) for r in rows if r.model == model})
         tables.extend(per_corruption_table(rows, model, s, b) for s, b in settings)
-    return [t for t in tables if t is not None] + streams + setting_tables(rows_all)
+    tables += [*streams, *setting_tables(rows_all), target_table(rows_all, FIELD_DEFAULTS)]
+    return [t for t in tables if t is not None]
 
 
 def write_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:

@@ -1,0 +1,79 @@
+"""AQR's default configuration per setting (chosen on the seed-1 draw), the oracle, and the target table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aqr.harness.cells import REALTIME
+from aqr.harness.presets import FIELD_AQR_CONFIGS, FIELD_DEFAULTS, FIELD_METHODS
+from aqr.harness.report import build_tables, load_rows
+from aqr.harness.report.field_target import choose_defaults, is_aqr_config, is_field_method, target_table
+from aqr.harness.results import Row
+
+SELECTION_DB = Path(__file__).resolve().parents[1] / "docs" / "results" / "field" / "selection.db"
+
+
+def row(model: str, variant: str, accuracy: float | None, order: str | None = None, protocol: str = "online",
+        status: str = "ok", batch_size: int = 64, seed: int = 1) -> Row:
+    method = variant.partition("[")[0]
+    config = {"order": order} if order else {}
+    if protocol == REALTIME:
+        config["cost"] = 1.5
+    return Row(f"{model}|{variant}|{order}|{protocol}", model, method, variant, "cifar10-c", "continual", 5, batch_size,
+               seed, protocol, status, accuracy, 100, 1.0, None, config, {}, 0.0)
+
+
+def test_aqr_configs_and_field_methods_split_the_preset():
+    variants = {f"{m}[{o}]" if sep else m for m, sep, o in (v.partition(":") for v in FIELD_METHODS)}
+    assert {v for v in variants if is_aqr_config(v)} == set(FIELD_AQR_CONFIGS)
+    assert is_aqr_config("aqr[target=robust]") and is_aqr_config("aqr+lame")
+    assert is_field_method("roid") and is_field_method("source")
+    assert not is_field_method("moments") and not is_field_method("aqr+tent")
+
+
+def test_choose_defaults_takes_the_best_mean_over_models_per_setting_and_protocol():
+    rows = [row("a", "aqr", 70.0), row("b", "aqr", 60.0),                      # mean 65
+            row("a", "aqr+eta", 75.0), row("b", "aqr+eta", 58.0),              # mean 66.5: wins offline
+            row("a", "roid", 99.0), row("b", "roid", 99.0),                    # not an AQR configuration
+            row("a", "aqr[target=robust]", 90.0),                              # missing on b: cannot compete
+            row("a", "aqr", 60.0, protocol=REALTIME), row("b", "aqr", 61.0, protocol=REALTIME),
+            row("a", "aqr+eta", 40.0, protocol=REALTIME), row("b", "aqr+eta", 80.0, protocol=REALTIME),
+            row("a", "aqr[target=stream]", 50.0, "delta=0.1"), row("b", "aqr[target=stream]", 50.0, "delta=0.1"),
+            row("a", "aqr", 50.0, "delta=0.1"), row("b", "aqr", 50.0, "delta=0.1"),   # a tie: variant order
+            row("a", "aqr", 99.0, batch_size=16), row("b", "aqr", 99.0, batch_size=16)]
+    assert choose_defaults(rows) == {"continual": {"offline": "aqr+eta", "realtime": "aqr"},
+                                     "correlated (delta=0.1)": {"offline": "aqr"}}
+
+
+def test_choose_defaults_ignores_failed_cells():
+    rows = [row("a", "aqr", 70.0), row("a", "aqr+eta", None, status="error"), row("a", "aqr", 70.0, protocol=REALTIME)]
+    assert choose_defaults(rows) == {"continual": {"offline": "aqr", "realtime": "aqr"}}
+
+
+def test_target_table_compares_the_default_with_the_best_field_method_and_shows_the_oracle():
+    rows = [row("a", "aqr", 74.0, seed=0), row("a", "aqr+eta", 75.2, seed=0), row("a", "cotta", 74.7, seed=0),
+            row("a", "moments", 80.0, seed=0), row("a", "aqr", 63.0, protocol=REALTIME, seed=0),
+            row("a", "tent", 65.0, protocol=REALTIME, seed=0)]
+    table = target_table(rows, {"continual": {"offline": "aqr", "realtime": "aqr"}})
+    assert table is not None and table.name == "field_target"
+    assert table.labels == ("continual · a · offline", "continual · a · realtime")
+    offline, realtime = table.entries
+    assert [e.text for e in offline] == ["AQR", "74.0", "CoTTA 74.7", "AQR+ETA 75.2", "-0.7", "no"]
+    assert [e.text for e in realtime] == ["AQR", "63.0", "TENT 65.0", "AQR 63.0", "-2.0", "no"]
+    met = target_table(rows, {"continual": {"offline": "aqr+eta"}})
+    assert [e.text for e in met.entries[0]][-2:] == ["+0.5", "yes"]
+
+
+def test_build_tables_adds_the_target_table_for_field_rows():
+    rows = [row("resnet20_trainstats", v, 50.0 + i, seed=0) for i, v in enumerate(["aqr", "roid"])]
+    rows.append(row("resnet20_trainstats", "aqr", 40.0, protocol=REALTIME, seed=0))
+    assert "field_target" in [t.name for t in build_tables(rows)]
+
+
+@pytest.mark.skipif(not SELECTION_DB.is_file(), reason="the selection run's database is not in this checkout")
+def test_frozen_defaults_are_the_choice_on_the_committed_selection_draw():
+    rows = load_rows(SELECTION_DB)
+    assert {r.seed for r in rows} == {1}
+    assert choose_defaults(rows) == FIELD_DEFAULTS
