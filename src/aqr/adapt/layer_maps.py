@@ -129,6 +129,14 @@ class LayerMap:
             and module.track_running_stats and module.running_mean is not None and module.running_var is not None
         )
 
+    def layer_forward(self, module: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+                      x: torch.Tensor) -> torch.Tensor:
+        """The recalibrated output of the norm layer ``module`` (whose own ``forward`` is ``forward``) on
+        ``x``: folded into the map where :meth:`foldable`, else the layer's output mapped as a hook maps it."""
+        if self.foldable(module):
+            return self._folded(module, forward, x)
+        return self(module, (x,), forward(x))
+
     def folded_forward(self, module: nn.modules.batchnorm._BatchNorm,
                        forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         """A replacement ``forward`` for an eval-mode BatchNorm: the map reads the BN's input and
@@ -137,36 +145,41 @@ class LayerMap:
         Anything the backend cannot fold (training mode, GPU, float64, autograd, no C kernels) runs
         the BN's own ``forward`` and the hook's map instead.
         """
+        return lambda x: self._folded(module, forward, x)
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            if (module.training or x.ndim < 2 or x.shape[1] != self.info.channels or x.numel() == 0
-                    or not self.backend(x.device).folds(as_acb(x, 1))
-                    # on a GPU "skip" would need the unmapped output too (no host read of `finite`)
-                    or (self.on_nonfinite == "skip" and not host_reads_are_cheap(x.device))):
-                return self(module, (x,), forward(x))
-            return self._fast(x, self._folded_affine(module), lambda: forward(x))
-
-        return run
+    def _folded(self, module: nn.modules.batchnorm._BatchNorm, forward: Callable[[torch.Tensor], torch.Tensor],
+                x: torch.Tensor) -> torch.Tensor:
+        """:meth:`folded_forward`'s call on ``x``."""
+        if (module.training or x.ndim < 2 or x.shape[1] != self.info.channels or x.numel() == 0
+                or not self.backend(x.device).folds(as_acb(x, 1))
+                # on a GPU "skip" would need the unmapped output too (no host read of `finite`)
+                or (self.on_nonfinite == "skip" and not host_reads_are_cheap(x.device))):
+            return self(module, (x,), forward(x))
+        return self._fast(x, self._folded_affine(module), lambda: forward(x))
 
     def _folded_affine(self, module: nn.modules.batchnorm._BatchNorm) -> Affine:
         """The eval-mode BatchNorm as ``(scale, shift)`` per channel, as ATen's eval batch_norm computes it.
 
-        Kept until one of the BN's tensors changes (replaced, or updated in place: its version
-        moves), so a forward pass does not recompute it in a handful of small ops per layer.
+        Kept until one of the BN's tensors changes (replaced, updated in place: its version moves, or
+        given new memory through ``.data``), so a forward pass does not recompute it in a handful of
+        small ops per layer.
         """
-        tensors = (module.running_var, module.running_mean, module.weight, module.bias)
-        key = (module.eps, *((id(t), t._version) if t is not None else None for t in tensors))
-        cached = self._fold_cache.get(module.running_var.device)
+        var, mean, weight, bias = module.running_var, module.running_mean, module.weight, module.bias
+        key = (module.eps, id(var), var._version, var.data_ptr(), id(mean), mean._version, mean.data_ptr(),
+               None if weight is None else (id(weight), weight._version, weight.data_ptr()),
+               None if bias is None else (id(bias), bias._version, bias.data_ptr()))
+        device = var.device
+        cached = self._fold_cache.get(device)
         if cached is not None and cached[0] == key:
             return cached[1]
-        alpha = 1.0 / torch.sqrt(module.running_var.float() + module.eps)
-        if module.weight is not None:
-            alpha = alpha * module.weight.float()
-        beta = -module.running_mean.float() * alpha
-        if module.bias is not None:
-            beta = module.bias.float() + beta
+        alpha = 1.0 / torch.sqrt(var.float() + module.eps)
+        if weight is not None:
+            alpha = alpha * weight.float()
+        beta = -mean.float() * alpha
+        if bias is not None:
+            beta = bias.float() + beta
         affine = (alpha.contiguous(), beta.contiguous())
-        self._fold_cache[module.running_var.device] = (key, affine)
+        self._fold_cache[device] = (key, affine)
         return affine
 
     def _nonfinite(self, out: torch.Tensor) -> torch.Tensor:
