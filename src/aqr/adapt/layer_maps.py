@@ -26,6 +26,24 @@ def host_reads_are_cheap(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+# BatchNorm classes whose running statistics and affine parameters sit in ``_buffers``/``_parameters``
+# under their own names (a parametrized module is of a class made for it, and is not one of these)
+PLAIN_BATCH_NORMS = frozenset({nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm})
+
+
+def batch_norm_tensors(module: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor | None, torch.Tensor | None]:
+    """``module``'s ``(running_var, running_mean, weight, bias)``, read from its dicts for the stock classes
+    (what attribute access returns for them, without ``nn.Module.__getattr__``)."""
+    if type(module) in PLAIN_BATCH_NORMS:
+        buffers, params = module._buffers, module._parameters
+        try:
+            return buffers["running_var"], buffers["running_mean"], params["weight"], params["bias"]  # type: ignore[return-value]
+        except KeyError:  # one was deleted: attribute access says what is there
+            pass
+    return module.running_var, module.running_mean, module.weight, module.bias
+
+
 class LayerMap:
     """The recalibration of one layer: its source side, and the fast-path backend chosen per device.
 
@@ -48,7 +66,8 @@ class LayerMap:
         self.config = config
         self.subsets = subsets or SubsetCache(config.target_samples, config.samples_per_row)
         self.logits_checked = logits_checked  # AQR's forward checks the logits for NaN/Inf
-        self._fold_cache: dict[torch.device, tuple[tuple[object, ...], Affine]] = {}
+        # the last folded BatchNorm's tensors, eps, versions and addresses, and its affine (_affine_of)
+        self._fold_cache: tuple[object, ...] | None = None
 
     def __getstate__(self) -> dict[str, object]:
         """A copy's state: the caches of backends (which hold ctypes handles and compiled kernels, neither
@@ -56,7 +75,7 @@ class LayerMap:
         cache (history-free; :class:`aqr.AQR` gives its copy's maps one shared cache again). Dicts another
         thread may be filling are copied first."""
         state = self.__dict__.copy()
-        state["_backends"], state["_fold_cache"], state["subsets"] = {}, {}, None
+        state["_backends"], state["_fold_cache"], state["subsets"] = {}, None, None
         for name, value in state.items():
             if isinstance(value, dict):
                 state[name] = dict(value)
@@ -64,6 +83,7 @@ class LayerMap:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
+        self._fold_cache = None
         if self.subsets is None:
             self.subsets = SubsetCache(self.config.target_samples, self.config.samples_per_row)
 
@@ -158,28 +178,34 @@ class LayerMap:
         return self._fast(x, self._folded_affine(module), lambda: forward(x))
 
     def _folded_affine(self, module: nn.modules.batchnorm._BatchNorm) -> Affine:
-        """The eval-mode BatchNorm as ``(scale, shift)`` per channel, as ATen's eval batch_norm computes it.
+        """The eval-mode BatchNorm as ``(scale, shift)`` per channel, as ATen's eval batch_norm computes it."""
+        return self._affine_of(module, *batch_norm_tensors(module))
 
-        Kept until one of the BN's tensors changes (replaced, updated in place: its version moves, or
-        given new memory through ``.data``), so a forward pass does not recompute it in a handful of
-        small ops per layer.
+    def _affine_of(self, module: nn.modules.batchnorm._BatchNorm, var: torch.Tensor, mean: torch.Tensor,
+                   weight: torch.Tensor | None, bias: torch.Tensor | None) -> Affine:
+        """:meth:`_folded_affine` of ``module`` from its tensors (:func:`batch_norm_tensors`).
+
+        Kept until one of them changes (replaced by another tensor, updated in place: its version
+        moves, or given new memory through ``.data``), so a forward pass does not recompute it in a
+        handful of small ops per layer. The cache holds the tensors it was computed from, so a
+        replaced tensor's memory and identity cannot be taken over by a new one while it is compared.
         """
-        var, mean, weight, bias = module.running_var, module.running_mean, module.weight, module.bias
-        key = (module.eps, id(var), var._version, var.data_ptr(), id(mean), mean._version, mean.data_ptr(),
-               None if weight is None else (id(weight), weight._version, weight.data_ptr()),
-               None if bias is None else (id(bias), bias._version, bias.data_ptr()))
-        device = var.device
-        cached = self._fold_cache.get(device)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        alpha = 1.0 / torch.sqrt(var.float() + module.eps)
+        eps = module.eps
+        marks = (var._version, var.data_ptr(), mean._version, mean.data_ptr(),
+                 None if weight is None else (weight._version, weight.data_ptr()),
+                 None if bias is None else (bias._version, bias.data_ptr()))
+        cached = self._fold_cache
+        if (cached is not None and cached[0] is var and cached[1] is mean and cached[2] is weight
+                and cached[3] is bias and cached[4] == eps and cached[5] == marks):
+            return cached[6]
+        alpha = 1.0 / torch.sqrt(var.float() + eps)
         if weight is not None:
             alpha = alpha * weight.float()
         beta = -mean.float() * alpha
         if bias is not None:
             beta = bias.float() + beta
         affine = (alpha.contiguous(), beta.contiguous())
-        self._fold_cache[device] = (key, affine)
+        self._fold_cache = (var, mean, weight, bias, eps, marks, affine)  # one assignment: a racing thread sees either
         return affine
 
     def _nonfinite(self, out: torch.Tensor) -> torch.Tensor:

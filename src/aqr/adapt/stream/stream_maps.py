@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from aqr.adapt.config import AQRConfig, StreamTarget
-from aqr.adapt.layer_maps import LayerMap
+from aqr.adapt.layer_maps import PLAIN_BATCH_NORMS, LayerMap, batch_norm_tensors
 from aqr.adapt.stream.base import StreamKernels
 from aqr.adapt.stream.native_kernels import NativeStreamKernels, native_stream_kernels
 from aqr.adapt.stream.robust import MARGINAL_WINDOW, RobustLayerStream
@@ -115,10 +115,14 @@ class StreamLayerMap(LayerMap):
         values as the general path, in one call instead of its chain of checks)."""
         stream, batch = self._small, self.batch
         if (stream is not None and stream.started and 0 < batch.images < stream.settings.rebuild_every
-                and not batch.held and not module.training and native_takes(x) and x.ndim >= 2
+                and not batch.held and type(module) in PLAIN_BATCH_NORMS and not module.training
+                and module.track_running_stats and native_takes(x) and x.ndim >= 2
                 and x.shape[1] == self.info.channels and x.is_contiguous() and x.numel() > 0
-                and self.foldable(module) and stream.kernels is self._small_kernels):
-            y, staged = stream.small_step(x, batch.images, self._folded_affine(module))
+                and stream.kernels is self._small_kernels):
+            var, mean, weight, bias = batch_norm_tensors(module)
+            if var is None or mean is None:  # not foldable
+                return super().layer_forward(module, forward, x)
+            y, staged = stream.small_step(x, batch.images, self._affine_of(module, var, mean, weight, bias))
             if staged is None:
                 batch.nonfinite = True
                 return self._nonfinite(forward(x))
