@@ -38,7 +38,8 @@ def batch_norm_tensors(module: nn.modules.batchnorm._BatchNorm) -> tuple[torch.T
     if type(module) in PLAIN_BATCH_NORMS:
         buffers, params = module._buffers, module._parameters
         try:
-            return buffers["running_var"], buffers["running_mean"], params["weight"], params["bias"]  # type: ignore[return-value]
+            return (buffers["running_var"], buffers["running_mean"],  # type: ignore[return-value]
+                    params["weight"], params["bias"])
         except KeyError:  # one was deleted: attribute access says what is there
             pass
     return module.running_var, module.running_mean, module.weight, module.bias
