@@ -224,3 +224,51 @@ def test_the_method_keeps_its_stream_online_and_restarts_it_episodically() -> No
     assert not torch.equal(online(x[4:]), second)  # the online stream maps it with the first batch's
     online.reset()
     assert torch.equal(online(x[:4]), first)
+
+
+def test_the_direct_small_batch_path_gives_the_general_paths_outputs_and_state(monkeypatch) -> None:
+    """A small batch of a folded BatchNorm on the C kernels goes straight to one bound scan (and its commit
+    to one bound push); the general chain of checks, step and scan gives the same bits, also across held
+    batches, large batches, a NaN batch and the user's parameters changed between batches."""
+    from aqr.adapt.stream.stream_maps import StreamLayerMap
+
+    model, stats = calibrated("bn")
+
+    def run(direct: bool) -> tuple[list[torch.Tensor], list[dict]]:
+        twin_model = copy.deepcopy(model)
+        adapter = aqr.AQR(twin_model, stats, target="stream", horizon=16, rebuild_every=4, on_nonfinite="skip")
+        taken, outs = [], []
+        for i, b in enumerate([1, 1, 2, 3, 1, 5, 1, 2, 1, 1, 8, 1, 3, 1, 2, 1]):
+            x = shifted(b, seed=100 + i)
+            if i == 6:
+                x[0, 0, 2, 2] = float("nan")
+            if i == 9:
+                with torch.no_grad():
+                    twin_model[1].weight.mul_(1.1)  # in place: its version moves
+            if i == 12:
+                twin_model[1].bias.data = twin_model[1].bias.data + 0.3  # new memory, same version
+            outs.append(adapter(x))
+            if i % 4 == 2:
+                outs.append(adapter.forward_held(shifted(2, seed=200 + i)))
+            taken.append(any(m._small is not None for m in adapter._maps.values()))
+        assert any(taken) == direct
+        return outs, state(adapter)
+
+    direct = run(True)
+    monkeypatch.setattr(StreamLayerMap, "_note_small", lambda *args: None)  # every batch by the general path
+    general = run(False)
+    assert len(direct[0]) == len(general[0])
+    for a, b in zip(direct[0], general[0]):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert same(direct[1], general[1])
+
+
+def test_a_batch_norm_changed_through_data_is_folded_anew() -> None:
+    """``bn.bias.data = ...`` keeps the tensor and its version: the folded affine sees the new memory."""
+    model, stats = calibrated("bn")
+    x = shifted(2, seed=7)
+    adapter = aqr.AQR(model, stats)
+    adapter(x)
+    model[1].bias.data = model[1].bias.data + 0.5
+    fresh = aqr.AQR(model, stats)
+    assert torch.equal(adapter(x), fresh(x))

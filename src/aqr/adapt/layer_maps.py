@@ -26,6 +26,25 @@ def host_reads_are_cheap(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+# BatchNorm classes whose running statistics and affine parameters sit in ``_buffers``/``_parameters``
+# under their own names (a parametrized module is of a class made for it, and is not one of these)
+PLAIN_BATCH_NORMS = frozenset({nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm})
+
+
+def batch_norm_tensors(module: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor | None, torch.Tensor | None]:
+    """``module``'s ``(running_var, running_mean, weight, bias)``, read from its dicts for the stock classes
+    (what attribute access returns for them, without ``nn.Module.__getattr__``)."""
+    if type(module) in PLAIN_BATCH_NORMS:
+        buffers, params = module._buffers, module._parameters
+        try:
+            return (buffers["running_var"], buffers["running_mean"],  # type: ignore[return-value]
+                    params["weight"], params["bias"])
+        except KeyError:  # one was deleted: attribute access says what is there
+            pass
+    return module.running_var, module.running_mean, module.weight, module.bias
+
+
 class LayerMap:
     """The recalibration of one layer: its source side, and the fast-path backend chosen per device.
 
@@ -48,7 +67,8 @@ class LayerMap:
         self.config = config
         self.subsets = subsets or SubsetCache(config.target_samples, config.samples_per_row)
         self.logits_checked = logits_checked  # AQR's forward checks the logits for NaN/Inf
-        self._fold_cache: dict[torch.device, tuple[tuple[object, ...], Affine]] = {}
+        # the last folded BatchNorm's tensors, eps, versions and addresses, and its affine (_affine_of)
+        self._fold_cache: tuple[object, ...] | None = None
 
     def __getstate__(self) -> dict[str, object]:
         """A copy's state: the caches of backends (which hold ctypes handles and compiled kernels, neither
@@ -56,7 +76,7 @@ class LayerMap:
         cache (history-free; :class:`aqr.AQR` gives its copy's maps one shared cache again). Dicts another
         thread may be filling are copied first."""
         state = self.__dict__.copy()
-        state["_backends"], state["_fold_cache"], state["subsets"] = {}, {}, None
+        state["_backends"], state["_fold_cache"], state["subsets"] = {}, None, None
         for name, value in state.items():
             if isinstance(value, dict):
                 state[name] = dict(value)
@@ -64,6 +84,7 @@ class LayerMap:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
+        self._fold_cache = None
         if self.subsets is None:
             self.subsets = SubsetCache(self.config.target_samples, self.config.samples_per_row)
 
@@ -129,6 +150,14 @@ class LayerMap:
             and module.track_running_stats and module.running_mean is not None and module.running_var is not None
         )
 
+    def layer_forward(self, module: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+                      x: torch.Tensor) -> torch.Tensor:
+        """The recalibrated output of the norm layer ``module`` (whose own ``forward`` is ``forward``) on
+        ``x``: folded into the map where :meth:`foldable`, else the layer's output mapped as a hook maps it."""
+        if self.foldable(module):
+            return self._folded(module, forward, x)
+        return self(module, (x,), forward(x))
+
     def folded_forward(self, module: nn.modules.batchnorm._BatchNorm,
                        forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         """A replacement ``forward`` for an eval-mode BatchNorm: the map reads the BN's input and
@@ -137,36 +166,47 @@ class LayerMap:
         Anything the backend cannot fold (training mode, GPU, float64, autograd, no C kernels) runs
         the BN's own ``forward`` and the hook's map instead.
         """
+        return lambda x: self._folded(module, forward, x)
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            if (module.training or x.ndim < 2 or x.shape[1] != self.info.channels or x.numel() == 0
-                    or not self.backend(x.device).folds(as_acb(x, 1))
-                    # on a GPU "skip" would need the unmapped output too (no host read of `finite`)
-                    or (self.on_nonfinite == "skip" and not host_reads_are_cheap(x.device))):
-                return self(module, (x,), forward(x))
-            return self._fast(x, self._folded_affine(module), lambda: forward(x))
-
-        return run
+    def _folded(self, module: nn.modules.batchnorm._BatchNorm, forward: Callable[[torch.Tensor], torch.Tensor],
+                x: torch.Tensor) -> torch.Tensor:
+        """:meth:`folded_forward`'s call on ``x``."""
+        if (module.training or x.ndim < 2 or x.shape[1] != self.info.channels or x.numel() == 0
+                or not self.backend(x.device).folds(as_acb(x, 1))
+                # on a GPU "skip" would need the unmapped output too (no host read of `finite`)
+                or (self.on_nonfinite == "skip" and not host_reads_are_cheap(x.device))):
+            return self(module, (x,), forward(x))
+        return self._fast(x, self._folded_affine(module), lambda: forward(x))
 
     def _folded_affine(self, module: nn.modules.batchnorm._BatchNorm) -> Affine:
-        """The eval-mode BatchNorm as ``(scale, shift)`` per channel, as ATen's eval batch_norm computes it.
+        """The eval-mode BatchNorm as ``(scale, shift)`` per channel, as ATen's eval batch_norm computes it."""
+        return self._affine_of(module, *batch_norm_tensors(module))
 
-        Kept until one of the BN's tensors changes (replaced, or updated in place: its version
-        moves), so a forward pass does not recompute it in a handful of small ops per layer.
+    def _affine_of(self, module: nn.modules.batchnorm._BatchNorm, var: torch.Tensor, mean: torch.Tensor,
+                   weight: torch.Tensor | None, bias: torch.Tensor | None) -> Affine:
+        """:meth:`_folded_affine` of ``module`` from its tensors (:func:`batch_norm_tensors`).
+
+        Kept until one of them changes (replaced by another tensor, updated in place: its version
+        moves, or given new memory through ``.data``), so a forward pass does not recompute it in a
+        handful of small ops per layer. The cache holds the tensors it was computed from, so a
+        replaced tensor's memory and identity cannot be taken over by a new one while it is compared.
         """
-        tensors = (module.running_var, module.running_mean, module.weight, module.bias)
-        key = (module.eps, *((id(t), t._version) if t is not None else None for t in tensors))
-        cached = self._fold_cache.get(module.running_var.device)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        alpha = 1.0 / torch.sqrt(module.running_var.float() + module.eps)
-        if module.weight is not None:
-            alpha = alpha * module.weight.float()
-        beta = -module.running_mean.float() * alpha
-        if module.bias is not None:
-            beta = module.bias.float() + beta
+        eps = module.eps
+        marks = (var._version, var.data_ptr(), mean._version, mean.data_ptr(),
+                 None if weight is None else (weight._version, weight.data_ptr()),
+                 None if bias is None else (bias._version, bias.data_ptr()))
+        cached = self._fold_cache
+        if (cached is not None and cached[0] is var and cached[1] is mean and cached[2] is weight
+                and cached[3] is bias and cached[4] == eps and cached[5] == marks):
+            return cached[6]
+        alpha = 1.0 / torch.sqrt(var.float() + eps)
+        if weight is not None:
+            alpha = alpha * weight.float()
+        beta = -mean.float() * alpha
+        if bias is not None:
+            beta = bias.float() + beta
         affine = (alpha.contiguous(), beta.contiguous())
-        self._fold_cache[module.running_var.device] = (key, affine)
+        self._fold_cache = (var, mean, weight, bias, eps, marks, affine)  # one assignment: a racing thread sees either
         return affine
 
     def _nonfinite(self, out: torch.Tensor) -> torch.Tensor:

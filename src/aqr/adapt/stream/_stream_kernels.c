@@ -741,6 +741,7 @@ typedef struct {
     int64_t C, K, G;
     const float *kn, *sq;
     float *pairs, *glo, *ginv;
+    double *scratch; /* per part 2 (G + 1) doubles */
 } stream_tables_args;
 
 /* The slope of the map on knot interval q, (s[q+1] - s[q]) / (k[q+1] - k[q]); 0 on an empty one. */
@@ -750,9 +751,9 @@ static inline double stream_rise(const float *k, const float *s, int64_t q) {
 }
 
 static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
-    (void)part;
     const stream_tables_args *a = (const stream_tables_args *)p;
     const int64_t K = a->K, G = a->G;
+    double *gxs = a->scratch + (int64_t)part * 2 * (G + 1), *yvs = gxs + G + 1;
     for (int64_t c = c0; c < c1; c++) {
         const float *k = a->kn + c * K, *s = a->sq + c * K;
         float *tab = a->pairs + c * 2 * (G + 2);
@@ -762,21 +763,31 @@ static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
         a->ginv[c] = stream_float(inv);
         stream_line(k[0], s[0], k[1], s[1], s[1], &tab[0], &tab[1]);
         stream_line(k[K - 2], s[K - 2], k[K - 1], s[K - 1], s[K - 2], &tab[2 * (G + 1)], &tab[2 * (G + 1) + 1]);
+        /* the grid points gx and the map's values yv there (through the knots), then each cell's line */
         int64_t q = 1; /* the knot interval [k[q], k[q+1]) holding the grid point, and its slope */
         double rise = K > 3 ? stream_rise(k, s, 1) : 0.0;
-        double gprev = lo, yprev = s[1];
+        gxs[0] = lo, yvs[0] = s[1];
         for (int64_t g = 1; g <= G; g++) {
             const double gx = g == G ? (double)k[K - 2] : lo + width * (double)g;
             int moved = 0;
             while (q < K - 2 && gx >= (double)k[q + 1]) q++, moved = 1;
             if (moved && q < K - 2) rise = stream_rise(k, s, q);
-            const double yv = q >= K - 2 ? (double)s[K - 2] : (double)s[q] + (gx - (double)k[q]) * rise;
-            /* the cell's line through (gprev, yprev) and (gx, yv): slope by the inverse width (the last
-               cell ends exactly at k[K-2], within rounding of a width) */
-            const float slope = width > 0 ? stream_float((yv - yprev) * inv) : 0.0f;
-            tab[2 * g] = slope;
-            tab[2 * g + 1] = stream_float(width > 0 ? yprev - (double)slope * gprev : yv);
-            gprev = gx, yprev = yv;
+            gxs[g] = gx;
+            yvs[g] = q >= K - 2 ? (double)s[K - 2] : (double)s[q] + (gx - (double)k[q]) * rise;
+        }
+        /* the cell's line through (gx[g-1], yv[g-1]) and (gx[g], yv[g]): slope by the inverse width (the
+           last cell ends exactly at k[K-2], within rounding of a width) */
+        if (width > 0) {
+            for (int64_t g = 1; g <= G; g++) {
+                const float slope = stream_float((yvs[g] - yvs[g - 1]) * inv);
+                tab[2 * g] = slope;
+                tab[2 * g + 1] = stream_float(yvs[g - 1] - (double)slope * gxs[g - 1]);
+            }
+        } else {
+            for (int64_t g = 1; g <= G; g++) {
+                tab[2 * g] = 0.0f;
+                tab[2 * g + 1] = stream_float(yvs[g]);
+            }
         }
     }
 }
@@ -784,8 +795,12 @@ static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
 int aqr_stream_tables(int64_t C, int64_t K, const float *kn, const float *sq, int64_t G, float *pairs, float *glo,
                       float *ginv, int nthreads) {
     if (!stream_sizes_ok(C, K, G, 1) || !kn || !sq || !pairs || !glo || !ginv) return STREAM_BAD_ARGUMENT;
-    stream_tables_args a = {C, K, G, kn, sq, pairs, glo, ginv};
-    parallel_for(stream_tables_part, &a, C, stream_parts(C, C * G * 8, nthreads));
+    const int parts = stream_parts(C, C * G * 8, nthreads);
+    double *scratch = malloc(sizeof(double) * (size_t)(2 * (G + 1) * parts));
+    if (!scratch) return STREAM_NO_MEMORY;
+    stream_tables_args a = {C, K, G, kn, sq, pairs, glo, ginv, scratch};
+    parallel_for(stream_tables_part, &a, C, parts);
+    free(scratch);
     return STREAM_OK;
 }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -111,8 +112,7 @@ def cloned(state: object) -> object:
     return type(state)(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()})
 
 
-@dataclass(frozen=True)
-class ScanResult:
+class ScanResult(NamedTuple):
     """What :meth:`StreamKernels.scan` returns: the map ``y`` (``None`` unless asked), each image's
     extremes ``lo``/``hi`` ``(N, C)``, the histogram ``counts`` (``None`` unless asked) and whether every
     value was finite (if not, the rest is meaningless)."""
@@ -170,6 +170,13 @@ class StreamKernels(abc.ABC):
         ``mode & IMAGE_COUNT`` (not with ``COUNT``): ``counts`` ``(images, C, cells + 4)``, each image's
         own histogram on those bins, of every ``stride``-th value by flat position within its rows.
         """
+
+    def bind(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable, window: TailWindow,
+             group: PendingGroup, stride: int, cells: int) -> object | None:
+        """A layer's state bound to these kernels for the calls of a small batch, with the checks done
+        once (:class:`aqr.adapt.stream.native_kernels.BoundStream`), or ``None`` where the kernels have
+        no such form (then :meth:`scan` and :meth:`push` serve)."""
+        return None
 
     @abc.abstractmethod
     def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,

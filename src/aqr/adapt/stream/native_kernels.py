@@ -128,6 +128,10 @@ class NativeStreamKernels(StreamKernels):
             torch.get_num_threads()), "scan")
         return ScanResult(y, lo, hi, counts, status == 0)
 
+    def bind(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable, window: TailWindow,
+             group: PendingGroup, stride: int, cells: int) -> BoundStream:
+        return BoundStream(self, knots, source, table, window, group, stride, cells)
+
     def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,
              lo: torch.Tensor, hi: torch.Tensor) -> None:
         n, c = lo.shape
@@ -204,3 +208,77 @@ class NativeStreamKernels(StreamKernels):
                                                    counts.shape[2] - EDGE_BINS, ctypes.addressof(out)),
                "shift_distances")
         return out[0], out[1]
+
+
+def _state_buffer(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> int:
+    """The address of the state buffer ``t``, checked to be a contiguous CPU tensor of ``dtype`` and ``shape``."""
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
+        raise ValueError(f"stream state {name!r}: {tuple(t.shape)} {t.dtype} on {t.device}, expected a contiguous "
+                         f"CPU tensor {shape} {dtype}")
+    return t.data_ptr()
+
+
+class BoundStream:
+    """One layer's running state bound to the C kernels for the two calls of a batch of fewer than
+    ``rebuild_every`` images (:meth:`map_count`, then :meth:`push` at the commit), with its buffers'
+    addresses and sizes taken and checked once. The running state changes its buffers in place only
+    (:mod:`aqr.adapt.stream.running`), so the addresses stay valid; the bound state holds the tensors."""
+
+    def __init__(self, kernels: NativeStreamKernels, knots: torch.Tensor, source: torch.Tensor, table: StreamTable,
+                 window: TailWindow, group: PendingGroup, stride: int, cells: int) -> None:
+        c, k = knots.shape
+        g, w, bins = table.grid, window.size, cells + EDGE_BINS
+        f32 = torch.float32
+        self.kernels = kernels
+        lib = kernels.lib
+        self._scan_fn, self._push_fn = lib.aqr_stream_scan, lib.aqr_stream_push
+        self.channels, self.bins = c, bins
+        self._tensors = (knots, source, table, window, group)  # the buffers whose addresses are used below
+        self._scan_state = (
+            k, _state_buffer(knots, f32, (c, k), "knots"), _state_buffer(source, f32, (c, k), "source"),
+            _state_buffer(table.pairs, f32, (c, g + 2, 2), "table.pairs"), g,
+            _state_buffer(table.glo, f32, (c,), "table.glo"), _state_buffer(table.ginv, f32, (c,), "table.ginv"),
+            stride, cells)
+        self._window = window
+        self._group_state = (
+            _state_buffer(group.counts, torch.int32, (c, bins), "group.counts"),
+            _state_buffer(group.gmin, f32, (c,), "group.gmin"), _state_buffer(group.gmax, f32, (c,), "group.gmax"))
+        self._window_state = (
+            _state_buffer(window.ring_lo, f32, (w, c), "window.ring_lo"),
+            _state_buffer(window.sorted_lo, f32, (c, w), "window.sorted_lo"),
+            _state_buffer(window.ring_hi, f32, (w, c), "window.ring_hi"),
+            _state_buffer(window.sorted_hi, f32, (c, w), "window.sorted_hi"))
+
+    def map_count(self, x: torch.Tensor, images: int,
+                  pre: Affine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """:meth:`NativeStreamKernels.scan` of ``x`` with ``MAP | COUNT`` on the bound state: ``x`` a contiguous
+        float32 CPU tensor ``(A, C, ...)`` of at least one value, read as ``(A, C, B)``, and ``pre`` an
+        affine of contiguous float32 CPU tensors ``(C,)`` (the caller's to ensure). Returns ``y`` shaped as
+        ``x``, ``lo``, ``hi``, ``counts`` and whether every value was finite."""
+        shape = x.shape
+        a, c = shape[0], self.channels
+        if shape[1] != c or images < 1 or a % images:
+            raise ValueError(f"a layer output {tuple(shape)} for a streaming state of {c} channels and a batch "
+                             f"of {images} images (streaming AQR needs the batch dimension first)")
+        y = torch.empty_like(x)
+        counts = torch.empty(c, self.bins, dtype=torch.int32)
+        lo, hi = torch.empty(images, c), torch.empty(images, c)
+        k, kn, sq, pairs, g, glo, ginv, stride, cells = self._scan_state
+        status = self._scan_fn(x.data_ptr(), y.data_ptr(), a, c, x.numel() // (a * c), images, pre[0].data_ptr(),
+                               pre[1].data_ptr(), k, kn, sq, pairs, g, glo, ginv, stride, cells, counts.data_ptr(),
+                               lo.data_ptr(), hi.data_ptr(), MAP | COUNT, torch.get_num_threads())
+        if status < 0:
+            _check(status, "scan")
+        return y, lo, hi, counts, status == 0
+
+    def push(self, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """:meth:`NativeStreamKernels.push` of what :meth:`map_count` returned into the bound window and group."""
+        window = self._window
+        n, size = lo.shape[0], window.size
+        pending, gmin, gmax = self._group_state
+        ring_lo, sorted_lo, ring_hi, sorted_hi = self._window_state
+        _check(self._push_fn(self.channels, self.bins, size, pending, counts.data_ptr(), gmin, gmax, lo.data_ptr(),
+                             hi.data_ptr(), n, ring_lo, sorted_lo, ring_hi, sorted_hi, window.filled, window.head,
+                             torch.get_num_threads()), "push")
+        window.filled = min(window.filled + n, size)
+        window.head = (window.head + n) % size

@@ -149,6 +149,7 @@ class StagedSmall:
     hi: torch.Tensor
     counts: torch.Tensor | None  # cdf-ema
     batch_knots: torch.Tensor | None  # knot-ema
+    bound: bool = False  # from the bound kernels (LayerStream.small_step): committed through them
 
 
 @dataclass
@@ -188,7 +189,17 @@ class LayerStream:
         self.table = StreamTable.empty(c, settings.grid, device)
         self.window = TailWindow.empty(c, settings.tail_window, device)
         self.group = PendingGroup.empty(c, COUNT_CELLS, device)
+        self._bound: object | None = None  # the state bound to its kernels (small_step), made on first use
         self.reset()
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        state["_bound"] = None  # holds the kernels' entry points, which cannot be copied: bound again on use
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_bound", None)
 
     # ---- state --------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -322,6 +333,25 @@ class LayerStream:
         y, table = self._map_tentative(x, images, pre, knots, window, group, weight)
         return y, StagedLarge(knots, table, r.lo, r.hi, images)
 
+    def bound(self) -> object | None:
+        """The state bound to its kernels for the calls of a small batch (:meth:`StreamKernels.bind`), or
+        ``None`` where the kernels have no such form."""
+        bound = self._bound
+        if bound is None or bound.kernels is not self.kernels:  # type: ignore[attr-defined]
+            bound = self._bound = self.kernels.bind(self.knots, self.source, self.table, self.window, self.group,
+                                                    COUNT_STRIDE, COUNT_CELLS)
+        return bound
+
+    def small_step(self, x: torch.Tensor, images: int, pre: Affine) -> tuple[torch.Tensor | None, Staged | None]:
+        """:meth:`step` of a started ``"cdf-ema"`` stream for a batch of fewer than ``rebuild_every`` images
+        through :meth:`bound` (which the caller has checked is not ``None``): ``x`` a contiguous float32 CPU
+        tensor ``(A, C, ...)`` of at least one value, read as ``(A, C, B)``, and ``pre`` a folded BatchNorm's
+        affine; the map has ``x``'s shape. The same values as :meth:`step`, which also commit alike."""
+        y, lo, hi, counts, finite = self.bound().map_count(x, images, pre)  # type: ignore[union-attr]
+        if not finite:
+            return None, None
+        return y, StagedSmall(lo, hi, counts, None, True)
+
     def held(self, x: torch.Tensor, images: int, pre: Affine | None = None) -> torch.Tensor | None:
         """``x`` (A, C, B) mapped with the committed state alone, as a batch of fewer than ``rebuild_every``
         images is, but staging nothing: the batch leaves no trace. ``None`` when a value was NaN or Inf.
@@ -374,7 +404,9 @@ class LayerStream:
             self.group.clear()
         else:
             images = staged.lo.shape[0]
-            if staged.batch_knots is None:  # cdf-ema: the histogram joins the group
+            if staged.bound:  # cdf-ema through the bound kernels (small_step)
+                self.bound().push(staged.counts, staged.lo, staged.hi)  # type: ignore[union-attr]
+            elif staged.batch_knots is None:  # cdf-ema: the histogram joins the group
                 kern.push(self.window, self.group, staged.counts, staged.lo, staged.hi)
             else:  # knot-ema: the knots move now, the table follows at the rebuild
                 kern.push(self.window, self.group, None, staged.lo, staged.hi)

@@ -14,15 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from aqr.adapt.config import AQRConfig, StreamTarget
-from aqr.adapt.layer_maps import LayerMap
+from aqr.adapt.layer_maps import PLAIN_BATCH_NORMS, LayerMap, batch_norm_tensors
 from aqr.adapt.stream.base import StreamKernels
 from aqr.adapt.stream.native_kernels import NativeStreamKernels, native_stream_kernels
 from aqr.adapt.stream.robust import MARGINAL_WINDOW, RobustLayerStream
 from aqr.adapt.stream.running import LayerStream, Staged, StreamSettings
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from aqr.backends import Affine, SubsetCache, Targets
+from aqr.backends.native import NativeBackend, native_takes
 from aqr.core.layers import as_acb
 from aqr.core.stats import SourceStats
 
@@ -91,6 +93,52 @@ class StreamLayerMap(LayerMap):
             self.group_quantiles = stats.layers[name].group_quantiles
         self.batch = batch
         self.streams: dict[torch.device, LayerStream] = {}
+        # the CPU stream, once a folded batch showed it runs on the C kernels and small batches may take
+        # LayerStream.small_step (see layer_forward)
+        self._small: LayerStream | None = None
+        self._small_kernels: StreamKernels | None = None  # its kernels then (a stream may change them)
+
+    def __getstate__(self) -> dict[str, object]:
+        state = super().__getstate__()
+        state["_small"] = state["_small_kernels"] = None  # found again on the copy's first folded batch
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_small", None)
+        self.__dict__.setdefault("_small_kernels", None)
+
+    def layer_forward(self, module: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+                      x: torch.Tensor) -> torch.Tensor:
+        """As :meth:`LayerMap.layer_forward`; an eval BatchNorm's batch of fewer than ``rebuild_every`` images
+        on a started CPU stream of the C kernels goes straight to :meth:`LayerStream.small_step` (the same
+        values as the general path, in one call instead of its chain of checks)."""
+        stream, batch = self._small, self.batch
+        if (stream is not None and stream.started and 0 < batch.images < stream.settings.rebuild_every
+                and not batch.held and type(module) in PLAIN_BATCH_NORMS and not module.training
+                and module.track_running_stats and native_takes(x) and x.ndim >= 2
+                and x.shape[1] == self.info.channels and x.is_contiguous() and x.numel() > 0
+                and stream.kernels is self._small_kernels):
+            var, mean, weight, bias = batch_norm_tensors(module)
+            if var is None or mean is None:  # not foldable
+                return super().layer_forward(module, forward, x)
+            y, staged = stream.small_step(x, batch.images, self._affine_of(module, var, mean, weight, bias))
+            if staged is None:
+                batch.nonfinite = True
+                return self._nonfinite(forward(x))
+            batch.staged.append((stream, staged))
+            return y  # type: ignore[return-value]
+        return super().layer_forward(module, forward, x)
+
+    def _note_small(self, stream: LayerStream, device: torch.device, pre: Affine | None) -> None:
+        """Remember ``stream`` for :meth:`layer_forward`'s direct path when it qualifies: a folded BatchNorm
+        (``pre``) on CPU whose per-batch backend folds natively, a ``"stream"`` target's ``"cdf-ema"`` state
+        on the C kernels, the channel on dim 1."""
+        if (pre is not None and device.type == "cpu" and type(stream) is LayerStream
+                and stream.settings.estimator == "cdf-ema" and isinstance(stream.kernels, NativeStreamKernels)
+                and isinstance(self.backend(device), NativeBackend) and self.info.channel_dim == 1
+                and stream.bound() is not None):
+            self._small, self._small_kernels = stream, stream.kernels
 
     def stream(self, device: torch.device) -> LayerStream:
         """The layer's running state on ``device``."""
@@ -136,6 +184,8 @@ class StreamLayerMap(LayerMap):
         acb = as_acb(x, self.info.channel_dim)
         if not stream.kernels.takes(acb):  # float64 or autograd on CPU: the torch kernels on the same state
             stream = _with_torch_kernels(stream)
+        elif self._small is None:
+            self._note_small(stream, x.device, pre)
         if isinstance(stream, RobustLayerStream):
             y, staged = stream.step(acb, self.batch.images, pre, self.batch.own)
         else:
