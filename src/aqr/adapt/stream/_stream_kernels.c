@@ -105,6 +105,18 @@ typedef struct {
     int32_t *bad; /* (C): a non-finite value in the channel */
 } stream_scan_args;
 
+#ifdef __AVX2__
+/* The eight lanes' extremes and non-finite flags folded into *mn, *mx, *bad. */
+static inline void fold_lanes(__m256 vmn, __m256 vmx, __m256 vbad, float *mn, float *mx, int *bad) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmn);
+    for (int j = 0; j < 8; j++) *mn = lanes[j] < *mn ? lanes[j] : *mn;
+    _mm256_storeu_ps(lanes, vmx);
+    for (int j = 0; j < 8; j++) *mx = lanes[j] > *mx ? lanes[j] : *mx;
+    *bad |= _mm256_movemask_ps(vbad) != 0;
+}
+#endif
+
 /* One row of B values: y = the table map of v = ps * x + pb (unless y is NULL), and the row's
    extremes and non-finite flag folded into *mn, *mx, *bad. tab: the channel's (G + 2) pairs
    (slope, intercept); cell 0 below k1, G + 1 from kb on, else the grid cell of v. */
@@ -135,12 +147,7 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
                                                         _mm256_cmp_ps(v, vk1, _CMP_LT_OQ)));
             _mm256_storeu_ps(yp + b, pair_lookup((const long long *)tab, cell, v));
         }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vmn);
-        for (int j = 0; j < 8; j++) mn = lanes[j] < mn ? lanes[j] : mn;
-        _mm256_storeu_ps(lanes, vmx);
-        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
-        bad |= _mm256_movemask_ps(vbad) != 0;
+        fold_lanes(vmn, vmx, vbad, &mn, &mx, &bad);
     } else { /* no map: the extremes and the check alone */
         const __m256 vps = _mm256_set1_ps(ps), vpb = _mm256_set1_ps(pb), zero = _mm256_setzero_ps();
         __m256 vmn = _mm256_set1_ps(mn), vmx = _mm256_set1_ps(mx), vbad = _mm256_setzero_ps();
@@ -150,12 +157,7 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
             vmn = _mm256_min_ps(vmn, v);
             vmx = _mm256_max_ps(vmx, v);
         }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vmn);
-        for (int j = 0; j < 8; j++) mn = lanes[j] < mn ? lanes[j] : mn;
-        _mm256_storeu_ps(lanes, vmx);
-        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
-        bad |= _mm256_movemask_ps(vbad) != 0;
+        fold_lanes(vmn, vmx, vbad, &mn, &mx, &bad);
     }
 #endif
     for (; b < B; b++) {
