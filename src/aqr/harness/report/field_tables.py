@@ -130,15 +130,27 @@ def cost_points(rows: Sequence[Row]) -> dict[str, dict[str, dict[str, dict[str, 
 
 
 def _colors(names: Sequence[str]) -> dict[str, Any]:
-    """One colour of matplotlib's ``tab20`` per name (the field has more methods than ``tab10`` colours)."""
+    """One colour per name: matplotlib's ``tab20``, then ``tab20b`` (the field has more than 20 methods)."""
     from matplotlib import colormaps
 
-    cmap = colormaps["tab20"]
-    return {name: cmap(i % 20) for i, name in enumerate(names)}
+    palette = [colormaps["tab20"](i) for i in range(20)] + [colormaps["tab20b"](i) for i in range(20)]
+    return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+
+
+def _cost_axis(ax: Any) -> None:
+    """A log x axis of costs labelled in plain numbers (1, 2, 5, 10, ...), without crowded minor labels."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator([1, 2, 5, 10, 20, 50, 100]))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def plot_costs(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
     """Per model, accuracy against relative cost ``C``: one panel per setting, offline filled, realtime hollow."""
+    from matplotlib.lines import Line2D
+
     figures: dict[str, list[Path]] = {}
     for model, settings in cost_points(rows).items():
         names = sorted(settings, key=_setting_rank)
@@ -151,8 +163,10 @@ def plot_costs(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]
             for kind, series in settings[setting].items():
                 for v, c, a in zip(series["variant"], series["cost"], series["accuracy"]):
                     face = colors[v] if kind == "offline" else "none"
-                    handles[v] = ax.scatter([c], [a], s=36, facecolors=face, edgecolors=colors[v], linewidths=1.4)
-            ax.set_xscale("log")
+                    ax.scatter([c], [a], s=36, facecolors=face, edgecolors=colors[v], linewidths=1.4)
+                    # the legend shows each method's colour filled, whichever protocol was drawn last
+                    handles[v] = Line2D([], [], marker="o", linestyle="", color=colors[v], label=method_label(v))
+            _cost_axis(ax)
             ax.set_title(setting, fontsize=9)
             ax.set_xlabel("relative cost C (log)")
             ax.set_ylabel("accuracy (%)")
