@@ -37,8 +37,8 @@ FIELD_REALTIME_ORDERS = (None, "delta=0.1")      # the settings also run under t
 FIELD_MODELS = ("resnet20_trainstats", "resnet20_gn", "vit_ln")
 # AQR's configurations in the field preset (as tables label them), and the one of them per setting and
 # protocol reported as AQR's default: chosen before the final run by
-# aqr.harness.report.field_target.choose_defaults on another image draw (seed 1, blocks of 200 images,
-# batch 64, the three models: docs/results/field/selection.db); tests check the choice against that database.
+# aqr.harness.report.field_target.choose_defaults on another image draw (seed 1, blocks of 500 images as
+# in the run, batch 64, the three models: docs/results/field/selection.db); tests check the choice against that database.
 FIELD_AQR_CONFIGS = ("aqr", "aqr[target=stream]", "aqr[target=robust]", "aqr+tent", "aqr+eta", "aqr+roid", "aqr+lame")
 FIELD_DEFAULTS: dict[str, dict[str, str]] = {
     "continual": {"offline": "aqr+roid", "realtime": "aqr[target=stream]"},

@@ -93,7 +93,6 @@ def build_tables(rows: Sequence[Row]) -> list[Table]:
     (:mod:`aqr.harness.report.field_tables`) and the field preset's target table, AQR's default configurations
     (:data:`aqr.harness.presets.FIELD_DEFAULTS`) against the best field method
     (:mod:`aqr.harness.report.field_target`)."""
-
     rows_all = rows
     streams = stream_tables(rows)
     rows = [r for r in rows if not is_continual(r)]
