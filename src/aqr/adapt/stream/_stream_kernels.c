@@ -115,6 +115,15 @@ static inline void fold_lanes(__m256 vmn, __m256 vmx, __m256 vbad, float *mn, fl
     for (int j = 0; j < 8; j++) *mx = lanes[j] > *mx ? lanes[j] : *mx;
     *bad |= _mm256_movemask_ps(vbad) != 0;
 }
+
+/* v = ps * x + pb on eight values at p; their extremes and non-finite flags folded into the running lanes. */
+static inline __m256 affine_step(const float *p, __m256 vps, __m256 vpb, __m256 *vmn, __m256 *vmx, __m256 *vbad) {
+    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(p), vps), vpb);
+    *vbad = _mm256_or_ps(*vbad, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_NEQ_UQ)); /* NaN or +-inf */
+    *vmn = _mm256_min_ps(*vmn, v);
+    *vmx = _mm256_max_ps(*vmx, v);
+    return v;
+}
 #endif
 
 /* One row of B values: y = the table map of v = ps * x + pb (unless y is NULL), and the row's
@@ -134,10 +143,7 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
         const __m256i last = _mm256_set1_epi32((int)(G + 1)), first = _mm256_setzero_si256();
         __m256 vmn = _mm256_set1_ps(mn), vmx = _mm256_set1_ps(mx), vbad = _mm256_setzero_ps();
         for (; b + 8 <= B; b += 8) {
-            const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + b), vps), vpb);
-            vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_NEQ_UQ)); /* NaN or +-inf */
-            vmn = _mm256_min_ps(vmn, v);
-            vmx = _mm256_max_ps(vmx, v);
+            const __m256 v = affine_step(xp + b, vps, vpb, &vmn, &vmx, &vbad);
             __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, vg0), vgi), one);
             t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* max(NaN, 0) is 0: its second operand */
             __m256i cell = _mm256_cvttps_epi32(t);
@@ -149,13 +155,10 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
         }
         fold_lanes(vmn, vmx, vbad, &mn, &mx, &bad);
     } else { /* no map: the extremes and the check alone */
-        const __m256 vps = _mm256_set1_ps(ps), vpb = _mm256_set1_ps(pb), zero = _mm256_setzero_ps();
+        const __m256 vps = _mm256_set1_ps(ps), vpb = _mm256_set1_ps(pb);
         __m256 vmn = _mm256_set1_ps(mn), vmx = _mm256_set1_ps(mx), vbad = _mm256_setzero_ps();
         for (; b + 8 <= B; b += 8) {
-            const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + b), vps), vpb);
-            vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_NEQ_UQ)); /* NaN or +-inf */
-            vmn = _mm256_min_ps(vmn, v);
-            vmx = _mm256_max_ps(vmx, v);
+            const __m256 v = affine_step(xp + b, vps, vpb, &vmn, &vmx, &vbad);
         }
         fold_lanes(vmn, vmx, vbad, &mn, &mx, &bad);
     }
