@@ -10,7 +10,7 @@ and ``C = 3`` on 0, 3, 6, ... (:func:`adapted_batches`).
 
 ``C`` of a (model, method, batch size) comes from a timing round on the running machine
 (:func:`measure_cost`: the method and the plain model on the same batches of the cell's stream,
-round-robin, the median ratio) or from a costs file (:class:`CostTable`), so a committed run can be
+round-robin, the ratio of their total times) or from a costs file (:class:`CostTable`), so a committed run can be
 repeated exactly: ``C`` is part of a realtime cell's key (``Cell.cost``, two decimals).
 """
 
@@ -34,6 +34,9 @@ from aqr.harness.cells import REALTIME, Cell
 
 COSTS_FORMAT = "aqr-realtime-costs"
 COSTS_VERSION = 1
+# a timing round covers at least this many images: eight periods of the field's slowest periodic update
+# (RoTTA's and RBN's, every 64 images), so their share of the cost is not a matter of where the round ends
+MIN_TIMED_IMAGES = 512
 
 
 def adapted_batches(n_batches: int, cost: float) -> np.ndarray:
@@ -138,9 +141,12 @@ def measure_cost(method: torch.nn.Module, plain: torch.nn.Module, batches: Seque
                  warmup: int = 2, clock: str | None = None) -> dict[str, Any]:
     """The cost of ``method`` relative to ``plain`` (the unadapted model) on ``batches``, measured
     round-robin: the first ``warmup`` batches go through both untimed, then each further batch is timed
-    through both, back to back, alternating which goes first; ``"cost"`` is the median per-batch ratio,
-    or 1 where that median exceeds 1 by no more than the ratios' median absolute deviation (the timing
-    cannot tell the method from the plain forward, so it keeps up with the stream).
+    through both, back to back, alternating which goes first; ``"cost"`` is the ratio of the two total
+    times, or 1 where it exceeds 1 by no more than the per-batch ratios' median absolute deviation (the
+    timing cannot tell the method from the plain forward, so it keeps up with the stream).
+
+    Totals, not the median per-batch ratio: a method that updates every few batches (RoTTA and RBN
+    every 64 images, so every fourth batch of 16) is charged its updates, amortized over the batches.
 
     ``clock``: ``"cpu"`` (process CPU time; the default on CPU, where other jobs inflate wall time) or
     ``"wall"`` (the default on CUDA).
@@ -168,19 +174,23 @@ def measure_cost(method: torch.nn.Module, plain: torch.nn.Module, batches: Seque
             ratios.append(tm / max(tp, 1e-9))
     median = statistics.median(ratios)
     spread = statistics.median(abs(r - median) for r in ratios)
+    total = sum(method_s) / max(sum(plain_s), 1e-9)
     # a method the timing cannot tell from the plain forward keeps up with the stream: noise of a few
     # percent must not make it skip every other batch
-    cost = 1.0 if median <= 1.0 + spread else median
-    return {"cost": round(max(cost, 0.01), 2), "median_ratio": round(median, 4), "spread": round(spread, 4),
+    cost = 1.0 if total <= 1.0 + spread else total
+    return {"cost": round(max(cost, 0.01), 2), "rule": "total", "total_ratio": round(total, 4),
+            "median_ratio": round(median, 4), "spread": round(spread, 4),
             "ratios": [round(r, 4) for r in ratios],
             "method_s": statistics.median(method_s), "plain_s": statistics.median(plain_s), "clock": clock,
             "device": str(device), "threads": torch.get_num_threads()}
 
 
 def measure_cell_cost(cell: Cell, cache_dir: str | Path, device: str | None = None, rounds: int = 7,
-                      warmup: int = 2, clock: str | None = None) -> dict[str, Any]:
-    """:func:`measure_cost` of a realtime cell's method against the unadapted model, on the first
-    ``warmup + rounds`` full batches of the cell's own stream (its images, in its order)."""
+                      warmup: int = 2, clock: str | None = None, min_images: int = MIN_TIMED_IMAGES
+                      ) -> dict[str, Any]:
+    """:func:`measure_cost` of a realtime cell's method against the unadapted model, on the first full
+    batches of the cell's own stream (its images, in its order): ``warmup`` untimed, then ``rounds`` timed
+    or as many as cover ``min_images`` images, whichever is more (as the stream allows)."""
     from aqr.data.arrays import to_float
     from aqr.harness import continual
     from aqr.harness.cell_run import build_method
@@ -196,7 +206,7 @@ def measure_cell_cost(cell: Cell, cache_dir: str | Path, device: str | None = No
         images = eval_data(cell)[0]
     # full batches in stream order (across block ends: the cost does not depend on where a block ends)
     size = cell.batch_size
-    count = min(len(images) // size, warmup + rounds)
+    count = min(len(images) // size, warmup + max(rounds, math.ceil(min_images / size)))
     if count < warmup + 1:
         raise ValueError(f"the cell's {len(images)} images make {count} batches of {size}; a timing round needs "
                          f"at least {warmup + 1}")
@@ -232,7 +242,7 @@ def resolve_costs(cells: Sequence[Cell], costs_file: str | Path | None, cache_di
                      "batch_size": cell.batch_size}
             log(f"  n/a: {err}")
         else:
-            log(f"  C = {entry['cost']:.2f} ({entry['clock']} clock, median of {entry['rounds']} rounds)")
+            log(f"  C = {entry['cost']:.2f} ({entry['clock']} clock, total time over {entry['rounds']} batches)")
         table.entries[cost_key(cell.model.name, cell.variant, cell.batch_size)] = entry
         if costs_file is not None:
             table.save(costs_file)
