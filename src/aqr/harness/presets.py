@@ -31,7 +31,7 @@ NONIID_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "aqr", "aqr:target=s
 # settings (i.i.d., class-correlated, mixed domains), offline and under the realtime protocol.
 FIELD_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "sar", "eta", "eata", "cotta", "rotta", "lame", "roid",
                  "deyo", "moments", "aqr", "aqr:target=stream", "aqr:target=robust",
-                 "aqr+tent", "aqr+eta", "aqr+roid", "aqr+lame")
+                 "aqr+tent", "aqr+eta", "aqr+roid", "aqr+roid:target=robust", "aqr+lame")
 FIELD_ORDERS = (None, "delta=0.1", "mixed")       # continual (i.i.d.), correlated and mixed_domains
 FIELD_REALTIME_ORDERS = (None, "delta=0.1")      # the settings also run under the realtime protocol
 FIELD_MODELS = ("resnet20_trainstats", "resnet20_gn", "vit_ln")
@@ -39,7 +39,8 @@ FIELD_MODELS = ("resnet20_trainstats", "resnet20_gn", "vit_ln")
 # protocol reported as AQR's default: chosen before the final run by
 # aqr.harness.report.field_target.choose_defaults on another image draw (seed 1, blocks of 500 images as
 # in the run, batch 64, the three models: docs/results/field/selection.db); tests check the choice against that database.
-FIELD_AQR_CONFIGS = ("aqr", "aqr[target=stream]", "aqr[target=robust]", "aqr+tent", "aqr+eta", "aqr+roid", "aqr+lame")
+FIELD_AQR_CONFIGS = ("aqr", "aqr[target=stream]", "aqr[target=robust]", "aqr+tent", "aqr+eta", "aqr+roid",
+                     "aqr+roid[target=robust]", "aqr+lame")
 FIELD_DEFAULTS: dict[str, dict[str, str]] = {
     "continual": {"offline": "aqr+roid", "realtime": "aqr[target=stream]"},
     "correlated (delta=0.1)": {"offline": "aqr[target=robust]", "realtime": "aqr[target=robust]"},
