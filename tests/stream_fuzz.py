@@ -69,7 +69,7 @@ def cases(draw: st.DrawFn) -> dict:
         values = st.one_of(st.floats(-10, 10, width=32), floats())
         pre = tuple(torch.from_numpy(draw(arrays(np.float32, (c,), elements=values))) for _ in range(2))
     pushes = [torch.from_numpy(np.sort(draw(arrays(np.float32, (2, n, c), elements=floats())), axis=0))
-              for n in draw(st.lists(st.integers(0, 4), min_size=1, max_size=5))]
+              for n in draw(st.lists(st.integers(0, 9), min_size=1, max_size=5))]
     return {"x": torch.from_numpy(x), "images": images, "knots": knots, "source": source, "pre": pre,
             "grid": draw(st.sampled_from([1, 2, 7, 64])), "cells": draw(st.sampled_from([1, 3, 8])),
             "stride": draw(st.sampled_from([1, 2, 5])), "window": draw(st.sampled_from([1, 3, 8])),

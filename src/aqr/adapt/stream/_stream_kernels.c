@@ -157,9 +157,7 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
     } else { /* no map: the extremes and the check alone */
         const __m256 vps = _mm256_set1_ps(ps), vpb = _mm256_set1_ps(pb);
         __m256 vmn = _mm256_set1_ps(mn), vmx = _mm256_set1_ps(mx), vbad = _mm256_setzero_ps();
-        for (; b + 8 <= B; b += 8) {
-            const __m256 v = affine_step(xp + b, vps, vpb, &vmn, &vmx, &vbad);
-        }
+        for (; b + 8 <= B; b += 8) (void)affine_step(xp + b, vps, vpb, &vmn, &vmx, &vbad);
         fold_lanes(vmn, vmx, vbad, &mn, &mx, &bad);
     }
 #endif
@@ -308,16 +306,102 @@ typedef struct {
     float *gmin, *gmax;
     const float *lo, *hi;
     float *ring_lo, *sorted_lo, *ring_hi, *sorted_hi;
+    float *scratch; /* per part: stream_push_scratch_floats, or NULL: one image at a time */
 } stream_push_args;
 
+/* A batch of at least this many images (and at most W) enters the sorted window in one merge per
+   channel, O(W + N log N), instead of N binary searches and moves, O(N W). */
+enum { STREAM_PUSH_MERGE_MIN = 4 };
+
+static int64_t stream_push_scratch_floats(int64_t W, int64_t N) { return 2 * N + 2 * (W + N); }
+
+static int stream_cmp_float(const void *x, const void *y) {
+    const float a = *(const float *)x, b = *(const float *)y;
+    return (a > b) - (a < b);
+}
+
+/* v[0..n) ascending: insertion sort for a batch's few values, else qsort (a NaN, never pushed by
+   the stream, leaves the order unspecified but the values in place). */
+static void stream_sort_floats(float *v, int64_t n) {
+    if (n > 64) {
+        qsort(v, (size_t)n, sizeof(float), stream_cmp_float);
+        return;
+    }
+    for (int64_t i = 1; i < n; i++) {
+        const float x = v[i];
+        int64_t j = i;
+        for (; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];
+        v[j] = x;
+    }
+}
+
+/* out = row (len, ascending) less one copy of each of rem (r, ascending) plus ins (m, ascending),
+   ascending, each inserted value after the entries equal to it, as stream_sorted_replace leaves
+   them one by one (the same multiset; equal entries are equal values). Returns the length
+   (len - r + m), or -1 when some value of rem is not in row (a window whose copies disagree: the
+   caller replaces one by one). out holds len + m floats. */
+static int64_t stream_sorted_batch(const float *row, int64_t len, const float *rem, int64_t r, const float *ins,
+                                   int64_t m, float *out) {
+    int64_t j = 0, k = 0, o = 0;
+    for (int64_t i = 0; i < len; i++) {
+        const float s = row[i];
+        if (j < r && s == rem[j]) {
+            j++;
+            continue;
+        }
+        if (j < r && !(rem[j] > s)) return -1; /* rem[j] below s (or NaN): not in row */
+        while (k < m && ins[k] < s) out[o++] = ins[k++];
+        out[o++] = s;
+    }
+    if (j < r) return -1;
+    while (k < m) out[o++] = ins[k++];
+    return o;
+}
+
+/* One channel's window takes the batch in one merge per side (see STREAM_PUSH_MERGE_MIN); 0 (the
+   window untouched) when its ring and sorted copies disagree. */
+static int stream_push_merged(const stream_push_args *a, int64_t c, float *mem) {
+    const int64_t C = a->C, W = a->W, N = a->N, filled = a->filled;
+    float *rem = mem, *ins = mem + N, *out_lo = mem + 2 * N, *out_hi = out_lo + W + N;
+    int64_t length = -1;
+    for (int side = 0; side < 2; side++) {
+        const float *ring = side ? a->ring_hi : a->ring_lo, *val = side ? a->hi : a->lo;
+        const float sign = side ? -1.0f : 1.0f;
+        int64_t r = 0;
+        for (int64_t n = 0; n < N; n++) {
+            ins[n] = sign * val[n * C + c];
+            if (filled + n >= W) rem[r++] = sign * ring[((a->head + n) % W) * C + c];
+        }
+        stream_sort_floats(ins, N);
+        stream_sort_floats(rem, r);
+        length = stream_sorted_batch((side ? a->sorted_hi : a->sorted_lo) + c * W, filled, rem, r, ins, N,
+                                     side ? out_hi : out_lo);
+        if (length != (filled + N < W ? filled + N : W)) return 0;
+    }
+    memcpy(a->sorted_lo + c * W, out_lo, sizeof(float) * (size_t)length);
+    memcpy(a->sorted_hi + c * W, out_hi, sizeof(float) * (size_t)length);
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t row = (a->head + n) % W;
+        const float l = a->lo[n * C + c], h = a->hi[n * C + c];
+        if (a->gmin) {
+            a->gmin[c] = l < a->gmin[c] ? l : a->gmin[c];
+            a->gmax[c] = h > a->gmax[c] ? h : a->gmax[c];
+        }
+        a->ring_lo[row * C + c] = l;
+        a->ring_hi[row * C + c] = h;
+    }
+    return 1;
+}
+
 static void stream_push_part(void *p, int part, int64_t c0, int64_t c1) {
-    (void)part;
     const stream_push_args *a = (const stream_push_args *)p;
     const int64_t C = a->C, W = a->W;
+    float *mem = a->scratch ? a->scratch + part * stream_push_scratch_floats(W, a->N) : NULL;
     for (int64_t c = c0; c < c1; c++) {
         if (a->counts) {
             for (int64_t j = 0; j < a->bins; j++) a->pending[c * a->bins + j] += a->counts[c * a->bins + j];
         }
+        if (mem && stream_push_merged(a, c, mem)) continue;
         int64_t filled = a->filled;
         for (int64_t n = 0; n < a->N; n++) {
             const int64_t row = (a->head + n) % W;
@@ -346,9 +430,14 @@ int aqr_stream_push(int64_t C, int64_t bins, int64_t W, int32_t *pending, const 
         bins < 0 || (counts && (!pending || bins < 1)) || !gmin != !gmax || (N > 0 && (!lo || !hi)) || !ring_lo || !sorted_lo ||
         !ring_hi || !sorted_hi || C > INT64_MAX / W / 8 || (bins && C > INT64_MAX / bins / 8))
         return STREAM_BAD_ARGUMENT;
+    const int parts = stream_parts(C, C * W * (N + 1), nthreads);
+    float *scratch = NULL; /* the merge's; without it (too few images, too many, no memory) one by one */
+    if (N >= STREAM_PUSH_MERGE_MIN && N <= W)
+        scratch = malloc(sizeof(float) * (size_t)(parts * stream_push_scratch_floats(W, N)));
     stream_push_args a = {C, bins, W, N, filled, head, pending, counts, gmin, gmax, lo, hi, ring_lo, sorted_lo, ring_hi,
-                   sorted_hi};
-    parallel_for(stream_push_part, &a, C, stream_parts(C, C * W * (N + 1), nthreads));
+                   sorted_hi, scratch};
+    parallel_for(stream_push_part, &a, C, parts);
+    free(scratch);
     return STREAM_OK;
 }
 
