@@ -156,6 +156,8 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
     native.group_merge(rows[0], knots, groups[0].counts, groups[0].gmin, groups[0].gmax, weights)
     ref.group_merge(rows[1], knots, groups[1].counts, groups[1].gmin, groups[1].gmax, weights)
     _close(rows[0], rows[1], "group knots")
+    if case["weight"] == 0:  # rows of weight 0 (all but the last) stay as they were, whatever their extremes
+        assert torch.equal(rows[0][:-1], source[:-1]) and torch.equal(rows[1][:-1], source[:-1]), "weight 0 moved knots"
     assert bool((rows[1][:, 1:] >= rows[1][:, :-1]).all()), "group knots must stay sorted"
     members = torch.stack([knots, source, rows[1], merged[1]])
     if bool(torch.isfinite(members).all()):

@@ -11,8 +11,9 @@ from aqr.backends import Targets
 from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, StreamTable
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels, cdf_at, curve_quantiles
 from aqr.core.layers import NonFiniteActivationError
-from aqr.adapt.stream.robust import (MARGINAL_WINDOW, MAX_GROUP_STEP, MIXTURE_GRID, RUN_WINDOW, RobustLayerStream, RobustSettings,
-                             group_step, own_batch_share, shift_ratio, shift_share)
+from aqr.adapt.stream.robust import (FLOAT_EXACT, MARGINAL_WINDOW, MAX_GROUP_STEP, MIXTURE_GRID, RUN_WINDOW,
+                                     RobustLayerStream, RobustSettings, add_counts, group_step, own_batch_share,
+                                     shift_ratio, shift_share)
 from aqr.adapt.stream.running import LayerStream, StreamSettings
 from aqr.adapt.stream.stream_maps import stream_kernels
 from aqr.methods import create
@@ -412,3 +413,15 @@ def test_the_wrapper_opens_the_own_share_after_its_window_and_reset_forgets_the_
     assert gated._batch.recent == [] and gated.memory_bytes() < never.memory_bytes()
     again = [gated(x[i : i + 16]) for i in range(0, len(x), 16)]
     assert all(torch.equal(a, b) for a, b in zip(again, (o[0] for o in outs)))
+
+
+@pytest.mark.parametrize("top", [300, FLOAT_EXACT // 4])  # float32 sums, then the int32 path's sizes
+def test_group_counts_add_exactly_like_an_int32_index_add(top: int) -> None:
+    gen = torch.Generator().manual_seed(top)
+    counts = torch.randint(0, top, (37, 5, 9), generator=gen, dtype=torch.int32)
+    counts[3, 2, 1] = top - 1  # the largest value in every draw
+    index = torch.randint(0, 6, (37,), generator=gen)
+    totals = torch.randint(0, 1000, (6, 5, 9), generator=gen, dtype=torch.int32)
+    want = totals.clone().index_add_(0, index, counts)
+    add_counts(totals, index, counts)
+    assert torch.equal(totals, want)

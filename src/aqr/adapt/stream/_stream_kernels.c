@@ -649,6 +649,7 @@ static void stream_group_merge_part(void *p, int part, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
         float *k = a->gk + r * K;
         const double w = a->w[r], old0 = k[0], oldl = k[K - 1];
+        if (w == 0) continue; /* a row of weight 0 (a group without images) stays as it is */
         stream_merge_histogram(k, a->bk + r * K, K, a->counts + r * (GC + STREAM_EDGE_BINS), GC, a->gmin[r], a->gmax[r],
                                w, mem);
         /* the ends: the images' extremes, averaged like the CDF, each outside the inner knots */
@@ -661,7 +662,7 @@ static void stream_group_merge_part(void *p, int part, int64_t r0, int64_t r1) {
    F_hist, F_hist the histogram counts (R, GC + 4) taken on the bins of the knots bk (R, K) (not
    gk's own: a group's images are counted on the layer's knots), spread linearly within each bin
    out to its extremes gmin / gmax (R); a row without counts keeps its inner knots. The ends move
-   to gmin / gmax by w[r] (each kept outside the inner knots). */
+   to gmin / gmax by w[r] (each kept outside the inner knots); a row of weight 0 is left as it is. */
 int aqr_stream_group_merge(int64_t R, int64_t K, float *gk, const float *bk, const int32_t *counts, int64_t GC,
                            const float *gmin, const float *gmax, const double *w, int nthreads) {
     if (!stream_sizes_ok(R, K, 1, GC) || R > INT64_MAX / K / 8 || !gk || !bk || !counts || !gmin || !gmax || !w)

@@ -205,7 +205,8 @@ class StreamKernels(abc.ABC):
         ``(1 - w) F_knots + w F_hist``, ``F_hist`` the histogram ``counts`` ``(R, cells + 4)`` taken on the
         bins of ``bins`` ``(R, K)`` (as :meth:`scan` counts) spread out to ``gmin``/``gmax`` ``(R,)``, ``w``
         the row's ``weights`` (float64 ``(R,)``, in [0, 1]); a row without counts keeps its inner knots.
-        The ends move to ``gmin``/``gmax`` by ``w`` (as ``torch.lerp``), kept outside the inner knots."""
+        The ends move to ``gmin``/``gmax`` by ``w`` (as ``torch.lerp``), kept outside the inner knots; a row
+        of weight 0 is left as it is."""
 
     @abc.abstractmethod
     def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int,

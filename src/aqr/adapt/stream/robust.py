@@ -262,7 +262,7 @@ class RobustLayerStream(LayerStream):
             self.started, self.seen = True, 0
         self.kernels.push(self.window, None, None, staged.lo, staged.hi)
         group_of = labels.to(staged.counts.device).long() % self.robust.groups
-        self.group_counts.index_add_(0, group_of, staged.counts)
+        add_counts(self.group_counts, group_of, staged.counts)
         idx = group_of[:, None].expand(-1, staged.lo.shape[1])
         self.group_min.scatter_reduce_(0, idx, staged.lo, "amin")
         self.group_max.scatter_reduce_(0, idx, staged.hi, "amax")
@@ -281,18 +281,19 @@ class RobustLayerStream(LayerStream):
     def _merge_groups(self) -> None:
         """Each group with images since the last rebuild: their histogram (on the bins of the layer's knots,
         unchanged since) into its CDF (:meth:`~aqr.adapt.stream.base.StreamKernels.group_merge`)."""
-        c, bins = self.group_counts.shape[1:]
+        c = self.group_counts.shape[1]
         k = self.knots.shape[1]
         present = [g for g in range(self.robust.groups) if self.group_pending[g] > 0]
-        sel = torch.tensor(present, device=self.knots.device)
-        p = len(present)
-        counts, lo, hi = self.group_counts[sel], self.group_min[sel], self.group_max[sel]
+        # the groups from the first to the last present one, as views (no gather and scatter back); a
+        # group between them without images has weight 0, which leaves its knots as they are
+        first, last = present[0], present[-1] + 1
+        span = last - first
+        counts, lo, hi = (t[first:last] for t in (self.group_counts, self.group_min, self.group_max))
         weights = torch.tensor([group_step(self.group_pending[g], self.group_seen[g], self.robust.class_horizon)
-                                for g in present], dtype=torch.float64)
-        knots = self.group_knots[sel].reshape(p * c, k)
-        self.kernels.group_merge(knots, self.knots.repeat(p, 1), counts.reshape(p * c, bins), lo.reshape(-1),
-                                 hi.reshape(-1), weights.repeat_interleave(c))
-        self.group_knots[sel] = knots.reshape(p, c, k)
+                                if self.group_pending[g] > 0 else 0.0 for g in range(first, last)], dtype=torch.float64)
+        self.kernels.group_merge(self.group_knots[first:last].view(span * c, k), self.knots.repeat(span, 1),
+                                 counts.reshape(span * c, -1), lo.reshape(-1), hi.reshape(-1),
+                                 weights.repeat_interleave(c))
         for g in present:
             self.group_seen[g] += self.group_pending[g]
         # the marginal: all of them (``seen`` already counts them)
@@ -342,6 +343,23 @@ class RobustLayerStream(LayerStream):
         p0, p100 = self.kernels.tails(self.window, self._weights(self.window.filled))
         self.kernels.merge(self.knots, None, 0.0, p0, p100)  # the ends only
         self.kernels.tables(self.knots, self.source, self.table)
+
+
+# Integers below this sum exactly in float32, in any order.
+FLOAT_EXACT = 1 << 24
+
+
+def add_counts(totals: torch.Tensor, index: torch.Tensor, counts: torch.Tensor) -> None:
+    """``totals[index[i]] += counts[i]`` for int32 histograms, exactly: summed in float32 where no sum can
+    reach :data:`FLOAT_EXACT` (torch's float ``index_add_`` is vectorized, its int32 one is not), else in int32."""
+    n = counts.shape[0]
+    if n == 0:
+        return
+    if int(counts.amax()) < FLOAT_EXACT // n and int(counts.amin()) >= 0:
+        sums = torch.zeros(totals.shape, dtype=torch.float32, device=totals.device)
+        totals.add_(sums.index_add_(0, index, counts.float()).to(torch.int32))
+    else:
+        totals.index_add_(0, index, counts)
 
 
 RUN_WINDOW = 256  # the recent predicted classes whose consecutive repeats tell whether classes come in runs

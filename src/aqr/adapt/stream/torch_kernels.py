@@ -314,7 +314,7 @@ class TorchStreamKernels(StreamKernels):
         hi = saturate(torch.lerp(old[:, -1], gmax.double(), w[:, 0]))
         new[:, 0] = torch.minimum(lo, new[:, 1])
         new[:, -1] = torch.maximum(hi, new[:, -2])
-        knots.copy_(new)
+        knots.copy_(torch.where(w == 0, knots, new))  # a row of weight 0 stays as it is
 
     def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int,
                 weights: torch.Tensor | None = None) -> None:
