@@ -315,25 +315,28 @@ enum { STREAM_PUSH_MERGE_MIN = 4 };
 
 static int64_t stream_push_scratch_floats(int64_t W, int64_t N) { return 2 * N + 2 * (W + N); }
 
-static int stream_cmp_float(const void *x, const void *y) {
-    const float a = *(const float *)x, b = *(const float *)y;
-    return (a > b) - (a < b);
-}
-
-/* v[0..n) ascending: insertion sort for a batch's few values, else qsort (a NaN, never pushed by
-   the stream, leaves the order unspecified but the values in place). */
-static void stream_sort_floats(float *v, int64_t n) {
-    if (n > 64) {
-        qsort(v, (size_t)n, sizeof(float), stream_cmp_float);
-        return;
+/* stream_sort_<name>(v, n): v[0..n) of T ascending, insertion sort for a few values (a batch's, the
+   knots of a handful of groups), else qsort; a NaN (never from these kernels) leaves the order
+   unspecified but the values in place. */
+#define STREAM_SORT(name, T)                                                \
+    static int stream_cmp_##name(const void *x, const void *y) {            \
+        const T a = *(const T *)x, b = *(const T *)y;                       \
+        return (a > b) - (a < b);                                           \
+    }                                                                       \
+    static void stream_sort_##name(T *v, int64_t n) {                       \
+        if (n > 64) {                                                       \
+            qsort(v, (size_t)n, sizeof(T), stream_cmp_##name);              \
+            return;                                                         \
+        }                                                                   \
+        for (int64_t i = 1; i < n; i++) {                                   \
+            const T x = v[i];                                               \
+            int64_t j = i;                                                  \
+            for (; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];             \
+            v[j] = x;                                                       \
+        }                                                                   \
     }
-    for (int64_t i = 1; i < n; i++) {
-        const float x = v[i];
-        int64_t j = i;
-        for (; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];
-        v[j] = x;
-    }
-}
+STREAM_SORT(floats, float)
+STREAM_SORT(doubles, double)
 
 /* out = row (len, ascending) less one copy of each of rem (r, ascending) plus ins (m, ascending),
    ascending, each inserted value after the entries equal to it, as stream_sorted_replace leaves
@@ -358,8 +361,9 @@ static int64_t stream_sorted_batch(const float *row, int64_t len, const float *r
     return o;
 }
 
-/* One channel's window takes the batch in one merge per side (see STREAM_PUSH_MERGE_MIN); 0 (the
-   window untouched) when its ring and sorted copies disagree. */
+/* One channel's sorted copies take the batch in one merge per side (see STREAM_PUSH_MERGE_MIN),
+   reading the ring before the caller overwrites it; 0 (nothing changed) when the ring and the
+   sorted copies disagree. */
 static int stream_push_merged(const stream_push_args *a, int64_t c, float *mem) {
     const int64_t C = a->C, W = a->W, N = a->N, filled = a->filled;
     float *rem = mem, *ins = mem + N, *out_lo = mem + 2 * N, *out_hi = out_lo + W + N;
@@ -380,16 +384,6 @@ static int stream_push_merged(const stream_push_args *a, int64_t c, float *mem) 
     }
     memcpy(a->sorted_lo + c * W, out_lo, sizeof(float) * (size_t)length);
     memcpy(a->sorted_hi + c * W, out_hi, sizeof(float) * (size_t)length);
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t row = (a->head + n) % W;
-        const float l = a->lo[n * C + c], h = a->hi[n * C + c];
-        if (a->gmin) {
-            a->gmin[c] = l < a->gmin[c] ? l : a->gmin[c];
-            a->gmax[c] = h > a->gmax[c] ? h : a->gmax[c];
-        }
-        a->ring_lo[row * C + c] = l;
-        a->ring_hi[row * C + c] = h;
-    }
     return 1;
 }
 
@@ -401,7 +395,7 @@ static void stream_push_part(void *p, int part, int64_t c0, int64_t c1) {
         if (a->counts) {
             for (int64_t j = 0; j < a->bins; j++) a->pending[c * a->bins + j] += a->counts[c * a->bins + j];
         }
-        if (mem && stream_push_merged(a, c, mem)) continue;
+        const int merged = mem && stream_push_merged(a, c, mem);
         int64_t filled = a->filled;
         for (int64_t n = 0; n < a->N; n++) {
             const int64_t row = (a->head + n) % W;
@@ -411,8 +405,10 @@ static void stream_push_part(void *p, int part, int64_t c0, int64_t c1) {
                 a->gmax[c] = h > a->gmax[c] ? h : a->gmax[c];
             }
             const int full = filled >= W;
-            stream_sorted_replace(a->sorted_lo + c * W, full ? W : filled, full, a->ring_lo[row * C + c], l);
-            stream_sorted_replace(a->sorted_hi + c * W, full ? W : filled, full, -a->ring_hi[row * C + c], -h);
+            if (!merged) {
+                stream_sorted_replace(a->sorted_lo + c * W, full ? W : filled, full, a->ring_lo[row * C + c], l);
+                stream_sorted_replace(a->sorted_hi + c * W, full ? W : filled, full, -a->ring_hi[row * C + c], -h);
+            }
             a->ring_lo[row * C + c] = l;
             a->ring_hi[row * C + c] = h;
             if (!full) filled++;
@@ -692,25 +688,6 @@ static int64_t stream_mixture_points(int64_t M, int64_t grid) { return grid + 4 
 static int64_t stream_mixture_scratch_bytes(int64_t M, int64_t K, int64_t grid) {
     const int64_t n = stream_mixture_points(M, grid);
     return (int64_t)sizeof(double) * (3 * n + 2 * K + 2 * (2 * n + 1));
-}
-
-static int stream_cmp_double(const void *x, const void *y) {
-    const double a = *(const double *)x, b = *(const double *)y;
-    return (a > b) - (a < b);
-}
-
-/* v[0..n) ascending (no NaN): insertion sort for the few knots of a handful of groups, else qsort. */
-static void stream_sort_doubles(double *v, int64_t n) {
-    if (n > 64) {
-        qsort(v, (size_t)n, sizeof(double), stream_cmp_double);
-        return;
-    }
-    for (int64_t i = 1; i < n; i++) {
-        const double x = v[i];
-        int64_t j = i;
-        for (; j > 0 && v[j - 1] > x; j--) v[j] = v[j - 1];
-        v[j] = x;
-    }
 }
 
 /* out (na + nb) = the ascending a (na) and b (nb) merged; an a that is not ascending (a grid from

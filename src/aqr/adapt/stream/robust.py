@@ -355,7 +355,8 @@ def add_counts(totals: torch.Tensor, index: torch.Tensor, counts: torch.Tensor) 
     n = counts.shape[0]
     if n == 0:
         return
-    if int(counts.amax()) < FLOAT_EXACT // n and int(counts.amin()) >= 0:
+    low, high = (int(v) for v in torch.aminmax(counts))
+    if high < FLOAT_EXACT // n and low >= 0:
         sums = torch.zeros(totals.shape, dtype=torch.float32, device=totals.device)
         totals.add_(sums.index_add_(0, index, counts.float()).to(torch.int32))
     else:
