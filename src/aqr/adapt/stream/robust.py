@@ -332,10 +332,12 @@ class RobustLayerStream(LayerStream):
     def group_weights(self, active: list[int]) -> torch.Tensor:
         """The ``active`` groups' weights among themselves (float64, sum 1): ``1 - balance`` in proportion
         to each group's share of the last ``recent_horizon`` images, ``balance`` shared equally."""
-        recent = self.group_recent[active]
-        total = float(recent.sum())
         part = 1.0 - self.robust.balance
         even = torch.full((len(active),), 1.0 / max(len(active), 1), dtype=torch.float64)
+        if part == 0:  # the default: equal shares (the formula below gives them exactly, at a cost per rebuild)
+            return even
+        recent = self.group_recent[active]
+        total = float(recent.sum())
         return even if total <= 0 else (1 - part) * even + part * recent / total
 
     def _finish_rebuild(self) -> None:
