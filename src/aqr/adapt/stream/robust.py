@@ -245,7 +245,7 @@ class RobustLayerStream(LayerStream):
                              COUNT_CELLS).y, RobustStaged(None, r.counts, r.lo, r.hi)
         window, group = cloned(self.window), PendingGroup.empty(self.channels, COUNT_CELLS, self.knots.device)
         kern.push(window, group, r.counts.sum(0, dtype=torch.int32), r.lo, r.hi)
-        y, _ = self._map_tentative(x, images, pre, self.knots.clone(), window, group, weight)
+        y = self._map_tentative(x, images, pre, self.knots.clone(), window, group, weight)
         return y, RobustStaged(None, r.counts, r.lo, r.hi, shift)
 
     def commit(self, staged: RobustStaged, labels: torch.Tensor | None = None,  # type: ignore[override]

@@ -154,12 +154,13 @@ class StagedSmall:
 
 @dataclass
 class StagedLarge:
-    """A batch of ``rebuild_every`` or more images: the tentative knots and table it was mapped with, and
-    its images' extremes, which join the tail window at the commit (a copy of the window with them
-    would hold the window's memory for every layer until the forward pass ends)."""
+    """A batch of ``rebuild_every`` or more images: the tentative knots it was mapped with, and its
+    images' extremes, which join the tail window at the commit. Neither the window with them nor the
+    table is kept: a copy of either would hold its memory for every layer until the forward pass ends
+    (the tables: 4 kB per channel, 11 % of the plain forward's peak at batch 16), so the commit pushes
+    the extremes again and rebuilds the table from the knots."""
 
     knots: torch.Tensor
-    table: StreamTable
     lo: torch.Tensor
     hi: torch.Tensor
     images: int
@@ -330,8 +331,8 @@ class LayerStream:
             kern.push(window, None, None, r.lo, r.hi)
             weight = batch_weight(images, self.seen + self.group.images, s.horizon)
             knots[:, 1:-1] = torch.lerp(knots[:, 1:-1], batch[:, 1:-1], weight)
-        y, table = self._map_tentative(x, images, pre, knots, window, group, weight)
-        return y, StagedLarge(knots, table, r.lo, r.hi, images)
+        y = self._map_tentative(x, images, pre, knots, window, group, weight)
+        return y, StagedLarge(knots, r.lo, r.hi, images)
 
     def bound(self) -> object | None:
         """The state bound to its kernels for the calls of a small batch (:meth:`StreamKernels.bind`), or
@@ -360,17 +361,16 @@ class LayerStream:
         return r.y if r.finite else None
 
     def _map_tentative(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, window: TailWindow,
-                       group: PendingGroup | None, weight: float) -> tuple[torch.Tensor, StreamTable]:
+                       group: PendingGroup | None, weight: float) -> torch.Tensor:
         """``x`` mapped with tentative knots: ``group`` merged into ``knots`` (a copy, changed in place) at
-        ``weight``, the ends from ``window`` (the batch's extremes already pushed); returns the map and its
-        table."""
+        ``weight``, the ends from ``window`` (the batch's extremes already pushed)."""
         kern = self.kernels
         p0, p100 = kern.tails(window, self._weights(window.filled))
         kern.merge(knots, group, weight, p0, p100)
         table = StreamTable.empty(self.channels, self.settings.grid, knots.device)
         kern.tables(knots, self.source, table)
         mapped = kern.scan(x, images, pre, knots, self.source, table, MAP, COUNT_STRIDE, COUNT_CELLS)
-        return mapped.y, table
+        return mapped.y
 
     def _first(self, x: torch.Tensor, images: int, pre: Affine | None) -> tuple[torch.Tensor | None, Staged | None]:
         targets = self.batch_knots(x, pre)
@@ -398,7 +398,7 @@ class LayerStream:
             self.started, self.seen = True, staged.lo.shape[0]
         elif isinstance(staged, StagedLarge):
             self.knots.copy_(staged.knots)
-            copy_into(self.table, staged.table)
+            kern.tables(self.knots, self.source, self.table)  # the table the batch was mapped with, again
             kern.push(self.window, None, None, staged.lo, staged.hi)  # as the tentative window took them
             self.seen += self.group.images + staged.images
             self.group.clear()
