@@ -12,8 +12,8 @@ from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, StreamTable
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels, cdf_at, curve_quantiles
 from aqr.core.layers import NonFiniteActivationError
 from aqr.adapt.stream.robust import (FLOAT_EXACT, MARGINAL_WINDOW, MAX_GROUP_STEP, MIXTURE_GRID, RUN_WINDOW,
-                                     RobustLayerStream, RobustSettings, add_counts, group_step, own_batch_share,
-                                     shift_ratio, shift_share)
+                                     RobustLayerStream, RobustSettings, add_counts, compact_counts, group_step,
+                                     own_batch_share, shift_ratio, shift_share)
 from aqr.adapt.stream.running import LayerStream, StreamSettings
 from aqr.adapt.stream.stream_maps import stream_kernels
 from aqr.methods import create
@@ -424,4 +424,21 @@ def test_group_counts_add_exactly_like_an_int32_index_add(top: int) -> None:
     totals = torch.randint(0, 1000, (6, 5, 9), generator=gen, dtype=torch.int32)
     want = totals.clone().index_add_(0, index, counts)
     add_counts(totals, index, counts)
+    assert torch.equal(totals, want)
+
+
+@pytest.mark.parametrize("per_image", [64, (1 << 15) - 1, 1 << 15])
+def test_staged_counts_are_int16_only_where_every_count_fits(per_image: int) -> None:
+    """Each count is at most the values of one image and channel: int16 below 2^15 of them, the same sums."""
+    images, channels = 3, 2
+    x = torch.zeros(images, channels, per_image)
+    counts = torch.full((images, channels, 9), per_image - 1, dtype=torch.int32)
+    counts[:, :, 0] = torch.arange(images * channels, dtype=torch.int32).view(images, channels)
+    staged = compact_counts(counts, x, images)
+    assert staged.dtype == (torch.int16 if per_image < (1 << 15) else torch.int32)
+    assert torch.equal(staged.to(torch.int32), counts)
+    index = torch.tensor([0, 1, 0])
+    want = torch.zeros(2, channels, 9, dtype=torch.int32).index_add_(0, index, counts)
+    totals = torch.zeros(2, channels, 9, dtype=torch.int32)
+    add_counts(totals, index, staged)
     assert torch.equal(totals, want)
