@@ -63,7 +63,7 @@ from typing import ClassVar
 
 import torch
 
-from aqr.adapt.stream.base import EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, cloned
+from aqr.adapt.stream.base import EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, TailWindow, cloned, copy_into
 from aqr.adapt.stream.running import (COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StagedFirst, StreamSettings,
                                       batch_weight)
 from aqr.backends import Affine
@@ -128,6 +128,7 @@ class RobustStaged:
     lo: torch.Tensor
     hi: torch.Tensor
     shift: float = 0.0  # the own-batch share times the shift test's share (0: not measured)
+    window: TailWindow | None = None  # the tail window with the batch's extremes pushed, where the step made it
 
 
 class RobustLayerStream(LayerStream):
@@ -246,7 +247,7 @@ class RobustLayerStream(LayerStream):
         window, group = cloned(self.window), PendingGroup.empty(self.channels, COUNT_CELLS, self.knots.device)
         kern.push(window, group, r.counts.sum(0, dtype=torch.int32), r.lo, r.hi)
         y = self._map_tentative(x, images, pre, self.knots.clone(), window, group, weight)
-        return y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi, shift)
+        return y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi, shift, window)
 
     def commit(self, staged: RobustStaged, labels: torch.Tensor | None = None,  # type: ignore[override]
                runs: float = 1.0) -> None:
@@ -260,7 +261,10 @@ class RobustLayerStream(LayerStream):
         if staged.first is not None:
             self.knots.copy_(staged.first.knots)
             self.started, self.seen = True, 0
-        self.kernels.push(self.window, None, None, staged.lo, staged.hi)
+        if staged.window is not None:  # pushed already
+            copy_into(self.window, staged.window)
+        else:
+            self.kernels.push(self.window, None, None, staged.lo, staged.hi)
         group_of = labels.to(staged.counts.device).long() % self.robust.groups
         add_counts(self.group_counts, group_of, staged.counts)
         idx = group_of[:, None].expand(-1, staged.lo.shape[1])
