@@ -316,15 +316,16 @@ class RobustLayerStream(LayerStream):
         mixture of the layer's and the groups' source knots."""
         active = [g for g in range(self.robust.groups) if self.group_seen[g] > 0]
         weights = self.component_weights(active)
-        kept = weights > MIN_GROUP_WEIGHT * weights.max()
-        parts = [self.marginal, self.group_knots[active]]
-        self.kernels.mixture(torch.cat(parts)[kept].contiguous(), self.knots, MIXTURE_GRID, weights[kept])
+        kept = (weights > MIN_GROUP_WEIGHT * weights.max()).tolist()
+        groups = [g for g, keep in zip(active, kept[1:]) if keep]  # the marginal is component 0
+        self.kernels.mixture(_components(self.marginal, self.group_knots, kept[0], groups), self.knots, MIXTURE_GRID,
+                             weights[torch.tensor(kept)])
         if self.group_source is not None:
-            if bool(kept[0]) and int(kept.sum()) == 1:
+            if kept[0] and not groups:
                 self.source.copy_(self.base_source)
             else:
-                sources = torch.cat([self.base_source[None], self.group_source[active]])
-                self.kernels.mixture(sources[kept].contiguous(), self.source, MIXTURE_GRID, weights[kept])
+                self.kernels.mixture(_components(self.base_source[None], self.group_source, kept[0], groups),
+                                     self.source, MIXTURE_GRID, weights[torch.tensor(kept)])
         self._finish_rebuild()
 
     def component_weights(self, active: list[int]) -> torch.Tensor:
@@ -349,6 +350,14 @@ class RobustLayerStream(LayerStream):
         p0, p100 = self.kernels.tails(self.window, self._weights(self.window.filled))
         self.kernels.merge(self.knots, None, 0.0, p0, p100)  # the ends only
         self.kernels.tables(self.knots, self.source, self.table)
+
+
+def _components(first: torch.Tensor, groups: torch.Tensor, keep_first: bool, kept: list[int]) -> torch.Tensor:
+    """The mixture's components ``(M, C, K)``: ``first`` ``(1, C, K)`` where kept, then the ``kept`` rows of
+    ``groups``; no copy where ``first`` is all of it."""
+    if not kept:
+        return first
+    return torch.cat([first, groups[kept]]) if keep_first else groups[kept]
 
 
 # A count is at most the values of one image and channel; below this bound a batch's per-image histograms
