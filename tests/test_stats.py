@@ -56,6 +56,28 @@ def test_plain_tensor_batches_work_and_calibration_is_deterministic():
     assert not torch.equal(a.layers["1"].quantiles, c.layers["1"].quantiles)
 
 
+def test_the_moments_are_compiled_by_default_on_a_gpu_only(monkeypatch):
+    import aqr.core.calibrate as calibrate_module
+
+    fused = []
+    real = calibrate_module.run_compiled
+
+    def spy(fn, enabled, *args):  # records whether the moments were to be compiled, runs them eagerly
+        fused.append(enabled)
+        return real(fn, False, *args)
+
+    monkeypatch.setattr(calibrate_module, "run_compiled", spy)
+    model = bn_cnn()
+    x = images(32)
+    default = aqr.calibrate(model, loader(x))
+    assert fused and not any(fused)  # CPU: eager, no compile on first use
+    fused.clear()
+    asked = aqr.calibrate(model, loader(x), compile=True)
+    assert fused and all(fused)
+    for name, layer in default.layers.items():  # the same statistics either way (here both ran eagerly)
+        assert torch.equal(layer.quantiles, asked.layers[name].quantiles) and torch.equal(layer.std, asked.layers[name].std)
+
+
 def test_sample_is_bounded_and_within_the_dkw_bound():
     info = LayerInfo("x", "BatchNorm1d", 3, 1)
     col = LayerCollector(info, max_samples=5_000, generator_seed=0)
