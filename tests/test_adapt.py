@@ -155,7 +155,7 @@ def test_half_precision_activations(dtype):
     stats = aqr.calibrate(model, [source])
     low = copy.deepcopy(model).to(dtype)
     x = torch.randn(64, 6).to(dtype)
-    out = aqr.AQR(low, stats)(x)
+    out = aqr.AQR(low, stats, compile=False)(x)  # (half precision takes the torch path; compiled or not alike)
     assert out.dtype == dtype and torch.isfinite(out).all()
     ref = aqr.AQR(model, stats)(x.float())
     torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.1)
@@ -222,6 +222,11 @@ def test_bad_fast_options():
         aqr.AQR(Probe().eval(), stats, target_samples=1)
 
 
+# Compiled on CPU for a sample-based and a Gaussian tail only: each tail is a compile of its own (half a
+# minute with a cold Inductor cache), and CPU code generation is not the GPU's, which the GPU runs check.
+COMPILED_TAILS = ("average", "standard")
+
+
 @pytest.mark.parametrize("tail", aqr.TAILS)
 def test_gpu_path_matches_cpu_path(tail):
     """The GPU path (table and map in one compilable function, no host reads) is run here on CPU tensors."""
@@ -247,8 +252,9 @@ def test_gpu_path_matches_cpu_path(tail):
     got, finite = resolved(map_sample(x, *args))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert bool(ok) and bool(finite)
-    compiled = resolved(torch.compile(map_sample, dynamic=True)(x, *args))[0]
-    torch.testing.assert_close(compiled, want, atol=1e-4, rtol=1e-4)
+    if tail in COMPILED_TAILS:
+        compiled = resolved(torch.compile(map_sample, dynamic=True)(x, *args))[0]
+        torch.testing.assert_close(compiled, want, atol=1e-4, rtol=1e-4)
     x[3, 2, 17] = float("nan")  # outside the sample (the extremes are taken over every value)
     assert not bool(map_sample(x, *args)[1])
 
