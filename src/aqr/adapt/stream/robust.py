@@ -318,14 +318,15 @@ class RobustLayerStream(LayerStream):
         weights = self.component_weights(active)
         kept = (weights > MIN_GROUP_WEIGHT * weights.max()).tolist()
         groups = [g for g, keep in zip(active, kept[1:]) if keep]  # the marginal is component 0
+        kept_weights = weights[torch.tensor(kept)]
         self.kernels.mixture(_components(self.marginal, self.group_knots, kept[0], groups), self.knots, MIXTURE_GRID,
-                             weights[torch.tensor(kept)])
+                             kept_weights)
         if self.group_source is not None:
             if kept[0] and not groups:
                 self.source.copy_(self.base_source)
             else:
                 self.kernels.mixture(_components(self.base_source[None], self.group_source, kept[0], groups),
-                                     self.source, MIXTURE_GRID, weights[torch.tensor(kept)])
+                                     self.source, MIXTURE_GRID, kept_weights)
         self._finish_rebuild()
 
     def component_weights(self, active: list[int]) -> torch.Tensor:
