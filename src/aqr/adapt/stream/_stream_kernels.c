@@ -254,9 +254,23 @@ static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
     }
 }
 
+/* Channel c's table asked for ahead of its lookups: between images (batch 1, streaming) the tables
+   leave the caches, and the lookups' data-dependent gathers would wait on one cache line at a time
+   (measured at batch 1 on the ResNet-20: the scan took 1.5 ms an image without, 0.8-0.9 with; asking
+   for the knots too, or for several channels ahead, gained nothing more). */
+static void stream_prefetch_table(const stream_scan_args *a, int64_t c) {
+    const char *tab = (const char *)(a->pairs + c * 2 * (a->G + 2));
+    for (int64_t at = 0; at < (int64_t)sizeof(float) * 2 * (a->G + 2); at += 64) __builtin_prefetch(tab + at, 0, 3);
+}
+
 static void stream_scan_part(void *p, int part, int64_t c0, int64_t c1) {
     (void)part;
-    for (int64_t c = c0; c < c1; c++) stream_scan_channel((const stream_scan_args *)p, c);
+    const stream_scan_args *a = (const stream_scan_args *)p;
+    if (a->y && c0 < c1) stream_prefetch_table(a, c0);
+    for (int64_t c = c0; c < c1; c++) {
+        if (a->y && c + 1 < c1) stream_prefetch_table(a, c + 1);
+        stream_scan_channel(a, c);
+    }
 }
 
 int aqr_stream_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N,
