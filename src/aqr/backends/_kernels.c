@@ -637,13 +637,12 @@ static void map_row(const map_args *a, int64_t c, const float *xp, float *yp, in
     const __m256 vlo = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
     const __m256 zero = _mm256_setzero_ps(), vtop = _mm256_set1_ps(top);
     const __m256 vpa = _mm256_set1_ps(pa), vpb = _mm256_set1_ps(pb);
-    const long long *pairs = (const long long *)tab;
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + i), vpa), vpb);
         __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, vlo), vinv), one);
         /* max(t, 0) returns its second operand when t is NaN: NaN goes to cell 0, and stays NaN */
         t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop);
-        _mm256_storeu_ps(yp + i, resolve_marked(a, c, 0, v, pair_lookup(pairs, _mm256_cvttps_epi32(t), v)));
+        _mm256_storeu_ps(yp + i, resolve_marked(a, c, 0, v, pair_lookup(tab, _mm256_cvttps_epi32(t), v)));
     }
 #endif
     for (; i < n; i++) {
@@ -662,7 +661,7 @@ static int64_t map_scratch_bytes(int64_t K, int64_t cells) {
 static void map_channel(map_args *a, int part, int64_t c) {
     const int64_t cells = a->cells;
     int64_t *run_start = (int64_t *)(a->scratch + part * map_scratch_bytes(a->K, cells));
-    float *tab = (float *)(run_start + a->K); /* 8-byte aligned: the pairs are gathered as int64 */
+    float *tab = (float *)(run_start + a->K); /* the pairs (slope, intercept), read 8 bytes at a time */
     float *values = tab + 2 * (cells + 2);
     float lo, inv;
     build_table(a, c, values, tab, run_start, &lo, &inv);
@@ -724,7 +723,6 @@ static void rows_part(void *p, int part, int64_t r0, int64_t r1) {
             if (B == 1) { /* eight channels at a time: lanes gather from eight tables */
                 const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
                 const __m256 vtop = _mm256_set1_ps((float)(cells + 1));
-                const long long *pairs = (const long long *)r->tabs;
                 for (; c + 8 <= c1; c += 8) {
                     __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + c), _mm256_loadu_ps(r->pa + c)),
                                              _mm256_loadu_ps(r->pb + c));
@@ -733,7 +731,7 @@ static void rows_part(void *p, int part, int64_t r0, int64_t r1) {
                     t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* NaN -> cell 0, as in map_row */
                     __m256i cell = _mm256_add_epi32(_mm256_cvttps_epi32(t),
                                                     _mm256_loadu_si256((const __m256i *)(r->pair_base + c)));
-                    _mm256_storeu_ps(yp + c, resolve_marked(a, c, 1, v, pair_lookup(pairs, cell, v)));
+                    _mm256_storeu_ps(yp + c, resolve_marked(a, c, 1, v, pair_lookup(r->tabs, cell, v)));
                 }
             }
 #endif

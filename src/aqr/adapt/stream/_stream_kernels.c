@@ -161,7 +161,7 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
                                                         _mm256_cmp_ps(v, vkb, _CMP_GE_OQ)));
             cell = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(first),
                                                         _mm256_cmp_ps(v, vk1, _CMP_LT_OQ)));
-            _mm256_storeu_ps(yp + b, pair_lookup((const long long *)tab, cell, v));
+            _mm256_storeu_ps(yp + b, pair_lookup(tab, cell, v));
         }
         fold_lanes(vmn, vmx, vbad, &mn, &mx, &bad);
     } else { /* no map: the extremes and the check alone */
