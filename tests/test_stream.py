@@ -31,6 +31,7 @@ from aqr.backends import NativeBackend, SubsetCache, TorchBackend
 from aqr.backends.base import LayerSource
 from aqr.backends.build import load_kernels
 from aqr.adapt.stream.native_kernels import NativeStreamKernels, load_stream_kernels
+from aqr.adapt.stream.base import MAP, StreamTable, cloned
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from aqr.adapt.stream.running import (COUNT_CELLS, COUNT_STRIDE, LayerStream, StreamSettings, batch_weight, effective_images,
                              extreme_weights, kish_size)
@@ -215,6 +216,32 @@ def test_a_nan_batch_stages_nothing(images: int) -> None:
     bad[0, 0, 1, 3] = float("nan")
     assert stream.step(bad.reshape(images, 2, 20), images) == (None, None)
     assert _same(stream.snapshot(), before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("native", [True, False])
+def test_a_large_batch_leaves_the_table_to_its_next_reader_with_the_same_values(native: bool) -> None:
+    settings = StreamSettings(horizon=8, tail_window=16, tail_batch=4, rebuild_every=4, grid=32)
+    stream = layer(3, 11, settings, native)
+    g = torch.Generator().manual_seed(4)
+    run(stream, [draw("lognormal", (8, 2, 3, 20), g) for _ in range(3)])
+    assert stream.table_stale  # no batch read the table since the large batches' commits
+    built = StreamTable.empty(3, settings.grid)
+    stream.kernels.tables(stream.knots, stream.source, built)
+    stale = cloned(stream.table)
+    exported = stream.export_state()
+    assert _same(stream.snapshot()["table"].__dict__, built.__dict__)
+    assert all(torch.equal(exported[f"table.{name}"], getattr(built, name)) for name in ("pairs", "glo", "ginv"))
+    assert _same(stream.table.__dict__, stale.__dict__) and stream.table_stale  # exporting wrote nothing
+    # a small batch maps with the table of the committed knots: built now, the same values
+    x = draw("lognormal", (2, 2, 3, 20), g).reshape(4, 3, 20)
+    y, _ = stream.step(x, 2)
+    assert not stream.table_stale and _same(stream.table.__dict__, built.__dict__)
+    assert torch.equal(y, stream.kernels.scan(x, 2, None, stream.knots, stream.source, built, MAP, COUNT_STRIDE,
+                                              COUNT_CELLS).y)
+    copy = layer(3, 11, settings, native)
+    copy.load_state(exported)
+    assert not copy.table_stale and _same(copy.snapshot(), stream.snapshot())
 
 
 @needs_kernels

@@ -63,7 +63,8 @@ from typing import ClassVar
 
 import torch
 
-from aqr.adapt.stream.base import EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, TailWindow, cloned, copy_into
+from aqr.adapt.stream.base import (EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow,
+                                   cloned, copy_into)
 from aqr.adapt.stream.running import (COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StagedFirst, StreamSettings,
                                       batch_weight)
 from aqr.backends import Affine
@@ -193,10 +194,10 @@ class RobustLayerStream(LayerStream):
 
     UNBOUNDED: ClassVar[tuple[str, ...]] = (*LayerStream.UNBOUNDED, "group_min", "group_max")
 
-    def _parts(self) -> list[tuple[str, object, str]]:
+    def _parts(self, table: StreamTable | None = None) -> list[tuple[str, object, str]]:
         mine = ("source", "group_recent", "runs", "group_knots", "group_seen", "group_counts", "group_min",
                 "group_max", "group_pending", "marginal", "pending_shift")
-        return super()._parts() + [(name, self, name) for name in mine]
+        return super()._parts(table) + [(name, self, name) for name in mine]
 
     def check_state(self, values: Mapping[str, object]) -> None:
         super().check_state(values)
@@ -225,8 +226,8 @@ class RobustLayerStream(LayerStream):
             return y, RobustStaged(first, compact_counts(r.counts, x, images), first.lo, first.hi)
         if own > 0 and images >= self.settings.rebuild_every:
             return self._step_own(x, images, pre, own)
-        r = self.kernels.scan(x, images, pre, self.knots, self.source, self.table, MAP | IMAGE_COUNT, COUNT_STRIDE,
-                              COUNT_CELLS)
+        r = self.kernels.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP | IMAGE_COUNT,
+                              COUNT_STRIDE, COUNT_CELLS)
         if not r.finite:
             return None, None
         return r.y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi)
@@ -235,14 +236,15 @@ class RobustLayerStream(LayerStream):
                   own: float) -> tuple[torch.Tensor | None, RobustStaged | None]:
         """The batch counted on the target knots' bins, merged into a copy of them, then mapped with it."""
         kern = self.kernels
-        r = kern.scan(x, images, pre, self.knots, self.source, self.table, IMAGE_COUNT, COUNT_STRIDE, COUNT_CELLS)
+        r = kern.scan(x, images, pre, self.knots, self.source, self.table, IMAGE_COUNT, COUNT_STRIDE,
+                      COUNT_CELLS)  # counting reads no table
         if not r.finite:
             return None, None
         ratio = shift_ratio(kern.shift_distances(r.counts, self.knots), images)
         shift = own * shift_share(ratio)
         weight = shift * batch_weight(images, self.seen, self.settings.horizon)
         if weight <= 0:  # the batch is as close to the target as sampling allows: map it as it is
-            return kern.scan(x, images, pre, self.knots, self.source, self.table, MAP, COUNT_STRIDE,
+            return kern.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP, COUNT_STRIDE,
                              COUNT_CELLS).y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi)
         window, group = cloned(self.window), PendingGroup.empty(self.channels, COUNT_CELLS, self.knots.device)
         kern.push(window, group, r.counts.sum(0, dtype=torch.int32), r.lo, r.hi)
@@ -347,10 +349,12 @@ class RobustLayerStream(LayerStream):
         return even if total <= 0 else (1 - part) * even + part * recent / total
 
     def _finish_rebuild(self) -> None:
-        """The ends from the tail window and the table."""
+        """The ends from the tail window; the table is built again by its next reader
+        (:meth:`~aqr.adapt.stream.running.LayerStream.current_table`: a batch mapped with its own histogram
+        builds a table of its own instead)."""
         p0, p100 = self.kernels.tails(self.window, self._weights(self.window.filled))
         self.kernels.merge(self.knots, None, 0.0, p0, p100)  # the ends only
-        self.kernels.tables(self.knots, self.source, self.table)
+        self.table_stale = True
 
 
 def _components(first: torch.Tensor, groups: torch.Tensor, keep_first: bool, kept: list[int]) -> torch.Tensor:

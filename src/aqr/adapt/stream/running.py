@@ -38,7 +38,10 @@ histogram of every ``COUNT_STRIDE``-th value on ``COUNT_CELLS`` cells. Batches o
 ``rebuild_every`` (R) images are mapped with the state of the images before them and their
 histograms pool into a pending group; every R images (every batch until H images were seen) the
 group is merged into the knots and the table rebuilt, O(C (K + cells + G)) per layer. A batch of R
-or more images is merged first and mapped with the result (a counting pass, then the mapping pass).
+or more images is merged first and mapped with the result (a counting pass, then the mapping pass);
+the layer's own table is then built again only when something reads it (a smaller batch, a held one,
+the exported state: :meth:`LayerStream.current_table`), so a stream of large batches builds one table
+per batch.
 The first batch after a reset is mapped with its own knots (per-batch AQR) and starts the state.
 
 Memory per recalibrated channel, fixed (float32): K running knots, 2 (G + 2) + 2 table entries,
@@ -157,8 +160,9 @@ class StagedLarge:
     """A batch of ``rebuild_every`` or more images: the tentative knots it was mapped with and the tail
     window with its images' extremes pushed (2 kB per channel at the default 128 images), which the
     commit takes over. The tentative table is not kept: it would hold 4 kB per channel for every layer
-    until the forward pass ends (11 % of the plain forward's peak at batch 16), so the commit rebuilds it
-    from the knots."""
+    until the forward pass ends (11 % of the plain forward's peak at batch 16), so the layer's table is
+    built again from the knots when something next reads it (:meth:`LayerStream.current_table`); a
+    stream of large batches never does, each mapping with a tentative table of its own."""
 
     knots: torch.Tensor
     window: TailWindow
@@ -200,6 +204,7 @@ class LayerStream:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_bound", None)
+        self.__dict__.setdefault("table_stale", False)
 
     # ---- state --------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -211,19 +216,39 @@ class LayerStream:
         self.group.clear()
         self.seen = 0  # images the knots have absorbed since the reset
         self.started = False
+        self.table_stale = False  # the knots moved since the table was built (current_table builds it again)
+
+    def current_table(self) -> StreamTable:
+        """The table of the committed knots, built again first where they moved since (a large batch's
+        commit leaves it to its next reader)."""
+        if self.table_stale:
+            self.kernels.tables(self.knots, self.source, self.table)
+            self.table_stale = False
+        return self.table
+
+    def _exported_table(self) -> StreamTable:
+        """The table of the committed knots without writing the state's own (which a batch in flight may be
+        building): a copy built from the knots where it is stale."""
+        if not self.table_stale:
+            return self.table
+        table = StreamTable.empty(self.channels, self.settings.grid, self.knots.device)
+        self.kernels.tables(self.knots, self.source, table)
+        return table
 
     def snapshot(self) -> dict[str, object]:
         """Every part of the state (tensors cloned), for comparisons."""
-        return {"knots": self.knots.clone(), "table": cloned(self.table), "window": cloned(self.window),
+        return {"knots": self.knots.clone(), "table": cloned(self._exported_table()), "window": cloned(self.window),
                 "group": cloned(self.group), "seen": self.seen, "started": self.started}
 
     # what may hold +-Inf (the pending extremes before any image); every other float of the state is finite
     UNBOUNDED: ClassVar[tuple[str, ...]] = ("group.gmin", "group.gmax")
 
-    def _parts(self) -> list[tuple[str, object, str]]:
-        """Every part of the running state as ``(name, owner, attribute)``."""
+    def _parts(self, table: StreamTable | None = None) -> list[tuple[str, object, str]]:
+        """Every part of the running state as ``(name, owner, attribute)`` (the table's from ``table``, or the
+        state's own)."""
         parts = [("knots", self, "knots"), ("seen", self, "seen"), ("started", self, "started")]
-        for prefix, holder in (("table", self.table), ("window", self.window), ("group", self.group)):
+        table = self.table if table is None else table
+        for prefix, holder in (("table", table), ("window", self.window), ("group", self.group)):
             parts += [(f"{prefix}.{f.name}", holder, f.name) for f in fields(holder)]  # type: ignore[arg-type]
         return parts
 
@@ -231,7 +256,7 @@ class LayerStream:
         """The running state as plain values (tensors cloned, ints, floats, bools, lists of ints), by name:
         what :meth:`load_state` takes back."""
         values = {}
-        for name, owner, attribute in self._parts():
+        for name, owner, attribute in self._parts(self._exported_table()):
             value = getattr(owner, attribute)
             values[name] = value.detach().clone() if isinstance(value, torch.Tensor) else \
                 list(value) if isinstance(value, list) else value
@@ -283,6 +308,7 @@ class LayerStream:
                 getattr(owner, attribute).copy_(value)
             else:
                 setattr(owner, attribute, list(value) if isinstance(value, list) else value)
+        self.table_stale = False
 
     def memory_bytes(self) -> int:
         """Bytes of the running state (fixed: nothing grows with the stream)."""
@@ -311,11 +337,12 @@ class LayerStream:
             batch = targets.knots.to(self.knots)
         if images < s.rebuild_every:  # map with the committed state; the update waits for the commit
             mode = MAP | (COUNT if batch is None else 0)
-            r = kern.scan(x, images, pre, self.knots, self.source, self.table, mode, COUNT_STRIDE, COUNT_CELLS)
+            r = kern.scan(x, images, pre, self.knots, self.source, self.current_table(), mode, COUNT_STRIDE,
+                          COUNT_CELLS)
             if not r.finite:
                 return None, None
             return r.y, StagedSmall(r.lo, r.hi, r.counts, batch)
-        # a large batch: merged into a tentative state first, then mapped with it
+        # a large batch: merged into a tentative state first, then mapped with it (counting reads no table)
         mode = COUNT if batch is None else 0
         r = kern.scan(x, images, pre, self.knots, self.source, self.table, mode, COUNT_STRIDE, COUNT_CELLS)
         if not r.finite:
@@ -336,6 +363,7 @@ class LayerStream:
     def bound(self) -> object | None:
         """The state bound to its kernels for the calls of a small batch (:meth:`StreamKernels.bind`), or
         ``None`` where the kernels have no such form."""
+        self.current_table()  # the bound kernels read the table's buffers as they are
         bound = self._bound
         if bound is None or bound.kernels is not self.kernels:  # type: ignore[attr-defined]
             bound = self._bound = self.kernels.bind(self.knots, self.source, self.table, self.window, self.group,
@@ -356,7 +384,8 @@ class LayerStream:
         """``x`` (A, C, B) mapped with the committed state alone, as a batch of fewer than ``rebuild_every``
         images is, but staging nothing: the batch leaves no trace. ``None`` when a value was NaN or Inf.
         Needs a started state (before the first batch there is no running estimate to map with)."""
-        r = self.kernels.scan(x, images, pre, self.knots, self.source, self.table, MAP, COUNT_STRIDE, COUNT_CELLS)
+        r = self.kernels.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP, COUNT_STRIDE,
+                              COUNT_CELLS)
         return r.y if r.finite else None
 
     def _map_tentative(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, window: TailWindow,
@@ -392,12 +421,13 @@ class LayerStream:
         if isinstance(staged, StagedFirst):
             self.knots.copy_(staged.knots)
             copy_into(self.table, staged.table)
+            self.table_stale = False
             kern.push(self.window, None, None, staged.lo, staged.hi)
             self.group.clear()
             self.started, self.seen = True, staged.lo.shape[0]
         elif isinstance(staged, StagedLarge):
             self.knots.copy_(staged.knots)
-            kern.tables(self.knots, self.source, self.table)  # the table the batch was mapped with, again
+            self.table_stale = True  # the table the batch was mapped with, built again by its next reader
             copy_into(self.window, staged.window)
             self.seen += self.group.images + staged.images
             self.group.clear()
@@ -422,5 +452,6 @@ class LayerStream:
         p0, p100 = kern.tails(self.window, self._weights(self.window.filled))
         kern.merge(self.knots, self.group if cdf else None, weight, p0, p100)
         kern.tables(self.knots, self.source, self.table)
+        self.table_stale = False
         self.seen += self.group.images
         self.group.clear()
