@@ -720,7 +720,7 @@ static void rows_part(void *p, int part, int64_t r0, int64_t r1) {
             float *yp = a->y + row * C * B;
             int64_t c = c0;
 #ifdef __AVX2__
-            if (B == 1) { /* eight channels at a time: lanes gather from eight tables */
+            if (B == 1) { /* eight channels at a time: the lanes look up eight tables */
                 const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
                 const __m256 vtop = _mm256_set1_ps((float)(cells + 1));
                 for (; c + 8 <= c1; c += 8) {
