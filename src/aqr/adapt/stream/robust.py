@@ -268,38 +268,56 @@ class RobustLayerStream(LayerStream):
         else:
             self.kernels.push(self.window, None, None, staged.lo, staged.hi)
         group_of = labels.to(staged.counts.device).long() % self.robust.groups
-        add_counts(self.group_counts, group_of, staged.counts)
-        idx = group_of[:, None].expand(-1, staged.lo.shape[1])
-        self.group_min.scatter_reduce_(0, idx, staged.lo, "amin")
-        self.group_max.scatter_reduce_(0, idx, staged.hi, "amax")
         sizes = torch.bincount(group_of, minlength=self.robust.groups)
+        n = staged.lo.shape[0]
+        rebuild = staged.first is not None or self.pending + n >= self.settings.rebuild_every
+        alone = None  # an idle rebuild of this batch alone: the marginal takes its sums, the groups nothing
+        if rebuild and self.runs == 0.0 and self.pending == 0:
+            alone = (staged.counts.sum(0, dtype=torch.int32), staged.lo.amin(0), staged.hi.amax(0))
+        else:
+            add_counts(self.group_counts, group_of, staged.counts)
+            idx = group_of[:, None].expand(-1, staged.lo.shape[1])
+            self.group_min.scatter_reduce_(0, idx, staged.lo, "amin")
+            self.group_max.scatter_reduce_(0, idx, staged.hi, "amax")
         for g, size in enumerate(sizes.tolist()):
             self.group_pending[g] += size
-        n = staged.lo.shape[0]
         step = batch_weight(n, self.seen, self.robust.recent_horizon)  # a running mean until about H images
         self.group_recent.mul_(1.0 - step).add_(sizes.double().cpu(), alpha=step / n)
         self.seen += n
-        if staged.first is not None or self.pending >= self.settings.rebuild_every:
-            self._merge_groups()
+        if rebuild:
+            self._merge_groups(alone)
             self._rebuild_balanced()
-            self._clear_pending()
+            if alone is None:
+                self._clear_pending()
+            else:  # nothing was added to the pending histograms
+                self.group_pending = [0] * self.robust.groups
+                self.pending_shift = 0.0
 
-    def _merge_groups(self) -> None:
+    def _merge_groups(self, alone: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """Each group with images since the last rebuild: their histogram (on the bins of the layer's knots,
-        unchanged since) into its CDF (:meth:`~aqr.adapt.stream.base.StreamKernels.group_merge`)."""
+        unchanged since) into its CDF (:meth:`~aqr.adapt.stream.base.StreamKernels.group_merge`); the
+        marginal: all of them (``alone``: their summed histogram and extremes, the groups' pending ones
+        left empty). While the groups weigh nothing (``runs`` 0: no runs) every group seen so far
+        becomes a copy of the marginal instead (:meth:`_idle_groups`)."""
         c = self.group_counts.shape[1]
         k = self.knots.shape[1]
         present = [g for g in range(self.robust.groups) if self.group_pending[g] > 0]
-        # the groups from the first to the last present one, as views (no gather and scatter back); a
-        # group between them without images has weight 0, which leaves its knots as they are
-        first, last = present[0], present[-1] + 1
-        span = last - first
-        counts, lo, hi = (t[first:last] for t in (self.group_counts, self.group_min, self.group_max))
-        weights = torch.tensor([group_step(self.group_pending[g], self.group_seen[g], self.robust.class_horizon)
-                                if self.group_pending[g] > 0 else 0.0 for g in range(first, last)], dtype=torch.float64)
-        self.kernels.group_merge(self.group_knots[first:last].view(span * c, k), self.knots.repeat(span, 1),
-                                 counts.reshape(span * c, -1), lo.reshape(-1), hi.reshape(-1),
-                                 weights.repeat_interleave(c))
+        idle = self.runs == 0.0
+        if alone is None:
+            # the groups from the first to the last present one, as views (no gather and scatter back); a
+            # group between them without images has weight 0, which leaves its knots as they are
+            first, last = present[0], present[-1] + 1
+            span = last - first
+            counts, lo, hi = (t[first:last] for t in (self.group_counts, self.group_min, self.group_max))
+            if not idle:
+                weights = torch.tensor([group_step(self.group_pending[g], self.group_seen[g],
+                                                   self.robust.class_horizon)
+                                        if self.group_pending[g] > 0 else 0.0 for g in range(first, last)],
+                                       dtype=torch.float64)
+                self.kernels.group_merge(self.group_knots[first:last].view(span * c, k), self.knots.repeat(span, 1),
+                                         counts.reshape(span * c, -1), lo.reshape(-1), hi.reshape(-1),
+                                         weights.repeat_interleave(c))
+            alone = (counts.sum(0, dtype=torch.int32), lo.amin(0), hi.amax(0))
         for g in present:
             self.group_seen[g] += self.group_pending[g]
         # the marginal: all of them (``seen`` already counts them)
@@ -309,14 +327,35 @@ class RobustLayerStream(LayerStream):
         if self.pending_shift > 0 and before > 0:  # a shift the test saw: follow at the stream's pace
             fast = self.pending_shift * batch_weight(images, before, self.settings.horizon)
             weight = max(weight, min(fast, MAX_GROUP_STEP))
-        self.kernels.group_merge(self.marginal[0], self.knots, counts.sum(0, dtype=torch.int32), lo.amin(0),
-                                 hi.amax(0), torch.full((c,), weight, dtype=torch.float64))
+        self.kernels.group_merge(self.marginal[0], self.knots, *alone, torch.full((c,), weight, dtype=torch.float64))
+        if idle:
+            self._idle_groups()
+
+    def _idle_groups(self) -> None:
+        """Every group seen so far becomes a copy of the marginal: while the recent predictions show no
+        runs the groups weigh nothing in the target, so their merges (most of robust AQR's cost) are left
+        out; once runs appear, the groups start from the running CDF of every image and move towards
+        their classes at their own pace, and their equal mixture starts as the marginal."""
+        seen = [g for g in range(self.robust.groups) if self.group_seen[g] > 0]
+        if seen:
+            first, last = seen[0], seen[-1] + 1
+            if last - first == len(seen):  # one span (the usual case: the classes 0..n-1 seen): one copy
+                self.group_knots[first:last].copy_(self.marginal.expand(last - first, -1, -1))
+            else:
+                self.group_knots[seen] = self.marginal
 
     def _rebuild_balanced(self) -> None:
         """The target knots from the marginal and the groups seen so far (:meth:`component_weights`), the
         tails from the window, the table from both; with ``balance < 1`` the source side is the same
-        mixture of the layer's and the groups' source knots."""
+        mixture of the layer's and the groups' source knots. Without runs the target is the marginal
+        itself (its inner knots, not resampled on the mixture's grid), the source the layer's."""
         active = [g for g in range(self.robust.groups) if self.group_seen[g] > 0]
+        if self.runs == 0.0 or not active:
+            self.knots[:, 1:-1].copy_(self.marginal[0, :, 1:-1])
+            if self.group_source is not None:
+                self.source.copy_(self.base_source)
+            self._finish_rebuild()
+            return
         weights = self.component_weights(active)
         kept = (weights > MIN_GROUP_WEIGHT * weights.max()).tolist()
         groups = [g for g, keep in zip(active, kept[1:]) if keep]  # the marginal is component 0
