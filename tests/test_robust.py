@@ -156,8 +156,40 @@ def test_without_runs_the_target_is_the_running_estimate_of_every_image(kernels)
     assert median[0.0] < -1.5 and abs(median[1.0]) < 1.0
     assert layers[0.5].component_weights([0, 1]).tolist() == pytest.approx([0.5, 0.25, 0.25])
     assert layers[0.0].component_weights([0, 1]).tolist() == pytest.approx([1.0, 0.0, 0.0])
-    marginal = layers[0.0].marginal[0, :, 1:-1]  # the target's inner knots are the marginal's
-    assert float((layers[0.0].knots[:, 1:-1] - marginal).abs().max()) < 0.05
+    marginal = layers[0.0].marginal[0, :, 1:-1]  # the target's inner knots are the marginal's, as they are
+    assert torch.equal(layers[0.0].knots[:, 1:-1], marginal)
+
+
+@pytest.mark.parametrize("kernels", KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("batch", [4, 16])
+def test_without_runs_the_groups_follow_the_marginal_and_start_from_it_once_runs_appear(kernels, batch: int) -> None:
+    """With runs the two groups learn their classes (at -2 and +2); once the runs end (``runs`` 0) and the
+    stream moves by +3, both groups are copies of the marginal (not the classes they held before), and
+    with runs again each group moves from it towards its own class, the target their equal mixture."""
+    k, c = 21, 2
+    g = torch.Generator().manual_seed(7)
+    source = torch.quantile(torch.randn(20000, generator=g), torch.linspace(0, 1, k))[None].repeat(c, 1).contiguous()
+    layer = RobustLayerStream(source, StreamSettings(), RobustSettings(groups=2), kernels, _quantile_knots(k))
+
+    def feed(batches: int, runs: float, shift: float) -> None:
+        for _ in range(batches):
+            labels = torch.randint(0, 2, (batch,), generator=g)
+            x = torch.randn(batch, c, 30, generator=g) * 0.5 + (4 * labels - 2 + shift)[:, None, None]
+            layer.commit(layer.step(x, batch)[1], labels, runs=runs)
+
+    feed(512 // batch, 1.0, 0.0)
+    medians = layer.group_knots[:, :, k // 2].mean(1)
+    assert medians[0] < -1.5 and medians[1] > 1.5  # each group holds its class
+    feed(1024 // batch, 0.0, 3.0)
+    assert layer.pending == 0 or batch < StreamSettings().rebuild_every
+    for group in layer.group_knots:
+        assert torch.equal(group, layer.marginal[0])  # not the classes held before the runs ended
+    assert torch.equal(layer.knots[:, 1:-1], layer.marginal[0, :, 1:-1])
+    assert float(layer.marginal[0, :, 1:-1].mean()) > 2.0  # the marginal followed the shift (by 86 %: 1,024 images at 512)
+    feed(64 // batch, 1.0, 3.0)
+    medians = layer.group_knots[:, :, k // 2].mean(1)
+    start = float(layer.marginal[0, :, k // 2].mean())
+    assert medians[0] < start - 0.5 and medians[1] > start + 0.5  # each moved from the marginal to its class
 
 
 @pytest.mark.parametrize("kernels", KERNELS, ids=lambda k: k.name)

@@ -11,7 +11,8 @@ all of it. While they do not (an i.i.d. or a mixed stream) it maps with the runn
 the *marginal* (over :data:`MARGINAL_HORIZON` images), as ``"stream"`` does: there the predicted classes
 are the model's errors as much as the content, and balancing them reweights the corruptions. In between,
 the target is the mixture of both: ``runs`` (``1 -`` :func:`own_batch_share`) for the groups, ``1 - runs``
-for the marginal.
+for the marginal. At ``runs`` 0 the groups are not merged but follow the marginal (copies of it), and the
+target is the marginal's knots: once runs appear, the groups start from the running CDF of every image.
 
 Per batch and layer (:meth:`RobustLayerStream.step`): one pass maps the batch through the table of
 the target knots, takes each image's extremes and counts every ``COUNT_STRIDE``-th value of each
