@@ -18,6 +18,10 @@ plain forward's.
     AQR_DATA_DIR=... python benchmarks/cost_check.py --threads 2 --rows batch:128
     AQR_DATA_DIR=... python benchmarks/cost_check.py --memory --rounds 1
 
+``--runs L`` orders the images in runs of ``L`` images of one true class (the classes' order drawn
+at random), a class-correlated stream: there ``robust`` merges its groups, which it leaves out on the
+default i.i.d. order (its own-batch share open, the groups weigh nothing).
+
 The CPU clock (``--clock cpu``, the default) counts the process's CPU time, which other jobs on a
 shared machine inflate much less than the wall time; with several threads, threads that spin
 waiting for each other count too.
@@ -63,6 +67,22 @@ def build(mode: str, model: torch.nn.Module, stats: aqr.SourceStats):
     return aqr.AQR(model, stats, target=target)
 
 
+def class_runs(labels: np.ndarray, n: int, length: int, seed: int = 0) -> np.ndarray:
+    """Indices of ``n`` of the images with ``labels``, in runs of ``length`` images of one class (each run's
+    class drawn at random among those with images left), each class's images in their own order."""
+    rng = np.random.default_rng(seed)
+    left = {int(c): list(np.flatnonzero(labels == c)) for c in np.unique(labels)}
+    order: list[int] = []
+    while len(order) < n:
+        classes = [c for c, idx in left.items() if idx]
+        if not classes:
+            raise ValueError(f"--runs: only {len(order)} images for {n}")
+        c = classes[int(rng.integers(len(classes)))]
+        order += left[c][:length]
+        left[c] = left[c][length:]
+    return np.asarray(order[:n])
+
+
 def feed(fn, x: torch.Tensor, batch: int) -> None:
     for i in range(0, len(x), batch):
         fn(x[i : i + batch])
@@ -95,6 +115,7 @@ def main() -> None:
     parser.add_argument("--calib-images", type=int, default=2000)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     parser.add_argument("--memory", action="store_true", help="also the peak tensor memory of one forward pass")
+    parser.add_argument("--runs", type=int, default=0, help="images per run of one class (0: the test set's order)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     data = os.environ.get("AQR_DATA_DIR")
@@ -108,11 +129,17 @@ def main() -> None:
     rows = [(r.split(":")[0], int(r.split(":")[1])) for r in args.rows]
     per_round = max(args.images, args.min_batches * max(b for _, b in rows))
     start = args.calib_images
-    x = noisy_images(clean[start : start + args.warmup + per_round])
+    n_images = args.warmup + per_round
+    if args.runs > 0:
+        picked = start + class_runs(labels[start:], n_images, args.runs)
+    else:
+        picked = np.arange(start, start + n_images)
+    x = noisy_images(clean[picked])
     warm, timed = x[: args.warmup], x[args.warmup :]
     clock = CLOCKS[args.clock]
     print(f"threads {args.threads}, clock {args.clock}, torch {torch.__version__}, {args.rounds} rounds, "
-          f"{per_round} images per mode and round", flush=True)
+          f"{per_round} images per mode and round, " + (f"runs of {args.runs} images of one class" if args.runs
+                                                       else "the test set's order"), flush=True)
     results = []
     for batch in sorted({b for _, b in rows}):
         modes = ["plain"] + [m for m, b in rows if b == batch]
@@ -151,7 +178,8 @@ def main() -> None:
             print(f"robust / stream at batch {b}: {by[('robust', b)] / by[('stream', b)]:.3f}")
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "clock": args.clock, "torch": torch.__version__,
-                                         "rounds": args.rounds, "images_per_round": per_round, "rows": results}, indent=2))
+                                         "rounds": args.rounds, "images_per_round": per_round, "runs": args.runs,
+                                         "rows": results}, indent=2))
 
 
 if __name__ == "__main__":
