@@ -174,12 +174,20 @@ class RobustLayerStream(LayerStream):
             self.source.copy_(self.base_source)
         self._clear_pending()
 
-    def _clear_pending(self) -> None:
-        self.group_counts.zero_()
-        self.group_min.fill_(float("inf"))
-        self.group_max.fill_(float("-inf"))
+    def _clear_pending(self, histograms: bool = True) -> None:
+        """No image pending; ``histograms=False`` where none was added to the pending histograms (an idle
+        rebuild of one batch alone), which are still clear."""
+        if histograms:
+            self.group_counts.zero_()
+            self.group_min.fill_(float("inf"))
+            self.group_max.fill_(float("-inf"))
         self.group_pending = [0] * self.robust.groups
         self.pending_shift = 0.0  # the largest shift share among the batches since the last rebuild
+
+    @property
+    def groups_idle(self) -> bool:
+        """Whether the groups weigh nothing in the target (``runs`` 0: the recent predictions show no runs)."""
+        return self.runs == 0.0
 
     @property
     def pending(self) -> int:
@@ -273,7 +281,7 @@ class RobustLayerStream(LayerStream):
         n = staged.lo.shape[0]
         rebuild = staged.first is not None or self.pending + n >= self.settings.rebuild_every
         alone = None  # an idle rebuild of this batch alone: the marginal takes its sums, the groups nothing
-        if rebuild and self.runs == 0.0 and self.pending == 0:
+        if rebuild and self.groups_idle and self.pending == 0:
             alone = (staged.counts.sum(0, dtype=torch.int32), staged.lo.amin(0), staged.hi.amax(0))
         else:
             add_counts(self.group_counts, group_of, staged.counts)
@@ -288,11 +296,7 @@ class RobustLayerStream(LayerStream):
         if rebuild:
             self._merge_groups(alone)
             self._rebuild_balanced()
-            if alone is None:
-                self._clear_pending()
-            else:  # nothing was added to the pending histograms
-                self.group_pending = [0] * self.robust.groups
-                self.pending_shift = 0.0
+            self._clear_pending(histograms=alone is None)
 
     def _merge_groups(self, alone: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """Each group with images since the last rebuild: their histogram (on the bins of the layer's knots,
@@ -303,7 +307,7 @@ class RobustLayerStream(LayerStream):
         c = self.group_counts.shape[1]
         k = self.knots.shape[1]
         present = [g for g in range(self.robust.groups) if self.group_pending[g] > 0]
-        idle = self.runs == 0.0
+        idle = self.groups_idle
         if alone is None:
             # the groups from the first to the last present one, as views (no gather and scatter back); a
             # group between them without images has weight 0, which leaves its knots as they are
@@ -351,7 +355,7 @@ class RobustLayerStream(LayerStream):
         mixture of the layer's and the groups' source knots. Without runs the target is the marginal
         itself (its inner knots, not resampled on the mixture's grid), the source the layer's."""
         active = [g for g in range(self.robust.groups) if self.group_seen[g] > 0]
-        if self.runs == 0.0 or not active:
+        if self.groups_idle or not active:
             self.knots[:, 1:-1].copy_(self.marginal[0, :, 1:-1])
             if self.group_source is not None:
                 self.source.copy_(self.base_source)
