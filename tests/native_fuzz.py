@@ -9,8 +9,10 @@ rounding, and p0 / p100 and the finite flag exactly.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -25,7 +27,7 @@ FLT_MAX = float(np.finfo(np.float32).max)
 TINY = float(np.finfo(np.float32).smallest_subnormal)
 SPECIAL = [FLT_MAX, -FLT_MAX, 1e38, -1e38, 2e38, -2e38, TINY, -TINY, 3 * TINY, float(np.finfo(np.float32).tiny),
            0.0, -0.0, 1.0, -1.0, 1e-30, 65504.0]
-LAYOUTS = [(1, 1, 1), (7, 1, 1), (9, 3, 1), (5, 2, 3), (3, 4, 5), (2, 2, 16), (1, 3, 40), (4, 1, 23)]
+LAYOUTS = [(1, 1, 1), (7, 1, 1), (9, 3, 1), (5, 2, 3), (3, 4, 5), (2, 2, 16), (1, 3, 40), (4, 1, 23), (2, 2, 53)]
 
 
 def finite_floats(special_weight: int = 1) -> st.SearchStrategy[float]:
@@ -126,6 +128,27 @@ def check_against_torch(lib: ctypes.CDLL, x: torch.Tensor, source: LayerSource,
         _close(y_nat, y_ref, "recalibrated output against the torch backend's")
 
 
+def has_wide_lookup(lib: ctypes.CDLL) -> bool:
+    """Whether ``lib`` can map with AVX-512's gathers on this CPU (leaving its choice as it was)."""
+    chosen = lib.aqr_set_lookup(-1)
+    try:
+        return bool(lib.aqr_set_lookup(1))
+    finally:
+        lib.aqr_set_lookup(chosen)
+
+
+@contextlib.contextmanager
+def lookup(lib: ctypes.CDLL, wide: bool) -> Iterator[None]:
+    """``lib``'s maps with AVX-512's gathers (``wide``) or the AVX2 loads inside the block, then its own
+    choice again; the caller checks :func:`has_wide_lookup` first."""
+    chosen = lib.aqr_set_lookup(-1)
+    assert lib.aqr_set_lookup(int(wide)) == int(wide), "the lookup asked for is not available"
+    try:
+        yield
+    finally:
+        lib.aqr_set_lookup(chosen)
+
+
 def fuzz(lib: ctypes.CDLL, examples: int, seed: int | None = None) -> None:
     """Run :func:`check_against_torch` on ``examples`` generated cases (raises on the first failure)."""
 
@@ -143,5 +166,8 @@ if __name__ == "__main__":  # the sanitizer run: python native_fuzz.py EXAMPLES 
 
     examples, flags = int(sys.argv[1]), sys.argv[2:]
     for simd in (False, True):  # ASan does not see AVX2 gathers: the scalar build checks every index
-        fuzz(build.load(build.compile_command(flags, simd=simd), name="aqr_kernels_sanitized"), examples, seed=0)
+        lib = build.load(build.compile_command(flags, simd=simd), name="aqr_kernels_sanitized")
+        for wide in (False, True) if has_wide_lookup(lib) else (False,):
+            with lookup(lib, wide):
+                fuzz(lib, examples, seed=0)
     print("sanitized fuzz passed")

@@ -30,7 +30,8 @@ from aqr.adapt.stream.running import extreme_weights
 FLT_MAX = float(np.finfo(np.float32).max)
 SPECIAL = [FLT_MAX, -FLT_MAX, 1e38, -1e38, 2e38, -2e38, 1e-45, -1e-45, 0.0, -0.0, 1.0, -1.0, 1e-30]
 # (images, rows per image, C, B)
-LAYOUTS = [(1, 1, 1, 1), (1, 1, 3, 20), (2, 1, 2, 5), (3, 2, 2, 1), (2, 4, 3, 1), (4, 1, 1, 17), (1, 5, 4, 3)]
+LAYOUTS = [(1, 1, 1, 1), (1, 1, 3, 20), (2, 1, 2, 5), (3, 2, 2, 1), (2, 4, 3, 1), (4, 1, 1, 17), (1, 5, 4, 3),
+           (2, 1, 2, 53)]
 
 
 def floats(special_weight: int = 1) -> st.SearchStrategy[float]:
@@ -189,8 +190,13 @@ if __name__ == "__main__":  # the sanitizer run: python stream_fuzz.py EXAMPLES 
     from aqr.adapt.stream import native_kernels
     from aqr.backends import build
 
+    from tests.native_fuzz import has_wide_lookup, lookup
+
     examples, flags = int(sys.argv[1]), sys.argv[2:]
     for simd in (False, True):
         command = build.compile_command(flags, simd=simd)
-        fuzz(native_kernels.load(command, name="aqr_stream_kernels_sanitized"), examples, seed=0)
+        lib = native_kernels.load(command, name="aqr_stream_kernels_sanitized")
+        for wide in (False, True) if has_wide_lookup(lib) else (False,):
+            with lookup(lib, wide):
+                fuzz(lib, examples, seed=0)
     print("sanitized stream fuzz passed")

@@ -11,6 +11,7 @@ from torch import nn
 import aqr
 from aqr.backends import LayerSource, SubsetCache, Targets, TorchBackend, build, choose_backend, native
 from aqr.core.qmap import sort_rows, sorted_quantiles
+from tests.native_fuzz import has_wide_lookup, lookup
 
 LIB, WHY = build.load_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's C kernels unavailable: {WHY}")
@@ -94,6 +95,54 @@ def test_native_map_equals_the_torch_path(tail, shape):
     want = TorchBackend(source, cache, compile=False).apply(x, _targets(tq, mean, std))
     got = native.table_map(LIB, x, _targets(tq, mean, std), source)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+@needs_kernels
+def test_the_avx512_lookups_map_exactly_as_the_avx2_lookups():
+    """The table lookup chosen by timing when the kernels load changes no bit of any output: tied
+    knots (marked cells), NaN and +-inf values, a folded affine, rows of 333 values (not a multiple of 16)."""
+    if not has_wide_lookup(LIB):
+        pytest.skip("this CPU (or build) has no AVX-512 lookups")
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 6, 333, generator=g) * 2
+    x[:, 0] = x[:, 0].round()  # tied target knots: marked cells, mapped value by value
+    x[:, 1] = torch.distributions.StudentT(1.2).sample(x[:, 1].shape)
+    pre = (torch.randn(6, generator=g), torch.randn(6, generator=g))
+    cache = SubsetCache(2048)
+    outputs = []
+    for wide in (False, True):
+        with lookup(LIB, wide):
+            got = []
+            for cells, tail in ((64, "average"), (1024, "standard"), (256, "gaussian")):
+                sq = torch.randn(6, 4000, generator=torch.Generator().manual_seed(cells)).sort(1).values
+                source = LayerSource.create(sq[:, torch.linspace(0, 3999, 101).long()], tail, torch.zeros(6, 1),
+                                            torch.ones(6, 1), 0.01, cells)
+                got.append(native.recalibrate(LIB, x, cache.positions(x), source, pre)[0])
+                tq, mean, std, _ = native.subset_quantiles(LIB, x, cache.positions(x), 101)
+                odd = x.clone()
+                odd[0, 2, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30])
+                got.append(native.table_map(LIB, odd, _targets(tq, mean, std), source, pre))
+            outputs.append(got)
+    for avx2, avx512 in zip(*outputs):
+        torch.testing.assert_close(avx512, avx2, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernels
+def test_a_sample_of_every_position_copies_the_rows_and_reads_the_same_knots():
+    """Where the sample is every position in order, a channel's rows are copied instead of gathered:
+    the knots equal those of the same positions shuffled (which are gathered one by one)."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(64, 5, 64, generator=g)
+    x[:, 1] = x[:, 1].round()
+    x[:, 4] = torch.distributions.StudentT(1.5).sample(x[:, 4].shape)
+    pre = (torch.randn(5, generator=g), torch.randn(5, generator=g))
+    every = SubsetCache(8192).positions(x)
+    assert every.numel() == 64 * 64
+    shuffled = every[torch.randperm(every.numel(), generator=g)]
+    dense = native.subset_quantiles(LIB, x, every, 101, pre=pre)
+    gathered = native.subset_quantiles(LIB, x, shuffled, 101, pre=pre)
+    assert torch.equal(dense[0], gathered[0])
+    torch.testing.assert_close(dense[1], gathered[1], rtol=1e-6, atol=1e-6)  # float64 sums in another order
 
 
 @needs_kernels

@@ -14,7 +14,7 @@ from torch import nn
 
 import aqr
 from aqr.backends import build
-from tests.native_fuzz import fuzz
+from tests.native_fuzz import fuzz, has_wide_lookup, lookup
 from tests.sanitized import run_sanitized
 
 LIB, WHY = build.load_kernels()
@@ -48,8 +48,12 @@ print("ok")
 
 @pytest.mark.slow
 @needs_kernels
-def test_native_kernels_equal_the_torch_backend_on_extreme_values():
-    fuzz(LIB, examples=250)
+@pytest.mark.parametrize("wide", [False, True], ids=["avx2-loads", "avx512-gathers"])
+def test_native_kernels_equal_the_torch_backend_on_extreme_values(wide):
+    if wide and not has_wide_lookup(LIB):
+        pytest.skip("this CPU (or build) has no AVX-512 lookups")
+    with lookup(LIB, wide):
+        fuzz(LIB, examples=250)
 
 
 @needs_kernels

@@ -9,6 +9,7 @@ import torch
 from aqr.backends.native import NativeKernelError
 from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, StreamTable, TailWindow
 from aqr.adapt.stream.native_kernels import NativeStreamKernels, load_stream_kernels
+from tests.native_fuzz import has_wide_lookup, lookup
 from tests.stream_fuzz import fuzz
 from tests.sanitized import run_sanitized
 
@@ -16,15 +17,56 @@ LIB, WHY = load_stream_kernels()
 needs_kernels = pytest.mark.skipif(LIB is None, reason=f"aqr's stream C kernels unavailable: {WHY}")
 
 
+WIDE = pytest.mark.parametrize("wide", [False, True], ids=["avx2-loads", "avx512-gathers"])
+
+
+def _lookup(wide: bool):
+    if wide and not has_wide_lookup(LIB):
+        pytest.skip("this CPU (or build) has no AVX-512 lookups")
+    return lookup(LIB, wide)
+
+
 @needs_kernels
-def test_stream_kernels_equal_the_torch_mirror() -> None:
-    fuzz(LIB, examples=60, seed=0)
+@WIDE
+def test_stream_kernels_equal_the_torch_mirror(wide: bool) -> None:
+    with _lookup(wide):
+        fuzz(LIB, examples=60, seed=0)
 
 
 @pytest.mark.slow
 @needs_kernels
-def test_stream_kernels_equal_the_torch_mirror_on_many_cases() -> None:
-    fuzz(LIB, examples=600)
+@WIDE
+def test_stream_kernels_equal_the_torch_mirror_on_many_cases(wide: bool) -> None:
+    with _lookup(wide):
+        fuzz(LIB, examples=600)
+
+
+@needs_kernels
+def test_the_avx512_lookups_scan_exactly_as_the_avx2_lookups() -> None:
+    """The scan's map and extremes are the same bits whichever lookup the library chose when it loaded:
+    rows of 333 values (not a multiple of 16), tied knots, values beyond the knots, a folded affine."""
+    if not has_wide_lookup(LIB):
+        pytest.skip("this CPU (or build) has no AVX-512 lookups")
+    native = NativeStreamKernels(LIB)
+    g = torch.Generator().manual_seed(5)
+    c, k = 6, 21
+    x = torch.randn(8, c, 333, generator=g) * 2
+    x[:, 0] = x[:, 0].round()
+    knots = torch.randn(c, 400, generator=g).sort(1).values[:, torch.linspace(0, 399, k).long()].contiguous()
+    knots[0, 5:9] = knots[0, 5]  # tied knots
+    source = torch.randn(c, 400, generator=g).sort(1).values[:, torch.linspace(0, 399, k).long()].contiguous()
+    pre = (torch.randn(c, generator=g), torch.randn(c, generator=g))
+    table = StreamTable.empty(c, 64)
+    native.tables(knots, source, table)
+    results = []
+    for wide in (False, True):
+        with lookup(LIB, wide):
+            results.append(native.scan(x, 4, pre, knots, source, table, MAP | COUNT, 3, 16))
+    for avx2, avx512 in zip(*results):
+        if isinstance(avx2, torch.Tensor):
+            assert torch.equal(avx2, avx512)
+        else:
+            assert avx2 == avx512
 
 
 @needs_kernels

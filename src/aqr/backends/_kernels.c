@@ -40,16 +40,26 @@ static int sizes_ok(int64_t A, int64_t C, int64_t B, int64_t K, int64_t cells) {
 
 /* Whether the sample description is in bounds: S >= 1 positions each inside channel 0 of the
    (A, C, B) layout (NULL: 0..S-1 is checked by the caller), nondecreasing ranks in [0, S - 1]. */
+/* Whether the sample's positions and ranks can be read: 0 if not, 1 if so, 2 if the positions are
+   all of channel 0's, in order (then a channel's sample is its rows, copied). Sorted positions find
+   their row without a division. */
 static int sample_ok(int64_t A, int64_t C, int64_t B, const int64_t *pos, int64_t S, int64_t K,
                      const int64_t *rank_lo, int64_t nbins) {
     if (S < 1 || S > INT32_MAX / 4 || nbins < 1 || nbins > INT32_MAX / 8 || S > A * B) return 0;
+    const int64_t CB = C * B; /* channel 0's values: [row * CB, row * CB + B) for rows 0..A-1 */
+    int64_t base = 0;
+    int dense = S == A * B;
     for (int64_t i = 0; i < S; i++) {
-        if (pos[i] < 0 || pos[i] / B >= A * C || pos[i] / B % C != 0) return 0;
+        int64_t p = pos[i];
+        if (p < 0) return 0;
+        if (p - base >= CB || p < base) base = p / CB * CB;
+        if (base >= A * CB || p - base >= B) return 0;
+        dense &= i == 0 || p > pos[i - 1];
     }
     for (int64_t k = 0; k < K; k++) {
         if (rank_lo[k] < 0 || rank_lo[k] >= S || (k > 0 && rank_lo[k] < rank_lo[k - 1])) return 0;
     }
-    return 1;
+    return dense ? 2 : 1;
 }
 
 /* Tail codes (aqr.backends.base.TAIL_CODES); the parametric tails (interval, gaussian) read arrays
@@ -90,6 +100,7 @@ typedef struct {
     float *ext_min, *ext_max; /* (C): the extremes of every value of each channel */
     int32_t *ext_nan;         /* (C): whether any value of the channel is NaN */
     struct map_args *then_map; /* aqr_recalibrate: map each finite channel right after its quantiles */
+    int dense;                 /* pos holds all of channel 0's positions, in order (sample_ok) */
 } quant_args;
 
 static void after_channel(quant_args *a, int part, int64_t c);
@@ -115,13 +126,26 @@ static int min_max(const float *v, int64_t n, float *mn_out, float *mx_out) {
     int nan = 0;
     int64_t i = 0;
 #ifdef __AVX2__
+    /* four chains of 8 lanes: a min's latency does not serialize the loop (which of +0 and -0 a
+       min or max keeps may differ: they are equal) */
     __m256 vmn = _mm256_set1_ps(INFINITY), vmx = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+    __m256 mn4[4] = {vmn, vmn, vmn, vmn}, mx4[4] = {vmx, vmx, vmx, vmx};
+    for (; i + 32 <= n; i += 32) {
+        for (int u = 0; u < 4; u++) {
+            __m256 x = _mm256_loadu_ps(v + i + 8 * u);
+            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+            mn4[u] = _mm256_min_ps(mn4[u], x);
+            mx4[u] = _mm256_max_ps(mx4[u], x);
+        }
+    }
     for (; i + 8 <= n; i += 8) {
         __m256 x = _mm256_loadu_ps(v + i);
         vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-        vmn = _mm256_min_ps(vmn, x);
-        vmx = _mm256_max_ps(vmx, x);
+        mn4[0] = _mm256_min_ps(mn4[0], x);
+        mx4[0] = _mm256_max_ps(mx4[0], x);
     }
+    vmn = _mm256_min_ps(_mm256_min_ps(mn4[0], mn4[1]), _mm256_min_ps(mn4[2], mn4[3]));
+    vmx = _mm256_max_ps(_mm256_max_ps(mx4[0], mx4[1]), _mm256_max_ps(mx4[2], mx4[3]));
     float lanes_mn[8], lanes_mx[8];
     _mm256_storeu_ps(lanes_mn, vmn);
     _mm256_storeu_ps(lanes_mx, vmx);
@@ -230,12 +254,20 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
         index[k] = at;
     }
     memset(crowd, 0, (size_t)NB);
+    memset(hist, 0, sizeof(int32_t) * HISTS * (NB + 1)); /* once: each channel leaves it zero */
     /* after_channel runs after every channel, also those that `continue` early */
     for (int64_t c = c0; c < c1; after_channel(a, part, c), c++) {
         const float *xc = a->x + c * a->stride;
         float *out = a->tq + c * K;
         float pa = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
-        if (a->pos) {
+        if (a->pos && a->dense) { /* every value: the rows one after another */
+            channel_extremes(a, c);
+            for (int64_t row = 0; row < a->A; row++) {
+                const float *xr = xc + row * a->C * a->B;
+                float *br = buf + row * a->B;
+                for (int64_t j = 0; j < a->B; j++) br[j] = xr[j] * pa + pb;
+            }
+        } else if (a->pos) {
             channel_extremes(a, c);
             for (int64_t i = 0; i < S; i++) buf[i] = xc[a->pos[i]] * pa + pb;
         } else { /* already gathered, channel by channel (transpose_part) */
@@ -263,41 +295,67 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
            crowded, hence sorted); bucket_index clamps whatever lands outside. */
         double scale_d = (double)NB / ((double)mx - (double)mn);
         float scale = scale_d < (double)FLT_MAX ? (float)scale_d : FLT_MAX;
-        bucket_index(buf, S, mn, scale, NB, bin);
-        memset(hist, 0, sizeof(int32_t) * HISTS * (NB + 1));
+        bucket_index(buf, S, mn, scale, NB, bin); /* hist is all zero here (see below) */
         int64_t i = 0;
         for (; i + HISTS <= S; i += HISTS) {
             for (int j = 0; j < HISTS; j++) hist[j * (NB + 1) + bin[i + j] + 1]++;
         }
         for (; i < S; i++) hist[bin[i] + 1]++;
-        /* One walk over the buckets: their starts (prefix sums of the histograms), the bucket of
-           each needed rank (a merge with the ascending ranks), and which of those are crowded. */
+        /* The buckets' starts: the histograms summed and their prefix sums, in one pass. Then the
+           bucket of each needed rank, by a merge with the ascending ranks, and which of those
+           buckets are crowded. */
         int32_t *start = hist; /* start[b] = number of values in buckets below b */
-        int64_t r = 0;
+        int32_t *rows[HISTS];
+        for (int j = 0; j < HISTS; j++) rows[j] = hist + j * (NB + 1);
+        int32_t at = 1;
+#ifdef __AVX2__
+        /* eight buckets at a time: the rows summed (and rows 1.. cleared: all zero for the next
+           channel), the prefix sums within the eight lanes, plus the sum of all buckets before them */
+        const __m256i zero_i = _mm256_setzero_si256();
+        __m256i carry = zero_i;
+        for (; at + 8 <= NB + 1; at += 8) {
+            __m256i n = _mm256_loadu_si256((const __m256i *)(start + at));
+            for (int j = 1; j < HISTS; j++) {
+                n = _mm256_add_epi32(n, _mm256_loadu_si256((const __m256i *)(rows[j] + at)));
+                _mm256_storeu_si256((__m256i *)(rows[j] + at), zero_i);
+            }
+            n = _mm256_add_epi32(n, _mm256_slli_si256(n, 4)); /* within each half of four */
+            n = _mm256_add_epi32(n, _mm256_slli_si256(n, 8));
+            const __m256i low_sum = _mm256_permutevar8x32_epi32(n, _mm256_setr_epi32(0, 0, 0, 0, 3, 3, 3, 3));
+            n = _mm256_add_epi32(n, _mm256_blend_epi32(zero_i, low_sum, 0xF0));
+            n = _mm256_add_epi32(n, carry);
+            _mm256_storeu_si256((__m256i *)(start + at), n);
+            carry = _mm256_permutevar8x32_epi32(n, _mm256_set1_epi32(7));
+        }
+#endif
+        for (int32_t run = start[at - 1]; at <= NB; at++) { /* start[0] is 0 */
+            for (int j = 1; j < HISTS; j++) {
+                start[at] += rows[j][at];
+                rows[j][at] = 0;
+            }
+            run += start[at];
+            start[at] = run;
+        }
         int any_crowded = 0;
-        for (int32_t b = 0; b < NB && r < nranks; b++) {
-            int32_t n = 0;
-            for (int j = 0; j < HISTS; j++) n += hist[j * (NB + 1) + b + 1];
-            int32_t end = start[b] + n;
-            start[b + 1] = end;
-            if (ranks[r] < end) { /* taken for at most 2K buckets */
-                int crowded = n > a->crowded;
-                if (crowded && !crowd[b]) {
-                    crowd[b] = 1;
-                    fill[b] = start[b];
-                    any_crowded = 1;
-                }
-                for (; r < nranks && ranks[r] < end; r++) {
-                    bucket[r] = b;
-                    exact[r] = (unsigned char)crowded;
-                }
+        int32_t b = 0;
+        for (int64_t r = 0; r < nranks; r++) { /* ranks < S = start[NB]: the bound only guards */
+            const int32_t rank = ranks[r];
+            while (b + 16 < NB && start[b + 16] <= rank) b += 16; /* start is ascending: skip 16 buckets */
+            while (b + 1 < NB && start[b + 1] <= rank) b++;
+            bucket[r] = b;
+            int crowded = start[b + 1] - start[b] > a->crowded;
+            exact[r] = (unsigned char)crowded;
+            if (crowded && !crowd[b]) {
+                crowd[b] = 1;
+                fill[b] = start[b];
+                any_crowded = 1;
             }
         }
         if (any_crowded) {
             for (i = 0; i < S; i++) {
                 if (crowd[bin[i]]) placed[fill[bin[i]]++] = buf[i];
             }
-            for (r = 0; r < nranks; r++) {
+            for (int64_t r = 0; r < nranks; r++) {
                 int32_t b = bucket[r];
                 if (exact[r] && crowd[b]) {
                     qsort(placed + start[b], (size_t)(start[b + 1] - start[b]), sizeof(float), cmp_float);
@@ -321,6 +379,7 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
         }
         out[0] = lo_all;
         out[K - 1] = hi_all;
+        memset(start, 0, sizeof(int32_t) * (size_t)(NB + 1)); /* the histograms all zero again */
     }
 }
 
@@ -377,7 +436,8 @@ int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const 
                          const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
                          const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
                          float *tq, float *moments, int32_t *finite, int nthreads) {
-    if (!sizes_ok(A, C, B, K, 1) || !sample_ok(A, C, B, pos, S, K, rank_lo, nbins)) return AQR_BAD_ARGUMENT;
+    int sample = sizes_ok(A, C, B, K, 1) ? sample_ok(A, C, B, pos, S, K, rank_lo, nbins) : 0;
+    if (!sample) return AQR_BAD_ARGUMENT;
     /* Channels-last (rows): channel c's samples sit C * B apart. Its extremes come from one pass
        over the rows and its sample is gathered once into a (C, S) buffer, instead of reading every
        row once per channel. Channel-major layouts do both per channel, in quantiles_part. */
@@ -394,7 +454,7 @@ int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const 
         return -1;
     }
     quant_args a = {x, pos, B, pre_scale, pre_shift, S, K, nbins, crowded, A, C, B, x, rank_lo, frac, tq, moments,
-                    finite, scratch, NULL, ext, ext + C * (row_parts + 1), ext_nan, NULL};
+                    finite, scratch, NULL, ext, ext + C * (row_parts + 1), ext_nan, NULL, sample == 2};
     if (rows) {
         for (int64_t i = 0; i < C * (row_parts + 1); i++) a.ext_min[i] = INFINITY, a.ext_max[i] = -INFINITY, a.ext_nan[i] = 0;
         parallel_for(extremes_rows_part, &a, A, row_parts); /* a smaller team leaves slots as set */
@@ -523,6 +583,39 @@ static float exact_at(float g, int64_t p, const float *tq, const float *sq, int6
     return sq[i] + (sq[i + 1] - sq[i]) * f;
 }
 
+#ifdef __AVX2__
+/* exact_at at the eight points g[0..8) with p[l] knots <= g[l] (0 <= p[l] <= K): the same float
+   operations lane by lane (a division by a width that is not positive is computed and discarded).
+   Every gathered index is clamped to [0, K - 1] first. */
+static inline __m256 exact_at8(const float *g_in, const int32_t *p_in, const float *tq, const float *sq,
+                               const int32_t *run_start, int64_t K) {
+    const __m256i zero_i = _mm256_setzero_si256(), one_i = _mm256_set1_epi32(1), top_i = _mm256_set1_epi32((int)(K - 2));
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), top = _mm256_set1_ps((float)(K - 2));
+    const __m256 g = _mm256_loadu_ps(g_in);
+    const __m256i p = _mm256_loadu_si256((const __m256i *)p_in);
+    const __m256i last = _mm256_max_epi32(_mm256_sub_epi32(p, one_i), zero_i);
+    const __m256i j = _mm256_min_epi32(last, top_i); /* clamp(p - 1, 0, K - 2) */
+    const __m256 lo_knot = _mm256_i32gather_ps(tq, j, 4);
+    const __m256 width = _mm256_sub_ps(_mm256_i32gather_ps(tq + 1, j, 4), lo_knot);
+    const __m256 t_step = _mm256_and_ps(_mm256_cmp_ps(g, lo_knot, _CMP_GT_OQ), one);
+    const __m256 t = _mm256_blendv_ps(t_step, _mm256_div_ps(_mm256_sub_ps(g, lo_knot), width),
+                                      _mm256_cmp_ps(width, zero, _CMP_GT_OQ));
+    __m256 u = _mm256_add_ps(_mm256_cvtepi32_ps(j), t);
+    const __m256 tied = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(p, zero_i)),
+                                      _mm256_cmp_ps(g, _mm256_i32gather_ps(tq, last, 4), _CMP_EQ_OQ));
+    const __m256i first = _mm256_i32gather_epi32(run_start, last, 4);
+    u = _mm256_blendv_ps(u, _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(first, last)), _mm256_set1_ps(2.0f)), tied);
+    const __m256 fl = _mm256_floor_ps(u);
+    /* fl >= K - 2: K - 2; fl > 0: fl; else (also NaN) 0 */
+    __m256i i = _mm256_and_si256(_mm256_cvttps_epi32(fl), _mm256_castps_si256(_mm256_cmp_ps(fl, zero, _CMP_GT_OQ)));
+    i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i), _mm256_castsi256_ps(top_i),
+                                             _mm256_cmp_ps(fl, top, _CMP_GE_OQ)));
+    const __m256 f = _mm256_sub_ps(u, _mm256_cvtepi32_ps(i));
+    const __m256 s0 = _mm256_i32gather_ps(sq, i, 4), s1 = _mm256_i32gather_ps(sq + 1, i, 4);
+    return _mm256_add_ps(s0, _mm256_mul_ps(_mm256_sub_ps(s1, s0), f));
+}
+#endif
+
 /* The map of value v in channel c by Eq. 1 with the tie rule, then the tail strategy's lines below
    p1^T and at or above p_{K-2}^T (aqr.core.qmap.map_rows on one value): marked cells' values. */
 static float exact_value(const map_args *a, int64_t c, float v) {
@@ -563,11 +656,13 @@ static int64_t cell_of(float v, float lo, float inv, int64_t cells) {
 }
 
 /* tab[2 * cell] is the slope and tab[2 * cell + 1] the intercept of each cell's line (NaN: marked). */
-static void build_table(const map_args *a, int64_t c, float *values, float *tab, int64_t *run_start,
+static void build_table(const map_args *a, int64_t c, float *values, float *tab, int32_t *run_start,
                         float *lo_out, float *inv_out) {
+    float *grid = values + a->cells + 1;                   /* cells + 1 */
+    int32_t *below = (int32_t *)(grid + a->cells + 1);     /* cells + 2 */
     const int64_t K = a->K, cells = a->cells;
     const float *tq = a->tq + c * K, *sq = a->sq + c * K;
-    for (int64_t k = 0; k < K; k++) run_start[k] = (k > 0 && tq[k] == tq[k - 1]) ? run_start[k - 1] : k;
+    for (int64_t k = 0; k < K; k++) run_start[k] = (k > 0 && tq[k] == tq[k - 1]) ? run_start[k - 1] : (int32_t)k;
     float lo = tq[1], hi = tq[K - 2];
     /* The grid in double where hi - lo overflows float (knots spanning more than FLT_MAX). */
     const int wide = !isfinite(hi - lo);
@@ -576,11 +671,38 @@ static void build_table(const map_args *a, int64_t c, float *values, float *tab,
     float inv = width > 0 ? 1.0f / width : 0.0f;
     int overflow = !(inv <= FLT_MAX); /* a subnormal width: every value goes to cell 1, marked */
     if (overflow) inv = 0.0f;
-    int64_t p = 0;
-    for (int64_t j = 0; j <= cells; j++) {
-        float g = wide ? (float)((double)lo + step * (double)j) : lo + width * (float)j;
-        while (p < K && tq[p] <= g) p++;
-        values[j] = exact_at(g, p, tq, sq, run_start[p > 0 ? p - 1 : 0], K);
+    /* The grid points, the number of knots <= each, then exact_at at each point: eight at a time
+       with AVX2, the same float operations lane by lane. */
+    if (wide) {
+        for (int64_t j = 0; j <= cells; j++) grid[j] = (float)((double)lo + step * (double)j);
+    } else {
+        for (int32_t j = 0; j <= (int32_t)cells; j++) grid[j] = lo + width * (float)j; /* int32: vectorized */
+    }
+    /* below[j] = the number of knots <= grid[j] (the grid ascends): each knot's first grid point at or
+       above it, from its estimated cell corrected against the grid, is counted, then the counts summed.
+       The knots are independent of each other, where a merge would chain every grid point's load. */
+    memset(below, 0, sizeof(int32_t) * (size_t)(cells + 2));
+    for (int64_t k = 0; k < K; k++) {
+        const float v = tq[k];
+        int64_t j = 0;
+        if (v > grid[cells]) {
+            j = cells + 1;
+        } else if (v > grid[0]) { /* then grid[cells] > grid[0] */
+            double e = ((double)v - (double)grid[0]) / ((double)grid[cells] - (double)grid[0]) * (double)cells;
+            j = e < 1.0 ? 1 : (e > (double)cells ? cells : (int64_t)e);
+            while (j > 0 && grid[j - 1] >= v) j--;
+            while (j <= cells && grid[j] < v) j++;
+        }
+        below[j]++;
+    }
+    for (int64_t j = 1; j <= cells; j++) below[j] += below[j - 1];
+    int64_t j0 = 0;
+#ifdef __AVX2__
+    for (; j0 + 8 <= cells + 1; j0 += 8) _mm256_storeu_ps(values + j0, exact_at8(grid + j0, below + j0, tq, sq, run_start, K));
+#endif
+    for (int64_t j = j0; j <= cells; j++) {
+        int64_t pj = below[j];
+        values[j] = exact_at(grid[j], pj, tq, sq, run_start[pj > 0 ? pj - 1 : 0], K);
     }
     float lines[4];
     tail_lines(a, c, lines);
@@ -589,14 +711,20 @@ static void build_table(const map_args *a, int64_t c, float *values, float *tab,
     for (int64_t j = 0; j < cells; j++) {
         float s = (values[j + 1] - values[j]) * inv;
         tab[2 * j + 2] = s;
-        tab[2 * j + 3] = values[j] - s * (wide ? (float)((double)lo + step * (double)j) : lo + width * (float)j);
+        tab[2 * j + 3] = values[j] - s * grid[j];
     }
     tab[2 * cells + 2] = lines[2];
     tab[2 * cells + 3] = lines[3];
     /* All knots equal (every value of the batch is that value, and goes to cell 1): the exact map's
        value there, the middle level (values[0]) for Eq. 1 tails, the upper tail line's otherwise. */
     if (tq[0] == tq[K - 1] && a->tail != TAIL_EQ1) tab[3] = lines[2] * tq[0] + lines[3];
-    for (int64_t cell = 0; cell < cells + 2; cell++) {
+    int nonfinite = 0; /* an exponent of all ones: inf or NaN (an integer test, vectorized) */
+    for (int64_t i = 0; i < 2 * (cells + 2); i++) {
+        uint32_t bits;
+        memcpy(&bits, tab + i, sizeof bits);
+        nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
+    }
+    for (int64_t cell = 0; nonfinite && cell < cells + 2; cell++) {
         if (!isfinite(tab[2 * cell]) || !isfinite(tab[2 * cell + 1])) mark_cell(tab, cell);
     }
     if (overflow) mark_cell(tab, 1);
@@ -653,14 +781,56 @@ static void map_row(const map_args *a, int64_t c, const float *xp, float *yp, in
     }
 }
 
+#ifdef AQR_WIDE_LOOKUP
+/* map_row on 16 values at a time with AVX-512's gathers (where aqr_choose_lookup chose them): the same float
+   operations lane by lane, so the same results. Returns how many of the n values it mapped (a
+   multiple of 16); map_row maps the rest. */
+AQR_WIDE static int64_t map_row_wide(const map_args *a, int64_t c, const float *xp, float *yp, int64_t n, float pa,
+                                     float pb, float lo, float inv, const float *tab, int64_t cells) {
+    const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
+    const __m512 zero = _mm512_setzero_ps(), vtop = _mm512_set1_ps((float)(cells + 1));
+    const __m512 vpa = _mm512_set1_ps(pa), vpb = _mm512_set1_ps(pb);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(xp + i), vpa), vpb);
+        __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vlo), vinv), one);
+        t = _mm512_min_ps(_mm512_max_ps(t, zero), vtop); /* NaN -> cell 0, as in map_row */
+        __m512 y = wide_pair_lookup(tab, _mm512_cvttps_epi32(t), v);
+        __mmask16 marked = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+        if (marked) {
+            float vs[16], ys[16];
+            _mm512_storeu_ps(vs, v);
+            _mm512_storeu_ps(ys, y);
+            for (int l = 0; l < 16; l++) {
+                if (marked >> l & 1) ys[l] = exact_value(a, c, vs[l]);
+            }
+            y = _mm512_loadu_ps(ys);
+        }
+        _mm512_storeu_ps(yp + i, y);
+    }
+    return i;
+}
+#endif
+
 static int64_t map_scratch_bytes(int64_t K, int64_t cells) {
-    return round64((int64_t)sizeof(int64_t) * K + (int64_t)sizeof(float) * (3 * cells + 5));
+    return round64((int64_t)sizeof(int32_t) * (K + cells + 2) + (int64_t)sizeof(float) * (4 * cells + 6));
+}
+
+/* Asks for the n floats at p to be brought into the core's cache (a hint, which does nothing where
+   the compiler has no builtin for it): a channel's rows are apart by the other channels' values,
+   which the hardware prefetcher does not follow from one row to the next. */
+static void prefetch_row(const float *p, int64_t n) {
+#if defined(__GNUC__) || defined(__clang__)
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 2);
+#else
+    (void)p, (void)n;
+#endif
 }
 
 /* Build channel c's table in this part's scratch and map all of the channel's rows. */
 static void map_channel(map_args *a, int part, int64_t c) {
     const int64_t cells = a->cells;
-    int64_t *run_start = (int64_t *)(a->scratch + part * map_scratch_bytes(a->K, cells));
+    int32_t *run_start = (int32_t *)(a->scratch + part * map_scratch_bytes(a->K, cells));
     float *tab = (float *)(run_start + a->K); /* the pairs (slope, intercept), read 8 bytes at a time */
     float *values = tab + 2 * (cells + 2);
     float lo, inv;
@@ -668,7 +838,12 @@ static void map_channel(map_args *a, int part, int64_t c) {
     float pa = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
     for (int64_t r = 0; r < a->A; r++) {
         int64_t at = (r * a->C + c) * a->B;
-        map_row(a, c, a->x + at, a->y + at, a->B, pa, pb, lo, inv, tab, cells);
+        if (c + 1 < a->C) prefetch_row(a->x + at + a->B, a->B); /* the next channel's row, while this maps */
+        int64_t done = 0;
+#ifdef AQR_WIDE_LOOKUP
+        if (aqr_wide_lookup) done = map_row_wide(a, c, a->x + at, a->y + at, a->B, pa, pb, lo, inv, tab, cells);
+#endif
+        map_row(a, c, a->x + at + done, a->y + at + done, a->B - done, pa, pb, lo, inv, tab, cells);
     }
 }
 
@@ -694,7 +869,7 @@ static void tables_part(void *p, int part, int64_t c0, int64_t c1) {
     rows_args *r = (rows_args *)p;
     map_args *a = r->a;
     const int64_t cells = a->cells;
-    int64_t *run_start = (int64_t *)(a->scratch + part * map_scratch_bytes(a->K, cells));
+    int32_t *run_start = (int32_t *)(a->scratch + part * map_scratch_bytes(a->K, cells));
     float *values = (float *)(run_start + a->K) + 2 * (cells + 2);
     for (int64_t c = c0; c < c1; c++) {
         build_table(a, c, values, r->tabs + c * 2 * (cells + 2), run_start, &r->lo[c], &r->inv[c]);
@@ -788,7 +963,8 @@ int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, c
                     const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
                     const float *sq, int tail, const float *loc, const float *scale, const double *z,
                     int64_t cells, float *tq, float *moments, int32_t *finite, int nthreads) {
-    if (B < ROWS_LAYOUT_BELOW || !sizes_ok(A, C, B, K, cells) || !sample_ok(A, C, B, pos, S, K, rank_lo, nbins) ||
+    int sample = B >= ROWS_LAYOUT_BELOW && sizes_ok(A, C, B, K, cells) ? sample_ok(A, C, B, pos, S, K, rank_lo, nbins) : 0;
+    if (!sample ||
         !tail_ok(tail, moments, moments, loc, scale, z))
         return AQR_BAD_ARGUMENT;
     int parts = num_parts(C, nthreads);
@@ -801,7 +977,7 @@ int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, c
         map_args m = {x, y, A, C, B, pre_scale, pre_shift, tq, sq, K, tail, moments, moments ? moments + 1 : NULL,
                       2, loc, scale, z, cells, mscratch};
         quant_args q = {x, pos, B, pre_scale, pre_shift, S, K, nbins, crowded, A, C, B, x, rank_lo, frac, tq, moments,
-                        finite, qscratch, NULL, ext, ext + C, ext_nan, &m};
+                        finite, qscratch, NULL, ext, ext + C, ext_nan, &m, sample == 2};
         parallel_for(quantiles_part, &q, C, parts);
         status = 0;
     }

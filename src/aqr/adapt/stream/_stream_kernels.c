@@ -136,6 +136,38 @@ static inline __m256 affine_step(const float *p, __m256 vps, __m256 vpb, __m256 
 }
 #endif
 
+#ifdef AQR_WIDE_LOOKUP
+/* stream_map_row's mapped rows 16 values at a time with AVX-512's gathers (where aqr_choose_lookup
+   chose them): the same float operations lane by lane. Returns how many of the B values it mapped. */
+AQR_WIDE static int64_t stream_map_row_wide(const float *xp, float *yp, int64_t B, float ps, float pb,
+                                            const float *tab, float g0, float gi, int64_t G, float k1, float kb,
+                                            float *mn_io, float *mx_io, int *bad_io) {
+    const __m512 vps = _mm512_set1_ps(ps), vpb = _mm512_set1_ps(pb), vg0 = _mm512_set1_ps(g0);
+    const __m512 vgi = _mm512_set1_ps(gi), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const __m512 vtop = _mm512_set1_ps((float)(G + 1)), vk1 = _mm512_set1_ps(k1), vkb = _mm512_set1_ps(kb);
+    const __m512i last = _mm512_set1_epi32((int)(G + 1)), first = _mm512_setzero_si512();
+    __m512 vmn = _mm512_set1_ps(*mn_io), vmx = _mm512_set1_ps(*mx_io);
+    __mmask16 bad = 0;
+    int64_t b = 0;
+    for (; b + 16 <= B; b += 16) {
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(xp + b), vps), vpb);
+        bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), zero, _CMP_NEQ_UQ); /* NaN or +-inf */
+        vmn = _mm512_min_ps(vmn, v);
+        vmx = _mm512_max_ps(vmx, v);
+        __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vg0), vgi), one);
+        t = _mm512_min_ps(_mm512_max_ps(t, zero), vtop); /* max(NaN, 0) is 0: its second operand */
+        __m512i cell = _mm512_cvttps_epi32(t);
+        cell = _mm512_mask_mov_epi32(cell, _mm512_cmp_ps_mask(v, vkb, _CMP_GE_OQ), last);
+        cell = _mm512_mask_mov_epi32(cell, _mm512_cmp_ps_mask(v, vk1, _CMP_LT_OQ), first);
+        _mm512_storeu_ps(yp + b, wide_pair_lookup(tab, cell, v));
+    }
+    *mn_io = _mm512_reduce_min_ps(vmn);
+    *mx_io = _mm512_reduce_max_ps(vmx);
+    *bad_io |= bad != 0;
+    return b;
+}
+#endif
+
 /* One row of B values: y = the table map of v = ps * x + pb (unless y is NULL), and the row's
    extremes and non-finite flag folded into *mn, *mx, *bad. tab: the channel's (G + 2) pairs
    (slope, intercept); cell 0 below k1, G + 1 from kb on, else the grid cell of v. */
@@ -145,6 +177,9 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
     float mn = *mn_io, mx = *mx_io;
     int bad = 0;
     int64_t b = 0;
+#ifdef AQR_WIDE_LOOKUP
+    if (yp && aqr_wide_lookup) b = stream_map_row_wide(xp, yp, B, ps, pb, tab, g0, gi, G, k1, kb, &mn, &mx, &bad);
+#endif
 #ifdef __AVX2__
     if (yp) {
         const __m256 vps = _mm256_set1_ps(ps), vpb = _mm256_set1_ps(pb), vg0 = _mm256_set1_ps(g0);
