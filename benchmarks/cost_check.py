@@ -104,6 +104,16 @@ def peak_bytes(fn, x: torch.Tensor) -> int:
     return peak
 
 
+def kernel_lookup() -> str:
+    """The table lookups aqr's C kernels chose when they loaded: "avx512", "avx2" (or scalar), or "none"."""
+    from aqr.backends import build
+
+    lib = build.native_kernels()
+    if lib is None:
+        return "none"
+    return "avx512" if build.wide_lookup(lib) else "avx2"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="mode:batch, mode in batch, stream, robust")
@@ -137,9 +147,10 @@ def main() -> None:
     x = noisy_images(clean[picked])
     warm, timed = x[: args.warmup], x[args.warmup :]
     clock = CLOCKS[args.clock]
+    lookup = kernel_lookup()
     print(f"threads {args.threads}, clock {args.clock}, torch {torch.__version__}, {args.rounds} rounds, "
           f"{per_round} images per mode and round, " + (f"runs of {args.runs} images of one class" if args.runs
-                                                       else "the test set's order"), flush=True)
+                                                       else "the test set's order") + f", {lookup} lookups", flush=True)
     results = []
     for batch in sorted({b for _, b in rows}):
         modes = ["plain"] + [m for m, b in rows if b == batch]
@@ -179,7 +190,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "clock": args.clock, "torch": torch.__version__,
                                          "rounds": args.rounds, "images_per_round": per_round, "runs": args.runs,
-                                         "rows": results}, indent=2))
+                                         "lookup": lookup, "rows": results}, indent=2))
 
 
 if __name__ == "__main__":
