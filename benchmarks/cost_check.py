@@ -22,6 +22,12 @@ plain forward's.
 at random), a class-correlated stream: there ``robust`` merges its groups, which it leaves out on the
 default i.i.d. order (its own-batch share open, the groups weigh nothing).
 
+``--lookups avx2 avx512`` runs every AQR row once with each of the C kernels' table lookups (the
+kernels otherwise take the one they timed faster when they loaded; both give the same bits), side by
+side in the same rounds, as rows named ``mode/lookup``:
+
+    AQR_DATA_DIR=... python benchmarks/cost_check.py --rows batch:128 stream:16 --lookups avx2 avx512
+
 The CPU clock (``--clock cpu``, the default) counts the process's CPU time, which other jobs on a
 shared machine inflate much less than the wall time; with several threads, threads that spin
 waiting for each other count too.
@@ -104,6 +110,20 @@ def peak_bytes(fn, x: torch.Tensor) -> int:
     return peak
 
 
+LOOKUPS = ("avx2", "avx512")
+
+
+def set_lookup(name: str) -> None:
+    """Make aqr's C kernels (per-batch and streaming) use the table lookup ``name``; exits where it is missing."""
+    from aqr.adapt.stream.native_kernels import native_stream_kernels
+    from aqr.backends import build
+
+    wide = int(name == "avx512")
+    for lib in (build.native_kernels(), native_stream_kernels()):
+        if lib is None or lib.aqr_set_lookup(wide) != wide:
+            sys.exit(f"cost_check: --lookups {name}: this CPU, or aqr's C kernels here, have no such lookup")
+
+
 def kernel_lookup() -> str:
     """The table lookups aqr's C kernels chose when they loaded: "avx512", "avx2" (or scalar), or "none"."""
     from aqr.backends import build
@@ -126,6 +146,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     parser.add_argument("--memory", action="store_true", help="also the peak tensor memory of one forward pass")
     parser.add_argument("--runs", type=int, default=0, help="images per run of one class (0: the test set's order)")
+    parser.add_argument("--lookups", nargs="+", choices=LOOKUPS, default=[],
+                        help="each AQR row once per table lookup (default: the one the kernels chose)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     data = os.environ.get("AQR_DATA_DIR")
@@ -153,14 +175,22 @@ def main() -> None:
                                                        else "the test set's order") + f", {lookup} lookups", flush=True)
     results = []
     for batch in sorted({b for _, b in rows}):
-        modes = ["plain"] + [m for m, b in rows if b == batch]
-        runners = {m: build(m, model, stats) for m in modes}
+        modes = ["plain"] + [m if not args.lookups else f"{m}/{name}" for m, b in rows if b == batch
+                             for name in (args.lookups or [None])]
+        runners = {m: build(m.split("/")[0], model, stats) for m in modes}
         n = (len(timed) // batch) * batch
-        for fn in runners.values():
+
+        def use(mode: str) -> None:  # the lookup a mode/lookup row runs with (the same state for "plain")
+            if "/" in mode:
+                set_lookup(mode.split("/")[1])
+
+        for m, fn in runners.items():
+            use(m)
             feed(fn, warm, batch)
         times: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(args.rounds):
             for m, fn in runners.items():
+                use(m)
                 t0 = clock()
                 feed(fn, timed[:n], batch)
                 times[m].append((clock() - t0) / n)
@@ -176,7 +206,7 @@ def main() -> None:
                 plain_peak = peak_bytes(runners["plain"], xb)
                 row["extra_peak_bytes"] = peak_bytes(runners[m], xb)
                 row["plain_peak_bytes"] = plain_peak
-                if m != "batch":
+                if not m.startswith("batch"):
                     row["state_bytes"] = runners[m].memory_bytes()
             results.append(row)
             mem = (f"  peak {row['extra_peak_bytes'] / 2**20:.2f} MiB vs plain {row['plain_peak_bytes'] / 2**20:.2f} MiB"
@@ -190,7 +220,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "clock": args.clock, "torch": torch.__version__,
                                          "rounds": args.rounds, "images_per_round": per_round, "runs": args.runs,
-                                         "lookup": lookup, "rows": results}, indent=2))
+                                         "lookup": lookup, "lookups": args.lookups, "rows": results}, indent=2))
 
 
 if __name__ == "__main__":
