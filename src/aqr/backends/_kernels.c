@@ -39,10 +39,9 @@ static int sizes_ok(int64_t A, int64_t C, int64_t B, int64_t K, int64_t cells) {
 }
 
 /* Whether the sample description is in bounds: S >= 1 positions each inside channel 0 of the
-   (A, C, B) layout (NULL: 0..S-1 is checked by the caller), nondecreasing ranks in [0, S - 1]. */
-/* Whether the sample's positions and ranks can be read: 0 if not, 1 if so, 2 if the positions are
-   all of channel 0's, in order (then a channel's sample is its rows, copied). Sorted positions find
-   their row without a division. */
+   (A, C, B) layout, nondecreasing ranks in [0, S - 1]. Returns 0 if not, 1 if so, 2 if the positions
+   are all of channel 0's, in order (then a channel's sample is its rows, copied). Sorted positions
+   find their row without a division. */
 static int sample_ok(int64_t A, int64_t C, int64_t B, const int64_t *pos, int64_t S, int64_t K,
                      const int64_t *rank_lo, int64_t nbins) {
     if (S < 1 || S > INT32_MAX / 4 || nbins < 1 || nbins > INT32_MAX / 8 || S > A * B) return 0;
@@ -260,15 +259,14 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
         const float *xc = a->x + c * a->stride;
         float *out = a->tq + c * K;
         float pa = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
+        if (a->pos) channel_extremes(a, c);
         if (a->pos && a->dense) { /* every value: the rows one after another */
-            channel_extremes(a, c);
             for (int64_t row = 0; row < a->A; row++) {
                 const float *xr = xc + row * a->C * a->B;
                 float *br = buf + row * a->B;
                 for (int64_t j = 0; j < a->B; j++) br[j] = xr[j] * pa + pb;
             }
         } else if (a->pos) {
-            channel_extremes(a, c);
             for (int64_t i = 0; i < S; i++) buf[i] = xc[a->pos[i]] * pa + pb;
         } else { /* already gathered, channel by channel (transpose_part) */
             for (int64_t i = 0; i < S; i++) buf[i] = xc[i] * pa + pb;
@@ -741,17 +739,24 @@ static void build_table(const map_args *a, int64_t c, float *values, float *tab,
 }
 
 #ifdef __AVX2__
-/* The lanes of y that are NaN (marked cells, or NaN inputs) get exact_value of their v; lane l
-   belongs to channel c + l * dc (dc = 0: one channel, dc = 1: eight channels side by side). */
+/* ys[l] = exact_value of vs[l] for each lane l set in `marked` (of `lanes`): the values of marked
+   cells, or NaN inputs. Lane l belongs to channel c + l * dc (dc = 0: one channel, dc = 1: channels
+   side by side). */
+static void resolve_lanes(const map_args *a, int64_t c, int64_t dc, const float *vs, float *ys, unsigned marked,
+                          int lanes) {
+    for (int l = 0; l < lanes; l++) {
+        if (marked >> l & 1) ys[l] = exact_value(a, c + l * dc, vs[l]);
+    }
+}
+
+/* The lanes of y that are NaN get exact_value of their v (resolve_lanes, eight lanes). */
 static inline __m256 resolve_marked(const map_args *a, int64_t c, int64_t dc, __m256 v, __m256 y) {
     int marked = _mm256_movemask_ps(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
     if (!marked) return y;
     float vs[8], ys[8];
     _mm256_storeu_ps(vs, v);
     _mm256_storeu_ps(ys, y);
-    for (int l = 0; l < 8; l++) {
-        if (marked >> l & 1) ys[l] = exact_value(a, c + l * dc, vs[l]);
-    }
+    resolve_lanes(a, c, dc, vs, ys, (unsigned)marked, 8);
     return _mm256_loadu_ps(ys);
 }
 #endif
@@ -801,9 +806,7 @@ AQR_WIDE static int64_t map_row_wide(const map_args *a, int64_t c, const float *
             float vs[16], ys[16];
             _mm512_storeu_ps(vs, v);
             _mm512_storeu_ps(ys, y);
-            for (int l = 0; l < 16; l++) {
-                if (marked >> l & 1) ys[l] = exact_value(a, c, vs[l]);
-            }
+            resolve_lanes(a, c, 0, vs, ys, marked, 16);
             y = _mm512_loadu_ps(ys);
         }
         _mm512_storeu_ps(yp + i, y);
