@@ -221,44 +221,115 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
     *mn_io = mn, *mx_io = mx, *bad_io |= bad;
 }
 
-/* cnt (GC + 4) = the histogram of every stride-th value of channel c in rows [r0, r1) (flat position
-   (r - r0) * B + b) on the bins of the channel's knots (the layout of aqr_stream_scan's counts). */
-static void stream_count_rows(const stream_scan_args *a, int64_t c, int64_t r0, int64_t r1, int32_t *cnt) {
-    const int64_t K = a->K, B = a->B, GC = a->GC, stride = a->stride;
-    const float ps = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
-    const float *k = a->kn + c * K;
-    const float k0 = k[0], k1 = k[1], kb = k[K - 2], kl = k[K - 1];
-    for (int64_t j = 0; j < GC + STREAM_EDGE_BINS; j++) cnt[j] = 0;
-    const double span = (double)kb - (double)k1;
-    const float cinv = span > 0 ? stream_float((double)GC / span) : 0.0f;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *xp = a->x + (r * a->C + c) * B;
-        const int64_t skip = ((r - r0) * B) % stride; /* the first b with ((r - r0) * B + b) % stride == 0 */
-        for (int64_t b = skip ? stride - skip : 0; b < B; b += stride) {
-            const float v = xp[b] * ps + pb;
-            int64_t bin;
-            if (v < k1) bin = v < k0 ? 0 : 1;
-            else if (v >= kb) bin = v >= kl ? GC + 3 : GC + 2;
-            else bin = 2 + stream_index((v - k1) * cinv, GC - 1);
-            cnt[bin]++;
+/* A channel's histogram bins (the layout of aqr_stream_scan's counts): below k0, [k0, k1), GC equal
+   cells of [k1, kb) of inverse width cinv, [kb, kl), from kl on. */
+typedef struct {
+    float ps, pb, k0, k1, kb, kl, cinv;
+    int64_t GC;
+} stream_bins;
+
+static stream_bins stream_channel_bins(const stream_scan_args *a, int64_t c) {
+    const float *k = a->kn + c * a->K;
+    const double span = (double)k[a->K - 2] - (double)k[1];
+    stream_bins q = {a->pre_scale ? a->pre_scale[c] : 1.0f, a->pre_shift ? a->pre_shift[c] : 0.0f, k[0], k[1],
+                     k[a->K - 2], k[a->K - 1], span > 0 ? stream_float((double)a->GC / span) : 0.0f, a->GC};
+    return q;
+}
+
+static inline int64_t stream_bin(const stream_bins *q, float v) {
+    if (v < q->k1) return v < q->k0 ? 0 : 1;
+    if (v >= q->kb) return v >= q->kl ? q->GC + 3 : q->GC + 2;
+    return 2 + stream_index((v - q->k1) * q->cinv, q->GC - 1);
+}
+
+/* cnt += the histogram of xp[b], xp[b + stride], ... below B (v = ps * x + pb) on the bins q: every
+   value lands in a bin, NaN in one of them too (its counts are then discarded with the batch). */
+static void stream_count_row(const float *xp, int64_t b, int64_t B, int64_t stride, const stream_bins *q,
+                             int32_t *cnt) {
+#ifdef __AVX2__
+    if (stride <= (INT32_MAX - 1) / 8) {
+        const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)stride));
+        const __m256 vps = _mm256_set1_ps(q->ps), vpb = _mm256_set1_ps(q->pb), zero = _mm256_setzero_ps();
+        const __m256 k0 = _mm256_set1_ps(q->k0), k1 = _mm256_set1_ps(q->k1), kb = _mm256_set1_ps(q->kb);
+        const __m256 kl = _mm256_set1_ps(q->kl), cinv = _mm256_set1_ps(q->cinv);
+        const __m256 top = _mm256_set1_ps((float)(q->GC - 1));
+        const __m256i two = _mm256_set1_epi32(2), one = _mm256_set1_epi32(1), first = _mm256_setzero_si256();
+        const __m256i inner_top = _mm256_set1_epi32((int)(q->GC + 2)), last = _mm256_set1_epi32((int)(q->GC + 3));
+        for (; b + 7 * stride < B; b += 8 * stride) {
+            const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_i32gather_ps(xp + b, at, 4), vps), vpb);
+            /* stream_index: max(NaN, 0) is 0 (its second operand), then at most GC - 1, truncated */
+            __m256 t = _mm256_mul_ps(_mm256_sub_ps(v, k1), cinv);
+            t = _mm256_min_ps(_mm256_max_ps(t, zero), top);
+            __m256i bin = _mm256_add_epi32(_mm256_cvttps_epi32(t), two);
+            const __m256i above = _mm256_castps_si256(_mm256_blendv_ps(
+                _mm256_castsi256_ps(inner_top), _mm256_castsi256_ps(last), _mm256_cmp_ps(v, kl, _CMP_GE_OQ)));
+            bin = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bin), _mm256_castsi256_ps(above),
+                                                       _mm256_cmp_ps(v, kb, _CMP_GE_OQ)));
+            const __m256i below = _mm256_castps_si256(_mm256_blendv_ps(
+                _mm256_castsi256_ps(one), _mm256_castsi256_ps(first), _mm256_cmp_ps(v, k0, _CMP_LT_OQ)));
+            bin = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bin), _mm256_castsi256_ps(below),
+                                                       _mm256_cmp_ps(v, k1, _CMP_LT_OQ)));
+            int32_t lane[8];
+            _mm256_storeu_si256((__m256i *)lane, bin);
+            for (int j = 0; j < 8; j++) cnt[lane[j]]++;
         }
+    }
+#endif
+    for (; b < B; b += stride) cnt[stream_bin(q, xp[b] * q->ps + q->pb)]++;
+}
+
+/* The edge lines stretched over one row: y = al * v + bl where v < k1, ah * v + bh where v >= kb. */
+static void stream_stretch_row(const float *xp, float *yp, int64_t B, float ps, float pb, float k1, float kb,
+                               float al, float bl, float ah, float bh) {
+    int64_t b = 0;
+#ifdef __AVX2__
+    const __m256 vps = _mm256_set1_ps(ps), vpb = _mm256_set1_ps(pb), vk1 = _mm256_set1_ps(k1);
+    const __m256 vkb = _mm256_set1_ps(kb), val = _mm256_set1_ps(al), vbl = _mm256_set1_ps(bl);
+    const __m256 vah = _mm256_set1_ps(ah), vbh = _mm256_set1_ps(bh);
+    for (; b + 8 <= B; b += 8) {
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + b), vps), vpb);
+        const __m256 low = _mm256_cmp_ps(v, vk1, _CMP_LT_OQ), high = _mm256_cmp_ps(v, vkb, _CMP_GE_OQ);
+        if (_mm256_movemask_ps(_mm256_or_ps(low, high)) == 0) continue;
+        __m256 y = _mm256_blendv_ps(_mm256_loadu_ps(yp + b), _mm256_add_ps(_mm256_mul_ps(vah, v), vbh), high);
+        y = _mm256_blendv_ps(y, _mm256_add_ps(_mm256_mul_ps(val, v), vbl), low);
+        _mm256_storeu_ps(yp + b, y);
+    }
+#endif
+    for (; b < B; b++) {
+        const float v = xp[b] * ps + pb;
+        if (v < k1) yp[b] = al * v + bl;
+        else if (v >= kb) yp[b] = ah * v + bh;
     }
 }
 
+/* Channel c: each row mapped (or only read) and, while it is in the cache, its strided values counted. */
 static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
-    const int64_t K = a->K, G = a->G, B = a->B, rows = a->A / a->N;
-    const float ps = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
-    const float *k = a->kn + c * K, *s = a->sq + c * K;
-    const float k0 = k[0], k1 = k[1], kb = k[K - 2], kl = k[K - 1];
+    const int64_t K = a->K, G = a->G, B = a->B, rows = a->A / a->N, stride = a->stride;
+    const int64_t bins = a->GC + STREAM_EDGE_BINS;
+    const stream_bins q = stream_channel_bins(a, c);
+    const float ps = q.ps, pb = q.pb;
+    const float *s = a->sq + c * K;
+    const float k0 = q.k0, k1 = q.k1, kb = q.kb, kl = q.kl;
     const float *tab = a->pairs + c * 2 * (G + 2);
     const float g0 = a->glo[c], gi = a->ginv[c];
+    const int per_image = (a->mode & STREAM_IMAGE_COUNT) != 0;
+    int32_t *cnt = (a->mode & STREAM_COUNT) ? a->counts + c * bins : NULL;
+    if (cnt) memset(cnt, 0, sizeof(int32_t) * (size_t)bins);
     float bmin = INFINITY, bmax = -INFINITY;
     int bad = 0;
     for (int64_t n = 0; n < a->N; n++) {
+        if (per_image) {
+            cnt = a->counts + (n * a->C + c) * bins;
+            memset(cnt, 0, sizeof(int32_t) * (size_t)bins);
+        }
         float mn = INFINITY, mx = -INFINITY;
         for (int64_t r = n * rows; r < (n + 1) * rows; r++) {
             const int64_t at = (r * a->C + c) * B;
             stream_map_row(a->x + at, a->y ? a->y + at : NULL, B, ps, pb, tab, g0, gi, G, k1, kb, &mn, &mx, &bad);
+            if (cnt) { /* the values at flat positions (r - r0) * B + b, a multiple of stride, r0 the counted rows' first */
+                const int64_t skip = ((per_image ? r - n * rows : r) * B) % stride;
+                stream_count_row(a->x + at, skip ? stride - skip : 0, B, stride, &q, cnt);
+            }
         }
         a->lo[n * a->C + c] = mn;
         a->hi[n * a->C + c] = mx;
@@ -266,26 +337,13 @@ static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
         bmax = mx > bmax ? mx : bmax;
     }
     a->bad[c] = bad;
-    if (bad) return;
-    if (a->y && (bmin < k0 || bmax > kl)) { /* stretch the edge lines to the batch's extremes */
-        float al, bl, ah, bh;
-        stream_line(bmin < k0 ? bmin : k0, s[0], k1, s[1], s[1], &al, &bl);
-        stream_line(kb, s[K - 2], bmax > kl ? bmax : kl, s[K - 1], s[K - 2], &ah, &bh);
-        for (int64_t r = 0; r < a->A; r++) {
-            const float *xp = a->x + (r * a->C + c) * B;
-            float *yp = a->y + (r * a->C + c) * B;
-            for (int64_t b = 0; b < B; b++) {
-                const float v = xp[b] * ps + pb;
-                if (v < k1) yp[b] = al * v + bl;
-                else if (v >= kb) yp[b] = ah * v + bh;
-            }
-        }
-    }
-    if (a->mode & STREAM_COUNT) {
-        stream_count_rows(a, c, 0, a->A, a->counts + c * (a->GC + STREAM_EDGE_BINS));
-    } else if (a->mode & STREAM_IMAGE_COUNT) {
-        for (int64_t n = 0; n < a->N; n++)
-            stream_count_rows(a, c, n * rows, (n + 1) * rows, a->counts + (n * a->C + c) * (a->GC + STREAM_EDGE_BINS));
+    if (bad || !a->y || !(bmin < k0 || bmax > kl)) return;
+    float al, bl, ah, bh; /* stretch the edge lines to the batch's extremes */
+    stream_line(bmin < k0 ? bmin : k0, s[0], k1, s[1], s[1], &al, &bl);
+    stream_line(kb, s[K - 2], bmax > kl ? bmax : kl, s[K - 1], s[K - 2], &ah, &bh);
+    for (int64_t r = 0; r < a->A; r++) {
+        const int64_t at = (r * a->C + c) * B;
+        stream_stretch_row(a->x + at, a->y + at, B, ps, pb, k1, kb, al, bl, ah, bh);
     }
 }
 
