@@ -9,6 +9,7 @@ import torch
 from aqr.backends.native import NativeKernelError
 from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, StreamTable, TailWindow
 from aqr.adapt.stream.native_kernels import NativeStreamKernels, load_stream_kernels
+from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from tests.native_fuzz import has_wide_lookup, lookup
 from tests.stream_fuzz import fuzz
 from tests.sanitized import run_sanitized
@@ -67,6 +68,59 @@ def test_the_avx512_lookups_scan_exactly_as_the_avx2_lookups() -> None:
             assert torch.equal(avx2, avx512)
         else:
             assert avx2 == avx512
+
+
+@needs_kernels
+def test_the_tables_are_the_torch_mirrors_bits_at_the_streams_sizes() -> None:
+    """The C tables find each knot's first grid point on its own; the mirror searches every grid point: the
+    same bits at 101 knots and 512 cells (the stream's defaults) and at small sizes, over 60 orders of
+    magnitude, with runs of tied knots. Knots out of order take the walk over the intervals, in bounds."""
+    native, mirror = NativeStreamKernels(LIB), TorchStreamKernels()
+    g = torch.Generator().manual_seed(11)
+    for trial in range(64):
+        c, k, grid = 8, (3, 4, 11, 101)[trial % 4], (1, 2, 7, 512)[trial // 4 % 4]
+        knots = (torch.randn(c, k, generator=g) * 10.0 ** torch.randint(-30, 30, (c, 1), generator=g)).sort(1).values
+        if trial % 3 == 0 and k > 5:
+            knots[:, 2:6] = knots[:, 2:3]  # an atom
+        source = torch.randn(c, k, generator=g).sort(1).values
+        tables = [StreamTable.empty(c, grid), StreamTable.empty(c, grid)]
+        native.tables(knots, source, tables[0])
+        mirror.tables(knots, source, tables[1])
+        for name in ("pairs", "glo", "ginv"):
+            assert torch.equal(getattr(tables[0], name), getattr(tables[1], name)), (trial, name)
+    knots = torch.tensor([[-1.0, 0, 1, 2, 2, 3, 4, 5, 6, 7, 8, 9]] * 3)  # knots and an atom on grid points
+    knots[1] *= 1e-3
+    knots[2, 4:7] = 2.0
+    source = torch.randn(3, 12, generator=g).sort(1).values
+    tables = [StreamTable.empty(3, 16), StreamTable.empty(3, 16)]
+    native.tables(knots, source, tables[0])
+    mirror.tables(knots, source, tables[1])
+    assert torch.equal(tables[0].pairs, tables[1].pairs)
+    knots = torch.randn(4, 11, generator=g)  # out of order: no reference, but a finite table of the right size
+    table = StreamTable.empty(4, 64)
+    native.tables(knots, knots.sort(1).values, table)
+    assert bool(torch.isfinite(table.pairs).all())
+
+
+@needs_kernels
+def test_the_strided_counts_are_the_torch_mirrors_at_the_layers_widths() -> None:
+    """The counts, eight strided values a step, equal the mirror's exactly on rows as wide as the ResNet's
+    (1,024, 256 and 64 values) and odd ones, per batch and per image, with values beyond every edge bin."""
+    native, mirror = NativeStreamKernels(LIB), TorchStreamKernels()
+    g = torch.Generator().manual_seed(12)
+    c, k = 5, 101
+    knots = torch.randn(c, 2000, generator=g).sort(1).values[:, torch.linspace(0, 1999, k).long()].contiguous()
+    knots[1, 10:20] = knots[1, 10]
+    table = StreamTable.empty(c, 512)
+    native.tables(knots, knots, table)
+    pre = (torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g) * 0.1)
+    for width, images, stride in ((1024, 2, 5), (256, 3, 5), (64, 4, 5), (333, 2, 7), (41, 3, 2)):
+        x = torch.randn(images * 2, c, width, generator=g) * 1.5
+        for mode in (MAP | COUNT, COUNT, IMAGE_COUNT):
+            got = native.scan(x, images, pre, knots, knots, table, mode, stride, 64)
+            want = mirror.scan(x, images, pre, knots, knots, table, mode, stride, 64)
+            assert torch.equal(got.counts, want.counts), (width, stride, mode)
+            assert torch.equal(got.lo, want.lo) and torch.equal(got.hi, want.hi)
 
 
 @needs_kernels

@@ -1010,8 +1010,12 @@ typedef struct {
     int64_t C, K, G;
     const float *kn, *sq;
     float *pairs, *glo, *ginv;
-    double *scratch; /* per part 2 (G + 1) doubles */
+    double *scratch; /* per part stream_tables_scratch_doubles */
 } stream_tables_args;
+
+/* A part's scratch: the grid points and the map there (2 (G + 1)), each knot interval's slope (K), and
+   how many knots each grid point is the first to reach (G + 2 int32s, as doubles). */
+static int64_t stream_tables_scratch_doubles(int64_t K, int64_t G) { return 2 * (G + 1) + K + (G + 3) / 2; }
 
 /* The slope of the map on knot interval q, (s[q+1] - s[q]) / (k[q+1] - k[q]); 0 on an empty one. */
 static inline double stream_rise(const float *k, const float *s, int64_t q) {
@@ -1019,10 +1023,65 @@ static inline double stream_rise(const float *k, const float *s, int64_t q) {
     return run > 0 ? ((double)s[q + 1] - (double)s[q]) / run : 0.0;
 }
 
+/* The grid points gx (G + 1) and the map's values yv there, by the walk over the knot intervals:
+   q, the interval [k[q], k[q+1]) holding the grid point, moves on while the point is at or past k[q+1]. */
+static void stream_grid_walk(const float *k, const float *s, int64_t K, int64_t G, double lo, double width,
+                             double *gxs, double *yvs) {
+    int64_t q = 1;
+    double rise = K > 3 ? stream_rise(k, s, 1) : 0.0;
+    gxs[0] = lo, yvs[0] = s[1];
+    for (int64_t g = 1; g <= G; g++) {
+        const double gx = g == G ? (double)k[K - 2] : lo + width * (double)g;
+        int moved = 0;
+        while (q < K - 2 && gx >= (double)k[q + 1]) q++, moved = 1;
+        if (moved && q < K - 2) rise = stream_rise(k, s, q);
+        gxs[g] = gx;
+        yvs[g] = q >= K - 2 ? (double)s[K - 2] : (double)s[q] + (gx - (double)k[q]) * rise;
+    }
+}
+
+/* stream_grid_walk's values without the walk, where the knots k[2..K-2] and the grid points ascend
+   (every table the stream builds): grid point g lies in interval q(g) = 1 + #{j in [2, K-2]: k[j] <= gx[g]},
+   which is where the walk stops (it moves on exactly past the knots at or below the point), so each
+   knot's first grid point is found on its own, the intervals' slopes are computed apart, and the
+   values follow without a chain of comparisons. Returns 0 (nothing usable written) where they do not ascend. */
+static int stream_grid_direct(const float *k, const float *s, int64_t K, int64_t G, double lo, double width,
+                              double inv, double *gxs, double *yvs, double *rise, int32_t *first) {
+    if (!(width > 0)) return 0;
+    for (int64_t j = 3; j <= K - 2; j++)
+        if (!(k[j] >= k[j - 1])) return 0;
+    gxs[0] = lo, yvs[0] = s[1];
+    for (int64_t g = 1; g < G; g++) gxs[g] = lo + width * (double)g;
+    gxs[G] = k[K - 2];
+    if (G > 1 && !(gxs[G] >= gxs[G - 1])) return 0; /* lo + width * g ascends by itself: rounding is monotone */
+    rise[1] = 0.0; /* read (and not used) at the top when K is 3 */
+    for (int64_t q = 1; q < K - 2; q++) rise[q] = stream_rise(k, s, q);
+    memset(first, 0, sizeof(int32_t) * (size_t)(G + 2));
+    for (int64_t j = 2; j <= K - 2; j++) { /* the first g in [1, G] with gx[g] >= k[j] (G + 1: none) */
+        const double kj = k[j];
+        const double guess = (kj - lo) * inv;
+        int64_t e = guess > 1 ? (guess < (double)G ? (int64_t)guess : G) : 1;
+        while (e > 1 && gxs[e - 1] >= kj) e--;
+        while (e <= G && gxs[e] < kj) e++;
+        first[e]++;
+    }
+    int64_t q = 1;
+    const double top = s[K - 2];
+    for (int64_t g = 1; g <= G; g++) {
+        q += first[g];
+        const int64_t at = q < K - 2 ? q : 1; /* any interval's values: not used at the top */
+        const double inside = (double)s[at] + (gxs[g] - (double)k[at]) * rise[at];
+        yvs[g] = q >= K - 2 ? top : inside;
+    }
+    return 1;
+}
+
 static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
     const stream_tables_args *a = (const stream_tables_args *)p;
     const int64_t K = a->K, G = a->G;
-    double *gxs = a->scratch + (int64_t)part * 2 * (G + 1), *yvs = gxs + G + 1;
+    double *gxs = a->scratch + (int64_t)part * stream_tables_scratch_doubles(K, G), *yvs = gxs + G + 1;
+    double *rise = yvs + G + 1;
+    int32_t *first = (int32_t *)(rise + K);
     for (int64_t c = c0; c < c1; c++) {
         const float *k = a->kn + c * K, *s = a->sq + c * K;
         float *tab = a->pairs + c * 2 * (G + 2);
@@ -1033,17 +1092,8 @@ static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
         stream_line(k[0], s[0], k[1], s[1], s[1], &tab[0], &tab[1]);
         stream_line(k[K - 2], s[K - 2], k[K - 1], s[K - 1], s[K - 2], &tab[2 * (G + 1)], &tab[2 * (G + 1) + 1]);
         /* the grid points gx and the map's values yv there (through the knots), then each cell's line */
-        int64_t q = 1; /* the knot interval [k[q], k[q+1]) holding the grid point, and its slope */
-        double rise = K > 3 ? stream_rise(k, s, 1) : 0.0;
-        gxs[0] = lo, yvs[0] = s[1];
-        for (int64_t g = 1; g <= G; g++) {
-            const double gx = g == G ? (double)k[K - 2] : lo + width * (double)g;
-            int moved = 0;
-            while (q < K - 2 && gx >= (double)k[q + 1]) q++, moved = 1;
-            if (moved && q < K - 2) rise = stream_rise(k, s, q);
-            gxs[g] = gx;
-            yvs[g] = q >= K - 2 ? (double)s[K - 2] : (double)s[q] + (gx - (double)k[q]) * rise;
-        }
+        if (!stream_grid_direct(k, s, K, G, lo, width, inv, gxs, yvs, rise, first))
+            stream_grid_walk(k, s, K, G, lo, width, gxs, yvs);
         /* the cell's line through (gx[g-1], yv[g-1]) and (gx[g], yv[g]): slope by the inverse width (the
            last cell ends exactly at k[K-2], within rounding of a width) */
         if (width > 0) {
@@ -1078,7 +1128,7 @@ int aqr_stream_tables(int64_t C, int64_t K, const float *kn, const float *sq, in
                       float *ginv, int nthreads) {
     if (!stream_sizes_ok(C, K, G, 1) || !kn || !sq || !pairs || !glo || !ginv) return STREAM_BAD_ARGUMENT;
     const int parts = stream_parts(C, C * G * 8, nthreads);
-    double *scratch = malloc(sizeof(double) * (size_t)(2 * (G + 1) * parts));
+    double *scratch = malloc(sizeof(double) * (size_t)(stream_tables_scratch_doubles(K, G) * parts));
     if (!scratch) return STREAM_NO_MEMORY;
     stream_tables_args a = {C, K, G, kn, sq, pairs, glo, ginv, scratch};
     parallel_for(stream_tables_part, &a, C, parts);
