@@ -271,6 +271,9 @@ static void stream_count_row(const float *xp, int64_t b, int64_t B, int64_t stri
                                                        _mm256_cmp_ps(v, k1, _CMP_LT_OQ)));
             int32_t lane[8];
             _mm256_storeu_si256((__m256i *)lane, bin);
+#if defined(__GNUC__) || defined(__clang__)
+            __asm__("" : "+m"(lane)); /* read back by loads, not extracted one by one (as pair_lookup's indices) */
+#endif
             for (int j = 0; j < 8; j++) cnt[lane[j]]++;
         }
     }
@@ -392,28 +395,37 @@ int aqr_stream_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, i
  * head the oldest once full) and ascending (sorted_lo (C, W)); maxima likewise, negated in
  * sorted_hi so the most extreme come first in both. */
 
+/* How many of row[0..len) (ascending) lie below x (at_most: at or below it), by halving without
+   branches on the data; 0 for NaN. */
+static inline int64_t stream_rank(const float *row, int64_t len, float x, int at_most) {
+    if (len <= 0) return 0;
+    const float *base = row;
+    for (int64_t n = len; n > 1;) {
+        const int64_t half = n / 2;
+        base = (at_most ? base[half] <= x : base[half] < x) ? base + half : base;
+        n -= half;
+    }
+    return (base - row) + (at_most ? *base <= x : *base < x);
+}
+
 /* row[0..len) ascending: remove one copy of old (the entry found where old would go: a window
-   whose copies disagree loses its nearest entry instead, never a size), then insert v. */
+   whose copies disagree loses its nearest entry instead, never a size), then insert v after the
+   entries equal to it; the entries between the two places move by one, in one move. */
 static void stream_sorted_replace(float *row, int64_t len, int remove, float old, float v) {
-    if (remove && len > 0) {
-        int64_t lo = 0, hi = len; /* first entry >= old */
-        while (lo < hi) {
-            int64_t m = lo + (hi - lo) / 2;
-            if (row[m] < old) lo = m + 1;
-            else hi = m;
-        }
-        if (lo >= len) lo = len - 1;
-        memmove(row + lo, row + lo + 1, sizeof(float) * (size_t)(len - lo - 1));
-        len--;
+    if (!remove || len <= 0) {
+        const int64_t at = stream_rank(row, len, v, 1);
+        memmove(row + at + 1, row + at, sizeof(float) * (size_t)(len - at));
+        row[at] = v;
+        return;
     }
-    int64_t lo = 0, hi = len; /* first entry > v */
-    while (lo < hi) {
-        int64_t m = lo + (hi - lo) / 2;
-        if (row[m] <= v) lo = m + 1;
-        else hi = m;
-    }
-    memmove(row + lo + 1, row + lo, sizeof(float) * (size_t)(len - lo));
-    row[lo] = v;
+    int64_t gone = stream_rank(row, len, old, 0);
+    if (gone >= len) gone = len - 1;
+    /* where v goes among the entries left: those at or below it, less the one removed if it was */
+    int64_t at = stream_rank(row, len, v, 1) - (row[gone] <= v);
+    at = at < 0 ? 0 : (at > len - 1 ? len - 1 : at); /* in bounds even where the row is out of order */
+    if (at <= gone) memmove(row + at + 1, row + at, sizeof(float) * (size_t)(gone - at));
+    else memmove(row + gone, row + gone + 1, sizeof(float) * (size_t)(at - gone));
+    row[at] = v;
 }
 
 typedef struct {
