@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, PendingGroup, StreamTable, TailWindow
+from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow
 from aqr.adapt.stream.native_kernels import NativeStreamKernels
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from aqr.adapt.stream.running import extreme_weights
@@ -141,6 +141,19 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
     for name in ("sorted_lo", "sorted_hi"):  # equal values (+0 and -0 may trade places)
         assert bool((getattr(windows[0], name)[:, :f] == getattr(windows[1], name)[:, :f]).all()), name
     assert torch.equal(groups[0].counts, groups[1].counts) and torch.equal(groups[0].gmin, groups[1].gmin)
+    # a large batch in one C call: the bits of the same C operations called one by one, on this state
+    held = min(f + case["images"], windows[0].size)
+    tail_weights = extreme_weights(held, max(1, held // 2))
+    args = (x, case["images"], pre, knots, source, tables[0], windows[0], groups[0], case["weight"], tail_weights,
+            case["stride"], cells)
+    one, apart = native.large(*args), StreamKernels.large(native, *args)
+    assert (one is None) == (apart is None) == (not want.finite), "large: finite flags differ"
+    if one is not None:
+        bits = lambda t: t.view(torch.int32)  # noqa: E731 (NaN where NaN: the same bits, not equal values)
+        assert torch.equal(bits(one[0]), bits(apart[0])) and torch.equal(bits(one[1]), bits(apart[1])), \
+            "large: map or knots differ"
+        for name in ("ring_lo", "sorted_lo", "ring_hi", "sorted_hi"):
+            assert torch.equal(bits(getattr(one[2], name)), bits(getattr(apart[2], name))), f"large: window {name} differs"
     if f == 0:
         return
     weights = extreme_weights(f, max(1, f // 2))

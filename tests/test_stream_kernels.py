@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aqr.backends.native import NativeKernelError
-from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, StreamTable, TailWindow
+from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow
 from aqr.adapt.stream.native_kernels import NativeStreamKernels, load_stream_kernels
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from tests.native_fuzz import has_wide_lookup, lookup
@@ -121,6 +121,50 @@ def test_the_strided_counts_are_the_torch_mirrors_at_the_layers_widths() -> None
             want = mirror.scan(x, images, pre, knots, knots, table, mode, stride, 64)
             assert torch.equal(got.counts, want.counts), (width, stride, mode)
             assert torch.equal(got.lo, want.lo) and torch.equal(got.hi, want.hi)
+
+
+@needs_kernels
+def test_a_large_batch_in_one_call_is_the_composition_of_the_five_operations() -> None:
+    """``aqr_stream_large`` (a batch counted, pushed into copies of the window and group, merged into a copy of
+    the knots and mapped) gives the bits of the same operations called one by one, leaves the state as it
+    was, and gives ``None`` for a batch holding NaN or Inf."""
+    native = NativeStreamKernels(LIB)
+    g = torch.Generator().manual_seed(13)
+    c, k, w, grid, cells = 7, 21, 12, 64, 16
+    for images, rows, width, filled, group_images in ((8, 1, 333, 0, 0), (16, 2, 64, 5, 3), (9, 1, 40, 12, 0)):
+        source = torch.randn(c, 300, generator=g).sort(1).values[:, torch.linspace(0, 299, k).long()].contiguous()
+        knots = (source * 1.3 + 0.2).contiguous()
+        table = StreamTable.empty(c, grid)
+        native.tables(knots, source, table)
+        window = TailWindow.empty(c, w)
+        group = PendingGroup.empty(c, cells)
+        if filled:
+            ext = torch.randn(2, filled, c, generator=g).sort(0).values
+            native.push(window, None, None, ext[0] - 2, ext[1] + 2)
+        if group_images:
+            before = torch.randn(group_images * rows, c, width, generator=g)
+            counted = native.scan(before, group_images, None, knots, source, table, COUNT, 5, cells)
+            group.counts += counted.counts
+            group.gmin.copy_(counted.lo.min(0).values - 50)  # further out than the batch's: they set the ends
+            group.gmax.copy_(counted.hi.max(0).values + 50)
+            group.images = group_images
+        x = torch.randn(images * rows, c, width, generator=g) * 4 + 0.3  # wider than the knots: mass beyond both ends
+        pre = (torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g) * 0.1)
+        weights = torch.rand(min(filled + images, w), generator=g, dtype=torch.float64)
+        state = [t.clone() for t in (knots, window.ring_lo, window.sorted_lo, group.counts, group.gmin)]
+        one = native.large(x, images, pre, knots, source, table, window, group, 0.3, weights, 5, cells)
+        apart = StreamKernels.large(native, x, images, pre, knots, source, table, window, group, 0.3, weights, 5, cells)
+        assert torch.equal(one[0], apart[0]) and torch.equal(one[1], apart[1])
+        for name in ("ring_lo", "sorted_lo", "ring_hi", "sorted_hi", "filled", "head"):
+            mine, theirs = getattr(one[2], name), getattr(apart[2], name)
+            assert torch.equal(mine, theirs) if isinstance(mine, torch.Tensor) else mine == theirs, name
+        after = (knots, window.ring_lo, window.sorted_lo, group.counts, group.gmin)
+        assert all(torch.equal(a, b) for a, b in zip(state, after))
+        x[0, 1, 2] = float("nan")
+        assert native.large(x, images, pre, knots, source, table, window, group, 0.3, weights, 5, cells) is None
+    with pytest.raises(ValueError, match="tail weights"):
+        native.large(x, images, pre, knots, source, table, window, group, 0.3, torch.ones(w + 1, dtype=torch.float64),
+                     5, cells)
 
 
 @needs_kernels

@@ -178,6 +178,25 @@ class StreamKernels(abc.ABC):
         no such form (then :meth:`scan` and :meth:`push` serve)."""
         return None
 
+    def large(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
+              table: StreamTable, window: TailWindow, group: PendingGroup, weight: float, tail_weights: torch.Tensor,
+              stride: int, cells: int) -> tuple[torch.Tensor, torch.Tensor, TailWindow] | None:
+        """A batch merged into copies of the state, then mapped with them: ``x`` counted (:meth:`scan`, ``COUNT``,
+        on ``knots``' bins; ``table`` is not read), pushed into copies of ``window`` and ``group``, the copy of
+        ``knots`` merged with the group at ``weight`` with the window copy's :meth:`tails` by ``tail_weights``,
+        and ``x`` mapped with the table of the result. Returns ``(y, knots, window)`` (the copies), or ``None``
+        when a value was NaN or Inf. Nothing passed in changes."""
+        r = self.scan(x, images, pre, knots, source, table, COUNT, stride, cells)
+        if not r.finite:
+            return None
+        knots, window, group = knots.clone(), cloned(window), cloned(group)
+        self.push(window, group, r.counts, r.lo, r.hi)
+        p0, p100 = self.tails(window, tail_weights)
+        self.merge(knots, group, weight, p0, p100)
+        mapped = StreamTable.empty(knots.shape[0], table.grid, knots.device)
+        self.tables(knots, source, mapped)
+        return self.scan(x, images, pre, knots, source, mapped, MAP, stride, cells).y, knots, window
+
     @abc.abstractmethod
     def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,
              lo: torch.Tensor, hi: torch.Tensor) -> None:

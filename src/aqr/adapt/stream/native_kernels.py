@@ -38,7 +38,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.aqr_stream_group_merge.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P, _P, _C]
     lib.aqr_stream_mixture.argtypes = [_I, _I, _I, _P, _P, _I, _P, _C]
     lib.aqr_stream_shift_distances.argtypes = [_I, _I, _I, _P, _P, _I, _P]
-    for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture", "shift_distances"):
+    lib.aqr_stream_large.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _I,
+                                     _P, _P, _P, _P, _I, _I, _P, _I, _D, _P, _P, _P, _P, _P, _C]
+    for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture", "shift_distances", "large"):
         getattr(lib, f"aqr_stream_{name}").restype = _C
     return lib
 
@@ -127,6 +129,34 @@ class NativeStreamKernels(StreamKernels):
             stride, cells, _ptr(counts), lo.data_ptr(), hi.data_ptr(), mode,
             torch.get_num_threads()), "scan")
         return ScanResult(y, lo, hi, counts, status == 0)
+
+    def large(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
+              table: StreamTable, window: TailWindow, group: PendingGroup, weight: float, tail_weights: torch.Tensor,
+              stride: int, cells: int) -> tuple[torch.Tensor, torch.Tensor, TailWindow] | None:
+        # the composition of StreamKernels.large in one C call (aqr_stream_large): the same operations in the
+        # same order, without six calls' arguments and the state's copies made in torch
+        x = x.contiguous()
+        a, c, b = x.shape
+        check_scan(x, images, knots, source, table, COUNT)
+        size = window.size
+        filled = min(window.filled + images, size)
+        tail_weights = _cpu_float(tail_weights, torch.float64)
+        if not 1 <= len(tail_weights) <= filled:
+            raise ValueError(f"{len(tail_weights)} tail weights for a window holding {filled} images")
+        y, knots_out = torch.empty_like(x), torch.empty_like(knots)
+        out = TailWindow(torch.empty_like(window.ring_lo), torch.empty_like(window.sorted_lo),
+                         torch.empty_like(window.ring_hi), torch.empty_like(window.sorted_hi), filled,
+                         (window.head + images) % size)
+        scale, shift = (None, None) if pre is None else pre
+        status = _check(self.lib.aqr_stream_large(
+            x.data_ptr(), y.data_ptr(), a, c, b, images, _ptr(scale), _ptr(shift), knots.shape[1], knots.data_ptr(),
+            source.data_ptr(), table.pairs.data_ptr(), table.grid, table.glo.data_ptr(), table.ginv.data_ptr(), stride,
+            cells, group.counts.data_ptr(), group.gmin.data_ptr(), group.gmax.data_ptr(), size,
+            window.ring_lo.data_ptr(), window.sorted_lo.data_ptr(), window.ring_hi.data_ptr(),
+            window.sorted_hi.data_ptr(), window.filled, window.head, tail_weights.data_ptr(), len(tail_weights),
+            float(weight), knots_out.data_ptr(), out.ring_lo.data_ptr(), out.sorted_lo.data_ptr(),
+            out.ring_hi.data_ptr(), out.sorted_hi.data_ptr(), torch.get_num_threads()), "large")
+        return (y, knots_out, out) if status == 0 else None
 
     def bind(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable, window: TailWindow,
              group: PendingGroup, stride: int, cells: int) -> BoundStream:

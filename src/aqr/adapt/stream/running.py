@@ -343,21 +343,23 @@ class LayerStream:
                 return None, None
             return r.y, StagedSmall(r.lo, r.hi, r.counts, batch)
         # a large batch: merged into a tentative state first, then mapped with it (counting reads no table)
-        mode = COUNT if batch is None else 0
-        r = kern.scan(x, images, pre, self.knots, self.source, self.table, mode, COUNT_STRIDE, COUNT_CELLS)
+        if batch is None:
+            weight = batch_weight(self.group.images + images, self.seen, s.horizon)
+            tail_weights = self._weights(min(self.window.filled + images, self.window.size))
+            done = kern.large(x, images, pre, self.knots, self.source, self.table, self.window, self.group, weight,
+                              tail_weights, COUNT_STRIDE, COUNT_CELLS)
+            if done is None:
+                return None, None
+            y, knots, window = done
+            return y, StagedLarge(knots, window, images)
+        r = kern.scan(x, images, pre, self.knots, self.source, self.table, 0, COUNT_STRIDE, COUNT_CELLS)
         if not r.finite:
             return None, None
         knots, window = self.knots.clone(), cloned(self.window)
-        if batch is None:
-            group = cloned(self.group)
-            kern.push(window, group, r.counts, r.lo, r.hi)
-            weight = batch_weight(self.group.images + images, self.seen, s.horizon)
-        else:
-            group = None
-            kern.push(window, None, None, r.lo, r.hi)
-            weight = batch_weight(images, self.seen + self.group.images, s.horizon)
-            knots[:, 1:-1] = torch.lerp(knots[:, 1:-1], batch[:, 1:-1], weight)
-        y = self._map_tentative(x, images, pre, knots, window, group, weight)
+        kern.push(window, None, None, r.lo, r.hi)
+        weight = batch_weight(images, self.seen + self.group.images, s.horizon)
+        knots[:, 1:-1] = torch.lerp(knots[:, 1:-1], batch[:, 1:-1], weight)
+        y = self._map_tentative(x, images, pre, knots, window, None, weight)
         return y, StagedLarge(knots, window, images)
 
     def bound(self) -> object | None:
