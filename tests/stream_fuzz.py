@@ -154,6 +154,13 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
             "large: map or knots differ"
         for name in ("ring_lo", "sorted_lo", "ring_hi", "sorted_hi"):
             assert torch.equal(bits(getattr(one[2], name)), bits(getattr(apart[2], name))), f"large: window {name} differs"
+        # target="robust"'s form: a batch counted already, into an empty group (None)
+        args = (x, case["images"], pre, knots, source, g, windows[0], None, want.counts, want.lo, want.hi,
+                case["weight"], tail_weights, case["stride"], cells)
+        one, apart = native.merge_map(*args), StreamKernels.merge_map(native, *args)
+        assert torch.equal(bits(one[0]), bits(apart[0])) and torch.equal(bits(one[1]), bits(apart[1])), \
+            "merge_map: map or knots differ"
+        assert torch.equal(bits(one[2].sorted_hi), bits(apart[2].sorted_hi)), "merge_map: window differs"
     if f == 0:
         return
     weights = extreme_weights(f, max(1, f // 2))

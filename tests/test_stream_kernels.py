@@ -165,6 +165,17 @@ def test_a_large_batch_in_one_call_is_the_composition_of_the_five_operations() -
     with pytest.raises(ValueError, match="tail weights"):
         native.large(x, images, pre, knots, source, table, window, group, 0.3, torch.ones(w + 1, dtype=torch.float64),
                      5, cells)
+    # target="robust"'s form: a batch counted already, into an empty group (None), here all of it above 0 and
+    # below the knots' start, so the group's extremes set where its histogram begins
+    x = torch.rand(images * rows, c, width, generator=g) + 0.5
+    knots = (source + 10).contiguous()
+    native.tables(knots, source, table)
+    counted = native.scan(x, images, None, knots, source, table, COUNT, 5, cells)
+    args = (x, images, None, knots, source, grid, window, None, counted.counts, counted.lo, counted.hi, 0.6, weights, 5,
+            cells)
+    none, empty = native.merge_map(*args), native.merge_map(*args[:7], PendingGroup.empty(c, cells), *args[8:])
+    apart = StreamKernels.merge_map(native, *args)
+    assert torch.equal(none[1], empty[1]) and torch.equal(none[1], apart[1]) and torch.equal(none[0], apart[0])
 
 
 @needs_kernels

@@ -21,8 +21,9 @@
  *   aqr_stream_mixture  target="robust": the quantiles of the (weighted) mixture of the groups' CDFs
  *   aqr_stream_shift_distances  target="robust": how far a batch's histogram lies from the knots' CDF,
  *                       and its two halves from each other
- *   aqr_stream_large    a batch of rebuild_every images or more: counted, pushed into copies of the
- *                       group and window, merged into a copy of the knots and mapped, in one call
+ *   aqr_stream_merge_map  a counted batch pushed into copies of the group and window, merged into a
+ *                       copy of the knots and mapped, in one call
+ *   aqr_stream_large    a batch of rebuild_every images or more: counted, then aqr_stream_merge_map
  *
  * Every index computed from data (a table cell, a histogram bin, a position in the sorted window)
  * is clamped to its array before a float is converted; sizes and counters the caller passes are
@@ -1209,14 +1210,65 @@ int aqr_stream_shift_distances(int64_t N, int64_t C, int64_t K, const float *kn,
 /* ------------------------------------------------------------------------------------------------
  * A batch of rebuild_every images or more, in one call: what aqr/adapt/stream/running.py's
  * LayerStream.step composes from the operations above, in the same order on the same values (so the
- * same bits), without leaving C between them. x (A, C, B) of N images is counted on the bins of the
- * knots kn (aqr_stream_scan, STREAM_COUNT; pairs / glo / ginv the committed table, not read); the
- * batch is pushed into copies of the pending group (pending, gmin, gmax; scratch) and of the window
- * (ring_lo .. sorted_hi, filled, head; copied into the *_out buffers, (W, C) and (C, W)); the tails are
- * the window copy's, weighted by w (nw of them, at most the images it holds); kn_out (C, K) = kn merged
- * with the group copy at weight with those tails; x is mapped into y with the table of kn_out.
- * Nothing passed in changes but y, kn_out and the window copy. Returns STREAM_OK, STREAM_NONFINITE
- * (x holds NaN or +-inf: the outputs are meaningless), STREAM_NO_MEMORY or STREAM_BAD_ARGUMENT. */
+ * same bits), without leaving C between them.
+ *
+ * aqr_stream_merge_map: a batch already counted (counts (C, GC + 4), its images' extremes lo / hi
+ * (N, C)) is pushed into copies of the pending group (pending, gmin, gmax, or NULL: an empty group;
+ * the copy is scratch) and of the window (ring_lo .. sorted_hi, filled, head; copied into the *_out
+ * buffers, (W, C) and (C, W)); the tails are the window copy's, weighted by w (nw of them, at most the
+ * images it holds); kn_out (C, K) = kn merged with the group copy at weight with those tails; x (A, C,
+ * B) of N images is mapped into y with the table of kn_out. Nothing passed in changes but y, kn_out and
+ * the window copy. Returns STREAM_OK, STREAM_NONFINITE (x holds NaN or +-inf: the outputs are
+ * meaningless), STREAM_NO_MEMORY or STREAM_BAD_ARGUMENT.
+ *
+ * aqr_stream_large: x counted on the bins of the knots kn first (aqr_stream_scan, STREAM_COUNT; pairs /
+ * glo / ginv the committed table, not read), then aqr_stream_merge_map with those counts. */
+int aqr_stream_merge_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N, const float *pre_scale,
+                         const float *pre_shift, int64_t K, const float *kn, const float *sq, int64_t G, int64_t stride,
+                         int64_t GC, const int32_t *counts, const float *lo, const float *hi, const int32_t *pending,
+                         const float *gmin, const float *gmax, int64_t W, const float *ring_lo, const float *sorted_lo,
+                         const float *ring_hi, const float *sorted_hi, int64_t filled, int64_t head, const double *w,
+                         int64_t nw, double weight, float *kn_out, float *ring_lo_out, float *sorted_lo_out,
+                         float *ring_hi_out, float *sorted_hi_out, int nthreads) {
+    if (!stream_sizes_ok(C, K, G, GC) || N < 1 || W < 1 || W > (1 << 24) || filled < 0 || filled > W ||
+        nw < 1 || nw > (filled + N < W ? filled + N : W) || !counts || !lo || !hi || !pending != !gmin ||
+        !gmin != !gmax || !w || !kn || !kn_out || !y || !ring_lo || !sorted_lo || !ring_hi || !sorted_hi ||
+        !ring_lo_out || !sorted_lo_out || !ring_hi_out || !sorted_hi_out || C > INT64_MAX / W / 8 ||
+        N > INT64_MAX / C / 8)
+        return STREAM_BAD_ARGUMENT;
+    const int64_t bins = GC + STREAM_EDGE_BINS;
+    /* the group's copy (C, bins) int32, its extremes, the tails, the map's extremes (N, C) twice (unused),
+       the new table's glo / ginv (C each) and pairs (C, G + 2, 2) */
+    float *mem = malloc(sizeof(float) * (size_t)(C * bins + 6 * C + 2 * N * C + C * 2 * (G + 2)));
+    if (!mem) return STREAM_NO_MEMORY;
+    int32_t *group = (int32_t *)mem;
+    float *group_min = mem + C * bins, *group_max = group_min + C, *p0 = group_max + C, *p100 = p0 + C;
+    float *map_lo = p100 + C, *map_hi = map_lo + N * C, *table_lo = map_hi + N * C, *table_inv = table_lo + C;
+    float *table = table_inv + C;
+    for (int64_t c = 0; c < C; c++) {
+        group_min[c] = pending ? gmin[c] : INFINITY;
+        group_max[c] = pending ? gmax[c] : -INFINITY;
+    }
+    if (pending) memcpy(group, pending, sizeof(int32_t) * (size_t)(C * bins));
+    else memset(group, 0, sizeof(int32_t) * (size_t)(C * bins));
+    memcpy(ring_lo_out, ring_lo, sizeof(float) * (size_t)(W * C));
+    memcpy(sorted_lo_out, sorted_lo, sizeof(float) * (size_t)(W * C));
+    memcpy(ring_hi_out, ring_hi, sizeof(float) * (size_t)(W * C));
+    memcpy(sorted_hi_out, sorted_hi, sizeof(float) * (size_t)(W * C));
+    memcpy(kn_out, kn, sizeof(float) * (size_t)(C * K));
+    int status = aqr_stream_push(C, bins, W, group, counts, group_min, group_max, lo, hi, N, ring_lo_out, sorted_lo_out,
+                                 ring_hi_out, sorted_hi_out, filled, head, nthreads);
+    if (status == STREAM_OK) status = aqr_stream_tails(C, W, sorted_lo_out, sorted_hi_out, w, nw, p0, p100);
+    if (status == STREAM_OK)
+        status = aqr_stream_merge(C, K, kn_out, group, GC, group_min, group_max, weight, p0, p100, nthreads);
+    if (status == STREAM_OK) status = aqr_stream_tables(C, K, kn_out, sq, G, table, table_lo, table_inv, nthreads);
+    if (status == STREAM_OK)
+        status = aqr_stream_scan(x, y, A, C, B, N, pre_scale, pre_shift, K, kn_out, sq, table, G, table_lo, table_inv,
+                                 stride, GC, NULL, map_lo, map_hi, STREAM_MAP, nthreads);
+    free(mem);
+    return status;
+}
+
 int aqr_stream_large(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N, const float *pre_scale,
                      const float *pre_shift, int64_t K, const float *kn, const float *sq, const float *pairs, int64_t G,
                      const float *glo, const float *ginv, int64_t stride, int64_t GC, const int32_t *pending,
@@ -1224,42 +1276,19 @@ int aqr_stream_large(const float *x, float *y, int64_t A, int64_t C, int64_t B, 
                      const float *ring_hi, const float *sorted_hi, int64_t filled, int64_t head, const double *w,
                      int64_t nw, double weight, float *kn_out, float *ring_lo_out, float *sorted_lo_out,
                      float *ring_hi_out, float *sorted_hi_out, int nthreads) {
-    if (!stream_sizes_ok(C, K, G, GC) || N < 1 || W < 1 || W > (1 << 24) || filled < 0 || filled > W ||
-        nw < 1 || nw > (filled + N < W ? filled + N : W) || !pending || !gmin || !gmax || !w || !kn_out || !y ||
-        !ring_lo || !sorted_lo || !ring_hi || !sorted_hi || !ring_lo_out || !sorted_lo_out || !ring_hi_out ||
-        !sorted_hi_out || C > INT64_MAX / W / 8 || N > INT64_MAX / C / 8)
-        return STREAM_BAD_ARGUMENT;
+    if (!stream_sizes_ok(C, K, G, GC) || N < 1 || N > INT64_MAX / C / 8) return STREAM_BAD_ARGUMENT;
     const int64_t bins = GC + STREAM_EDGE_BINS;
-    /* counts and the group's copy (C, bins) int32, the extremes (N, C) twice, the group's extremes, the
-       tails, the new table's glo / ginv (C each) and pairs (C, G + 2, 2) */
-    const size_t floats = (size_t)(2 * C * bins + 2 * N * C + 6 * C + C * 2 * (G + 2));
-    float *mem = malloc(sizeof(float) * floats);
+    float *mem = malloc(sizeof(float) * (size_t)(C * bins + 2 * N * C)); /* counts (C, bins) int32, lo / hi (N, C) */
     if (!mem) return STREAM_NO_MEMORY;
-    int32_t *counts = (int32_t *)mem, *group = counts + C * bins;
-    float *lo = mem + 2 * C * bins, *hi = lo + N * C, *group_min = hi + N * C, *group_max = group_min + C;
-    float *p0 = group_max + C, *p100 = p0 + C, *table_lo = p100 + C, *table_inv = table_lo + C;
-    float *table = table_inv + C;
+    int32_t *counts = (int32_t *)mem;
+    float *lo = mem + C * bins, *hi = lo + N * C;
     int status = aqr_stream_scan(x, NULL, A, C, B, N, pre_scale, pre_shift, K, kn, sq, pairs, G, glo, ginv, stride, GC,
                                  counts, lo, hi, STREAM_COUNT, nthreads);
-    if (status == STREAM_OK) {
-        memcpy(group, pending, sizeof(int32_t) * (size_t)(C * bins));
-        memcpy(group_min, gmin, sizeof(float) * (size_t)C);
-        memcpy(group_max, gmax, sizeof(float) * (size_t)C);
-        memcpy(ring_lo_out, ring_lo, sizeof(float) * (size_t)(W * C));
-        memcpy(sorted_lo_out, sorted_lo, sizeof(float) * (size_t)(W * C));
-        memcpy(ring_hi_out, ring_hi, sizeof(float) * (size_t)(W * C));
-        memcpy(sorted_hi_out, sorted_hi, sizeof(float) * (size_t)(W * C));
-        memcpy(kn_out, kn, sizeof(float) * (size_t)(C * K));
-        status = aqr_stream_push(C, bins, W, group, counts, group_min, group_max, lo, hi, N, ring_lo_out, sorted_lo_out,
-                                 ring_hi_out, sorted_hi_out, filled, head, nthreads);
-    }
-    if (status == STREAM_OK) status = aqr_stream_tails(C, W, sorted_lo_out, sorted_hi_out, w, nw, p0, p100);
     if (status == STREAM_OK)
-        status = aqr_stream_merge(C, K, kn_out, group, GC, group_min, group_max, weight, p0, p100, nthreads);
-    if (status == STREAM_OK) status = aqr_stream_tables(C, K, kn_out, sq, G, table, table_lo, table_inv, nthreads);
-    if (status == STREAM_OK)
-        status = aqr_stream_scan(x, y, A, C, B, N, pre_scale, pre_shift, K, kn_out, sq, table, G, table_lo, table_inv,
-                                 stride, GC, NULL, lo, hi, STREAM_MAP, nthreads);
+        status = aqr_stream_merge_map(x, y, A, C, B, N, pre_scale, pre_shift, K, kn, sq, G, stride, GC, counts, lo, hi,
+                                      pending, gmin, gmax, W, ring_lo, sorted_lo, ring_hi, sorted_hi, filled, head, w,
+                                      nw, weight, kn_out, ring_lo_out, sorted_lo_out, ring_hi_out, sorted_hi_out,
+                                      nthreads);
     free(mem);
     return status;
 }

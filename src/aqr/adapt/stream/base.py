@@ -182,20 +182,32 @@ class StreamKernels(abc.ABC):
               table: StreamTable, window: TailWindow, group: PendingGroup, weight: float, tail_weights: torch.Tensor,
               stride: int, cells: int) -> tuple[torch.Tensor, torch.Tensor, TailWindow] | None:
         """A batch merged into copies of the state, then mapped with them: ``x`` counted (:meth:`scan`, ``COUNT``,
-        on ``knots``' bins; ``table`` is not read), pushed into copies of ``window`` and ``group``, the copy of
-        ``knots`` merged with the group at ``weight`` with the window copy's :meth:`tails` by ``tail_weights``,
-        and ``x`` mapped with the table of the result. Returns ``(y, knots, window)`` (the copies), or ``None``
-        when a value was NaN or Inf. Nothing passed in changes."""
+        on ``knots``' bins; ``table`` is not read), then :meth:`merge_map`. Returns ``(y, knots, window)`` (the
+        copies), or ``None`` when a value was NaN or Inf. Nothing passed in changes."""
         r = self.scan(x, images, pre, knots, source, table, COUNT, stride, cells)
         if not r.finite:
             return None
-        knots, window, group = knots.clone(), cloned(window), cloned(group)
-        self.push(window, group, r.counts, r.lo, r.hi)
+        return self.merge_map(x, images, pre, knots, source, table.grid, window, group, r.counts, r.lo, r.hi, weight,
+                              tail_weights, stride, cells)
+
+    def merge_map(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
+                  grid: int, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor, lo: torch.Tensor,
+                  hi: torch.Tensor, weight: float, tail_weights: torch.Tensor, stride: int,
+                  cells: int) -> tuple[torch.Tensor, torch.Tensor, TailWindow] | None:
+        """A counted batch (``counts`` ``(C, cells + 4)`` on ``knots``' bins, its images' extremes ``lo``/``hi``
+        ``(N, C)``) pushed into copies of ``window`` and ``group`` (``None``: an empty group), the copy of
+        ``knots`` merged with the group at ``weight`` with the window copy's :meth:`tails` by ``tail_weights``,
+        and ``x`` mapped with a ``grid``-cell table of the result. Returns ``(y, knots, window)`` (the copies),
+        or ``None`` when a value was NaN or Inf. Nothing passed in changes."""
+        knots, window = knots.clone(), cloned(window)
+        group = PendingGroup.empty(knots.shape[0], cells, knots.device) if group is None else cloned(group)
+        self.push(window, group, counts, lo, hi)
         p0, p100 = self.tails(window, tail_weights)
         self.merge(knots, group, weight, p0, p100)
-        mapped = StreamTable.empty(knots.shape[0], table.grid, knots.device)
-        self.tables(knots, source, mapped)
-        return self.scan(x, images, pre, knots, source, mapped, MAP, stride, cells).y, knots, window
+        table = StreamTable.empty(knots.shape[0], grid, knots.device)
+        self.tables(knots, source, table)
+        r = self.scan(x, images, pre, knots, source, table, MAP, stride, cells)
+        return (r.y, knots, window) if r.finite else None
 
     @abc.abstractmethod
     def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,

@@ -38,9 +38,13 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.aqr_stream_group_merge.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P, _P, _C]
     lib.aqr_stream_mixture.argtypes = [_I, _I, _I, _P, _P, _I, _P, _C]
     lib.aqr_stream_shift_distances.argtypes = [_I, _I, _I, _P, _P, _I, _P]
-    lib.aqr_stream_large.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _I,
-                                     _P, _P, _P, _P, _I, _I, _P, _I, _D, _P, _P, _P, _P, _P, _C]
-    for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture", "shift_distances", "large"):
+    window = [_I, _P, _P, _P, _P, _I, _I, _P, _I, _D, _P, _P, _P, _P, _P, _C]  # the window .. the copies, threads
+    lib.aqr_stream_large.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P,
+                                     *window]
+    lib.aqr_stream_merge_map.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P,
+                                         *window]
+    for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture", "shift_distances", "large",
+                 "merge_map"):
         getattr(lib, f"aqr_stream_{name}").restype = _C
     return lib
 
@@ -133,11 +137,40 @@ class NativeStreamKernels(StreamKernels):
     def large(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
               table: StreamTable, window: TailWindow, group: PendingGroup, weight: float, tail_weights: torch.Tensor,
               stride: int, cells: int) -> tuple[torch.Tensor, torch.Tensor, TailWindow] | None:
-        # the composition of StreamKernels.large in one C call (aqr_stream_large): the same operations in the
-        # same order, without six calls' arguments and the state's copies made in torch
+        # StreamKernels.large in one C call (aqr_stream_large): the same operations in the same order, without
+        # six calls' arguments and the state's copies made in torch
         x = x.contiguous()
-        a, c, b = x.shape
         check_scan(x, images, knots, source, table, COUNT)
+        middle = (table.pairs.data_ptr(), table.grid, table.glo.data_ptr(), table.ginv.data_ptr(), stride, cells)
+        return self._merged(self.lib.aqr_stream_large, "large", x, images, pre, knots, source, middle, window, group,
+                            weight, tail_weights)
+
+    def merge_map(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
+                  grid: int, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor, lo: torch.Tensor,
+                  hi: torch.Tensor, weight: float, tail_weights: torch.Tensor, stride: int,
+                  cells: int) -> tuple[torch.Tensor, torch.Tensor, TailWindow] | None:
+        x = x.contiguous()
+        a, c, _ = x.shape
+        if images < 1 or a % images or knots.shape[0] != c or source.shape != knots.shape:
+            raise ValueError(f"merge_map: a layer output {tuple(x.shape)} of {images} images for knots "
+                             f"{tuple(knots.shape)} and source knots {tuple(source.shape)}")
+        counts = _cpu_float(counts, torch.int32)
+        lo, hi = _cpu_float(lo), _cpu_float(hi)
+        if counts.shape != (c, cells + EDGE_BINS) or lo.shape != (images, c) or hi.shape != (images, c):
+            raise ValueError(f"merge_map: counts {tuple(counts.shape)} and extremes {tuple(lo.shape)}, "
+                             f"{tuple(hi.shape)} for {images} images of {c} channels and {cells} cells")
+        middle = (grid, stride, cells, counts.data_ptr(), lo.data_ptr(), hi.data_ptr())
+        return self._merged(self.lib.aqr_stream_merge_map, "merge_map", x, images, pre, knots, source, middle, window,
+                            group, weight, tail_weights)
+
+    def _merged(self, function: object, name: str, x: torch.Tensor, images: int, pre: Affine | None,
+                knots: torch.Tensor, source: torch.Tensor, middle: tuple[int, ...], window: TailWindow,
+                group: PendingGroup | None, weight: float,
+                tail_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, TailWindow] | None:
+        """Call ``aqr_stream_large`` or ``aqr_stream_merge_map`` (``function``; ``middle``: their arguments between
+        the source knots and the group, which differ) with new buffers for the map and the knots' and the
+        window's copies."""
+        a, c, b = x.shape
         size = window.size
         filled = min(window.filled + images, size)
         tail_weights = _cpu_float(tail_weights, torch.float64)
@@ -148,14 +181,16 @@ class NativeStreamKernels(StreamKernels):
                          torch.empty_like(window.ring_hi), torch.empty_like(window.sorted_hi), filled,
                          (window.head + images) % size)
         scale, shift = (None, None) if pre is None else pre
-        status = _check(self.lib.aqr_stream_large(
+        pending = (None, None, None)
+        if group is not None:
+            pending = (group.counts.data_ptr(), group.gmin.data_ptr(), group.gmax.data_ptr())
+        status = _check(function(  # type: ignore[operator]
             x.data_ptr(), y.data_ptr(), a, c, b, images, _ptr(scale), _ptr(shift), knots.shape[1], knots.data_ptr(),
-            source.data_ptr(), table.pairs.data_ptr(), table.grid, table.glo.data_ptr(), table.ginv.data_ptr(), stride,
-            cells, group.counts.data_ptr(), group.gmin.data_ptr(), group.gmax.data_ptr(), size,
-            window.ring_lo.data_ptr(), window.sorted_lo.data_ptr(), window.ring_hi.data_ptr(),
-            window.sorted_hi.data_ptr(), window.filled, window.head, tail_weights.data_ptr(), len(tail_weights),
-            float(weight), knots_out.data_ptr(), out.ring_lo.data_ptr(), out.sorted_lo.data_ptr(),
-            out.ring_hi.data_ptr(), out.sorted_hi.data_ptr(), torch.get_num_threads()), "large")
+            source.data_ptr(), *middle, *pending, size, window.ring_lo.data_ptr(),
+            window.sorted_lo.data_ptr(), window.ring_hi.data_ptr(), window.sorted_hi.data_ptr(), window.filled,
+            window.head, tail_weights.data_ptr(), len(tail_weights), float(weight), knots_out.data_ptr(),
+            out.ring_lo.data_ptr(), out.sorted_lo.data_ptr(), out.ring_hi.data_ptr(), out.sorted_hi.data_ptr(),
+            torch.get_num_threads()), name)
         return (y, knots_out, out) if status == 0 else None
 
     def bind(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable, window: TailWindow,

@@ -64,8 +64,7 @@ from typing import ClassVar
 
 import torch
 
-from aqr.adapt.stream.base import (EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow,
-                                   cloned, copy_into)
+from aqr.adapt.stream.base import EDGE_BINS, IMAGE_COUNT, MAP, StreamKernels, StreamTable, TailWindow, copy_into
 from aqr.adapt.stream.running import (COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StagedFirst, StreamSettings,
                                       batch_weight)
 from aqr.backends import Affine
@@ -255,9 +254,13 @@ class RobustLayerStream(LayerStream):
         if weight <= 0:  # the batch is as close to the target as sampling allows: map it as it is
             return kern.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP, COUNT_STRIDE,
                              COUNT_CELLS).y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi)
-        window, group = cloned(self.window), PendingGroup.empty(self.channels, COUNT_CELLS, self.knots.device)
-        kern.push(window, group, r.counts.sum(0, dtype=torch.int32), r.lo, r.hi)
-        y = self._map_tentative(x, images, pre, self.knots.clone(), window, group, weight)
+        tail_weights = self._weights(min(self.window.filled + images, self.window.size))
+        done = kern.merge_map(x, images, pre, self.knots, self.source, self.settings.grid, self.window, None,
+                              r.counts.sum(0, dtype=torch.int32), r.lo, r.hi, weight, tail_weights, COUNT_STRIDE,
+                              COUNT_CELLS)
+        if done is None:
+            return None, None
+        y, _, window = done
         return y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi, shift, window)
 
     def commit(self, staged: RobustStaged, labels: torch.Tensor | None = None,  # type: ignore[override]
