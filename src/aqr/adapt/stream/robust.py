@@ -130,6 +130,23 @@ class RobustStaged:
     hi: torch.Tensor
     shift: float = 0.0  # the own-batch share times the shift test's share (0: not measured)
     window: TailWindow | None = None  # the tail window with the batch's extremes pushed, where the step made it
+    total: torch.Tensor | None = None  # the per-image histograms summed (int32), where the step summed them
+
+
+@dataclass(frozen=True)
+class BatchGroups:
+    """A batch's predicted classes as groups, worked out once for every layer: each image's group ``of`` (on
+    the histograms' device) and the groups' sizes, as ints and as float64 on the CPU."""
+
+    of: torch.Tensor
+    sizes: list[int]
+    weights: torch.Tensor
+
+    @classmethod
+    def of_labels(cls, labels: torch.Tensor, groups: int, device: torch.device) -> BatchGroups:
+        group_of = labels.to(device).long() % groups
+        sizes = torch.bincount(group_of, minlength=groups)
+        return cls(group_of, sizes.tolist(), sizes.double().cpu())
 
 
 class RobustLayerStream(LayerStream):
@@ -149,7 +166,7 @@ class RobustLayerStream(LayerStream):
         self.base_source = source.float().contiguous()
         self.group_recent = torch.zeros(robust.groups, dtype=torch.float64)  # EMA of each group's share of images
         self.runs = 1.0  # of the last commit
-        self.group_knots = torch.zeros(robust.groups, c, k, device=source.device)
+        self._group_knots = torch.zeros(robust.groups, c, k, device=source.device)  # read as group_knots
         self.group_seen = [0] * robust.groups
         # images committed since the last rebuild, per group: histograms on the target knots' bins
         # (which do not change until the rebuild), extremes, counts
@@ -160,11 +177,26 @@ class RobustLayerStream(LayerStream):
         # the running CDF of every image, whatever its class (as target="stream"): the target while no runs;
         # it has absorbed every committed image but the pending ones (``seen - pending``)
         self.marginal = torch.zeros(1, c, k, device=source.device)
+        self._groups_behind = False  # the seen groups are copies of the marginal not yet written (_idle_groups)
         super().__init__(source.clone() if group_source is not None else source, settings, kernels, batch_knots)
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        if "group_knots" in state:  # a copy made before the groups' copies of the marginal were written lazily
+            state["_group_knots"] = state.pop("group_knots")
+        super().__setstate__(state)
+        self.__dict__.setdefault("_groups_behind", False)
+
+    @property
+    def group_knots(self) -> torch.Tensor:
+        """``(groups, C, K)``: each group's running CDF (as knots), the copies of the marginal that idle rebuilds
+        leave for later written first."""
+        self._catch_up_groups()
+        return self._group_knots
 
     def reset(self) -> None:
         super().reset()
-        self.group_knots.zero_()
+        self._groups_behind = False
+        self._group_knots.zero_()
         self.group_seen = [0] * self.robust.groups
         self.marginal.zero_()
         self.group_recent.zero_()
@@ -251,25 +283,29 @@ class RobustLayerStream(LayerStream):
         ratio = shift_ratio(kern.shift_distances(r.counts, self.knots), images)
         shift = own * shift_share(ratio)
         weight = shift * batch_weight(images, self.seen, self.settings.horizon)
+        total = r.counts.sum(0, dtype=torch.int32)  # the batch's histogram: its own merge's, and the marginal's
         if weight <= 0:  # the batch is as close to the target as sampling allows: map it as it is
             return kern.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP, COUNT_STRIDE,
-                             COUNT_CELLS).y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi)
+                             COUNT_CELLS).y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi,
+                                                          total=total)
         tail_weights = self._weights(min(self.window.filled + images, self.window.size))
-        done = kern.merge_map(x, images, pre, self.knots, self.source, self.settings.grid, self.window, None,
-                              r.counts.sum(0, dtype=torch.int32), r.lo, r.hi, weight, tail_weights, COUNT_STRIDE,
-                              COUNT_CELLS)
+        done = kern.merge_map(x, images, pre, self.knots, self.source, self.settings.grid, self.window, None, total,
+                              r.lo, r.hi, weight, tail_weights, COUNT_STRIDE, COUNT_CELLS)
         if done is None:
             return None, None
         y, _, window = done
-        return y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi, shift, window)
+        return y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi, shift, window, total)
 
     def commit(self, staged: RobustStaged, labels: torch.Tensor | None = None,  # type: ignore[override]
-               runs: float = 1.0) -> None:
+               runs: float = 1.0, grouped: BatchGroups | None = None) -> None:
         """Apply a finite batch's update; ``labels`` ``(N,)``: each image's predicted class; ``runs`` in
         [0, 1]: how clearly the recent predictions come in runs (``1 -`` :func:`own_batch_share`), the
-        part of ``1 - balance`` that goes to the groups' recent shares at this rebuild."""
+        part of ``1 - balance`` that goes to the groups' recent shares at this rebuild; ``grouped``: the
+        labels as this layer's groups where the caller worked them out for every layer."""
         if labels is None:
             raise ValueError("target='robust' commits a batch with its predicted classes")
+        if grouped is None:
+            grouped = BatchGroups.of_labels(labels, self.robust.groups, staged.counts.device)
         self.runs = min(1.0, max(0.0, float(runs)))
         self.pending_shift = max(self.pending_shift, staged.shift)
         if staged.first is not None:
@@ -279,22 +315,22 @@ class RobustLayerStream(LayerStream):
             copy_into(self.window, staged.window)
         else:
             self.kernels.push(self.window, None, None, staged.lo, staged.hi)
-        group_of = labels.to(staged.counts.device).long() % self.robust.groups
-        sizes = torch.bincount(group_of, minlength=self.robust.groups)
+        group_of = grouped.of
         n = staged.lo.shape[0]
         rebuild = staged.first is not None or self.pending + n >= self.settings.rebuild_every
         alone = None  # an idle rebuild of this batch alone: the marginal takes its sums, the groups nothing
         if rebuild and self.groups_idle and self.pending == 0:
-            alone = (staged.counts.sum(0, dtype=torch.int32), staged.lo.amin(0), staged.hi.amax(0))
+            total = staged.counts.sum(0, dtype=torch.int32) if staged.total is None else staged.total
+            alone = (total, staged.lo.amin(0), staged.hi.amax(0))
         else:
             add_counts(self.group_counts, group_of, staged.counts)
             idx = group_of[:, None].expand(-1, staged.lo.shape[1])
             self.group_min.scatter_reduce_(0, idx, staged.lo, "amin")
             self.group_max.scatter_reduce_(0, idx, staged.hi, "amax")
-        for g, size in enumerate(sizes.tolist()):
+        for g, size in enumerate(grouped.sizes):
             self.group_pending[g] += size
         step = batch_weight(n, self.seen, self.robust.recent_horizon)  # a running mean until about H images
-        self.group_recent.mul_(1.0 - step).add_(sizes.double().cpu(), alpha=step / n)
+        self.group_recent.mul_(1.0 - step).add_(grouped.weights, alpha=step / n)
         self.seen += n
         if rebuild:
             self._merge_groups(alone)
@@ -343,14 +379,24 @@ class RobustLayerStream(LayerStream):
         """Every group seen so far becomes a copy of the marginal: while the recent predictions show no
         runs the groups weigh nothing in the target, so their merges (most of robust AQR's cost) are left
         out; once runs appear, the groups start from the running CDF of every image and move towards
-        their classes at their own pace, and their equal mixture starts as the marginal."""
+        their classes at their own pace, and their equal mixture starts as the marginal. The copies are
+        written when something next reads :attr:`group_knots` (:meth:`_catch_up_groups`): the marginal and
+        the groups seen change only at a rebuild, which reads the groups first unless it is idle too (and
+        then leaves the same copies, of the newer marginal, for later)."""
+        self._groups_behind = True
+
+    def _catch_up_groups(self) -> None:
+        """Write the copies of the marginal :meth:`_idle_groups` left for later, where it left any."""
+        if not self._groups_behind:
+            return
+        self._groups_behind = False
         seen = [g for g in range(self.robust.groups) if self.group_seen[g] > 0]
         if seen:
             first, last = seen[0], seen[-1] + 1
             if last - first == len(seen):  # one span (the usual case: the classes 0..n-1 seen): one copy
-                self.group_knots[first:last].copy_(self.marginal.expand(last - first, -1, -1))
+                self._group_knots[first:last].copy_(self.marginal.expand(last - first, -1, -1))
             else:
-                self.group_knots[seen] = self.marginal
+                self._group_knots[seen] = self.marginal
 
     def _rebuild_balanced(self) -> None:
         """The target knots from the marginal and the groups seen so far (:meth:`component_weights`), the

@@ -20,7 +20,7 @@ from aqr.adapt.config import AQRConfig, StreamTarget
 from aqr.adapt.layer_maps import PLAIN_BATCH_NORMS, LayerMap, batch_norm_tensors
 from aqr.adapt.stream.base import StreamKernels
 from aqr.adapt.stream.native_kernels import NativeStreamKernels, native_stream_kernels
-from aqr.adapt.stream.robust import MARGINAL_WINDOW, RobustLayerStream
+from aqr.adapt.stream.robust import MARGINAL_WINDOW, BatchGroups, RobustLayerStream
 from aqr.adapt.stream.running import LayerStream, Staged, StreamSettings
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from aqr.backends import Affine, SubsetCache, Targets
@@ -47,9 +47,13 @@ class StreamBatch:
     def commit(self, labels: torch.Tensor | None = None) -> None:
         """Apply every staged update (the batch was finite everywhere); ``labels``: each image's predicted
         class, which class-balanced layers (``target="robust"``) need."""
+        grouped: dict[tuple[torch.device, int], BatchGroups] = {}  # the labels as groups, once for every layer
         for stream, staged in self.staged:
             if isinstance(stream, RobustLayerStream):
-                stream.commit(staged, labels, self.runs)
+                key = (staged.counts.device, stream.robust.groups)
+                if labels is not None and key not in grouped:
+                    grouped[key] = BatchGroups.of_labels(labels, key[1], key[0])
+                stream.commit(staged, labels, self.runs, grouped.get(key))
             else:
                 stream.commit(staged)
         self.staged = []
