@@ -4,7 +4,9 @@ A streamed layer keeps, per channel, the buffers of :class:`StreamBuffers` (all 
 nothing grows with the stream). :class:`StreamKernels` are the five operations on them, each one
 pass at most: :meth:`~StreamKernels.scan` (map a batch, take each image's extremes, histogram its
 values), :meth:`~StreamKernels.push` (a batch into the tail window and the pending group),
-:meth:`~StreamKernels.tails`, :meth:`~StreamKernels.merge` and :meth:`~StreamKernels.tables`.
+:meth:`~StreamKernels.tails`, :meth:`~StreamKernels.merge` and :meth:`~StreamKernels.tables`; and
+two compositions of them for a batch merged before it is mapped, :meth:`~StreamKernels.large` and
+:meth:`~StreamKernels.merge_map`, which the C kernels run in one call (the same values).
 :class:`aqr.adapt.stream.native_kernels.NativeStreamKernels` runs them in aqr's C kernels on CPU,
 :class:`aqr.adapt.stream.torch_kernels.TorchStreamKernels` in torch on any device (and is the
 reference the C kernels are tested against). :mod:`aqr.adapt.stream.running` decides when each runs.

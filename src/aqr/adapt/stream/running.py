@@ -38,7 +38,8 @@ histogram of every ``COUNT_STRIDE``-th value on ``COUNT_CELLS`` cells. Batches o
 ``rebuild_every`` (R) images are mapped with the state of the images before them and their
 histograms pool into a pending group; every R images (every batch until H images were seen) the
 group is merged into the knots and the table rebuilt, O(C (K + cells + G)) per layer. A batch of R
-or more images is merged first and mapped with the result (a counting pass, then the mapping pass);
+or more images is merged first and mapped with the result (a counting pass, then the mapping pass,
+with the merge and a table between them: :meth:`StreamKernels.large`, one call of the C kernels);
 the layer's own table is then built again only when something reads it (a smaller batch, a held one,
 the exported state: :meth:`LayerStream.current_table`), so a stream of large batches builds one table
 per batch.
