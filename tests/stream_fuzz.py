@@ -164,6 +164,14 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
     if f == 0:
         return
     weights = extreme_weights(f, max(1, f // 2))
+    if want.finite:  # target="robust"'s idle rebuild in one C call: the bits of the C operations one by one
+        bits = lambda t: t.view(torch.int32)  # noqa: E731
+        rebuilt = []
+        for run in (native.idle_rebuild, lambda *a: StreamKernels.idle_rebuild(native, *a)):
+            marginal, target = source.clone(), knots.clone()
+            run(marginal, target, want.counts, want.lo.amin(0), want.hi.amax(0), case["weight"], windows[0], weights)
+            rebuilt.append((bits(marginal), bits(target)))
+        assert all(torch.equal(a, b) for a, b in zip(*rebuilt)), "idle_rebuild differs"
     tails = native.tails(windows[0], weights), ref.tails(windows[1], weights)
     # weighted sums in another order (torch's matrix product): where large extremes cancel, the
     # difference is bounded by the sum of the terms' magnitudes, not by the result's

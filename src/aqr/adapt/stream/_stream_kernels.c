@@ -24,6 +24,8 @@
  *   aqr_stream_merge_map  a counted batch pushed into copies of the group and window, merged into a
  *                       copy of the knots and mapped, in one call
  *   aqr_stream_large    a batch of rebuild_every images or more: counted, then aqr_stream_merge_map
+ *   aqr_stream_idle_rebuild  target="robust": a batch alone into the marginal while the groups weigh
+ *                       nothing, the knots from it and the window's tails
  *
  * Every index computed from data (a table cell, a histogram bin, a position in the sorted window)
  * is clamped to its array before a float is converted; sizes and counters the caller passes are
@@ -1332,5 +1334,31 @@ int aqr_stream_large(const float *x, float *y, int64_t A, int64_t C, int64_t B, 
                                       nw, weight, kn_out, ring_lo_out, sorted_lo_out, ring_hi_out, sorted_hi_out,
                                       nthreads);
     free(mem);
+    return status;
+}
+
+/* target="robust"'s rebuild of one batch alone while its groups weigh nothing, in one call: what
+ * aqr/adapt/stream/robust.py composes from the operations above, in the same order (so the same bits).
+ * The marginal mg (C, K) takes the batch's histogram counts (C, GC + 4) (on the bins of the knots kn)
+ * spread to gmin / gmax (C) at weight (aqr_stream_group_merge); kn's inner knots become mg's; kn's ends
+ * become the tails of the window's sorted_lo / sorted_hi (C, W) weighted by w (nw of them), kept outside
+ * the inner knots. Returns STREAM_OK, STREAM_NO_MEMORY or STREAM_BAD_ARGUMENT. */
+int aqr_stream_idle_rebuild(int64_t C, int64_t K, float *mg, float *kn, const int32_t *counts, int64_t GC,
+                            const float *gmin, const float *gmax, double weight, int64_t W, const float *sorted_lo,
+                            const float *sorted_hi, const double *w, int64_t nw, int nthreads) {
+    if (!stream_sizes_ok(C, K, 1, GC) || W < 1 || nw < 1 || nw > W || C > INT64_MAX / W / 8 || !mg || !kn || !counts ||
+        !gmin || !gmax || !sorted_lo || !sorted_hi || !w)
+        return STREAM_BAD_ARGUMENT;
+    double *weights = malloc(sizeof(double) * (size_t)C + sizeof(float) * (size_t)(2 * C));
+    if (!weights) return STREAM_NO_MEMORY;
+    float *p0 = (float *)(weights + C), *p100 = p0 + C;
+    for (int64_t c = 0; c < C; c++) weights[c] = weight;
+    int status = aqr_stream_group_merge(C, K, mg, kn, counts, GC, gmin, gmax, weights, nthreads);
+    if (status == STREAM_OK) {
+        for (int64_t c = 0; c < C; c++) memcpy(kn + c * K + 1, mg + c * K + 1, sizeof(float) * (size_t)(K - 2));
+        status = aqr_stream_tails(C, W, sorted_lo, sorted_hi, w, nw, p0, p100);
+    }
+    if (status == STREAM_OK) status = aqr_stream_merge(C, K, kn, NULL, 1, NULL, NULL, 0.0, p0, p100, nthreads);
+    free(weights);
     return status;
 }

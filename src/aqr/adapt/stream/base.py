@@ -211,6 +211,18 @@ class StreamKernels(abc.ABC):
         r = self.scan(x, images, pre, knots, source, table, MAP, stride, cells)
         return (r.y, knots, window) if r.finite else None
 
+    def idle_rebuild(self, marginal: torch.Tensor, knots: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
+                     gmax: torch.Tensor, weight: float, window: TailWindow, tail_weights: torch.Tensor) -> None:
+        """In place, ``target="robust"``'s rebuild of one batch alone while its groups weigh nothing: the
+        ``marginal`` ``(C, K)`` takes the batch's histogram ``counts`` (on ``knots``' bins) spread to ``gmin``/
+        ``gmax`` at ``weight`` (:meth:`group_merge`); ``knots``' inner knots become the marginal's, its ends
+        the :meth:`tails` of ``window`` by ``tail_weights`` (:meth:`merge` with no group)."""
+        c = knots.shape[0]
+        self.group_merge(marginal, knots, counts, gmin, gmax, torch.full((c,), weight, dtype=torch.float64))
+        knots[:, 1:-1].copy_(marginal[:, 1:-1])
+        p0, p100 = self.tails(window, tail_weights)
+        self.merge(knots, None, 0.0, p0, p100)
+
     @abc.abstractmethod
     def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,
              lo: torch.Tensor, hi: torch.Tensor) -> None:

@@ -43,8 +43,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                      *window]
     lib.aqr_stream_merge_map.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P,
                                          *window]
+    lib.aqr_stream_idle_rebuild.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P, _D, _I, _P, _P, _P, _I, _C]
     for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture", "shift_distances", "large",
-                 "merge_map"):
+                 "merge_map", "idle_rebuild"):
         getattr(lib, f"aqr_stream_{name}").restype = _C
     return lib
 
@@ -192,6 +193,24 @@ class NativeStreamKernels(StreamKernels):
             out.ring_lo.data_ptr(), out.sorted_lo.data_ptr(), out.ring_hi.data_ptr(), out.sorted_hi.data_ptr(),
             torch.get_num_threads()), name)
         return (y, knots_out, out) if status == 0 else None
+
+    def idle_rebuild(self, marginal: torch.Tensor, knots: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
+                     gmax: torch.Tensor, weight: float, window: TailWindow, tail_weights: torch.Tensor) -> None:
+        # StreamKernels.idle_rebuild in one C call (aqr_stream_idle_rebuild): the same operations in order
+        c, k = knots.shape
+        if marginal.shape != (c, k) or counts.dim() != 2 or counts.shape[0] != c or gmin.shape != (c,) \
+                or gmax.shape != (c,) or not marginal.is_contiguous() or not knots.is_contiguous():
+            raise ValueError(f"idle_rebuild: knots {tuple(knots.shape)}, marginal {tuple(marginal.shape)}, counts "
+                             f"{tuple(counts.shape)}, extremes {tuple(gmin.shape)} and {tuple(gmax.shape)}")
+        counts, gmin, gmax = _cpu_float(counts, torch.int32), _cpu_float(gmin), _cpu_float(gmax)
+        tail_weights = _cpu_float(tail_weights, torch.float64)
+        if not 1 <= len(tail_weights) <= window.filled:
+            raise ValueError(f"{len(tail_weights)} tail weights for a window holding {window.filled} images")
+        _check(self.lib.aqr_stream_idle_rebuild(
+            c, k, marginal.data_ptr(), knots.data_ptr(), counts.data_ptr(), counts.shape[1] - EDGE_BINS,
+            gmin.data_ptr(), gmax.data_ptr(), float(weight), window.size, window.sorted_lo.data_ptr(),
+            window.sorted_hi.data_ptr(), tail_weights.data_ptr(), len(tail_weights), torch.get_num_threads()),
+            "idle_rebuild")
 
     def bind(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable, window: TailWindow,
              group: PendingGroup, stride: int, cells: int) -> BoundStream:

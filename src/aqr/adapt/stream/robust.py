@@ -332,48 +332,66 @@ class RobustLayerStream(LayerStream):
         step = batch_weight(n, self.seen, self.robust.recent_horizon)  # a running mean until about H images
         self.group_recent.mul_(1.0 - step).add_(grouped.weights, alpha=step / n)
         self.seen += n
-        if rebuild:
-            self._merge_groups(alone)
+        if rebuild and alone is not None:
+            self._rebuild_idle(alone)
+            self._clear_pending(histograms=False)
+        elif rebuild:
+            self._merge_groups()
             self._rebuild_balanced()
-            self._clear_pending(histograms=alone is None)
+            self._clear_pending()
 
-    def _merge_groups(self, alone: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _merge_groups(self) -> None:
         """Each group with images since the last rebuild: their histogram (on the bins of the layer's knots,
         unchanged since) into its CDF (:meth:`~aqr.adapt.stream.base.StreamKernels.group_merge`); the
-        marginal: all of them (``alone``: their summed histogram and extremes, the groups' pending ones
-        left empty). While the groups weigh nothing (``runs`` 0: no runs) every group seen so far
-        becomes a copy of the marginal instead (:meth:`_idle_groups`)."""
+        marginal: all of them. While the groups weigh nothing (``runs`` 0: no runs) every group seen so far
+        becomes a copy of the marginal instead (:meth:`_idle_groups`); one batch alone then takes
+        :meth:`_rebuild_idle`."""
         c = self.group_counts.shape[1]
         k = self.knots.shape[1]
         present = [g for g in range(self.robust.groups) if self.group_pending[g] > 0]
         idle = self.groups_idle
-        if alone is None:
-            # the groups from the first to the last present one, as views (no gather and scatter back); a
-            # group between them without images has weight 0, which leaves its knots as they are
-            first, last = present[0], present[-1] + 1
-            span = last - first
-            counts, lo, hi = (t[first:last] for t in (self.group_counts, self.group_min, self.group_max))
-            if not idle:
-                weights = torch.tensor([group_step(self.group_pending[g], self.group_seen[g],
-                                                   self.robust.class_horizon)
-                                        if self.group_pending[g] > 0 else 0.0 for g in range(first, last)],
-                                       dtype=torch.float64)
-                self.kernels.group_merge(self.group_knots[first:last].view(span * c, k), self.knots.repeat(span, 1),
-                                         counts.reshape(span * c, -1), lo.reshape(-1), hi.reshape(-1),
-                                         weights.repeat_interleave(c))
-            alone = (counts.sum(0, dtype=torch.int32), lo.amin(0), hi.amax(0))
+        # the groups from the first to the last present one, as views (no gather and scatter back); a
+        # group between them without images has weight 0, which leaves its knots as they are
+        first, last = present[0], present[-1] + 1
+        span = last - first
+        counts, lo, hi = (t[first:last] for t in (self.group_counts, self.group_min, self.group_max))
+        if not idle:
+            weights = torch.tensor([group_step(self.group_pending[g], self.group_seen[g], self.robust.class_horizon)
+                                    if self.group_pending[g] > 0 else 0.0 for g in range(first, last)],
+                                   dtype=torch.float64)
+            self.kernels.group_merge(self.group_knots[first:last].view(span * c, k), self.knots.repeat(span, 1),
+                                     counts.reshape(span * c, -1), lo.reshape(-1), hi.reshape(-1),
+                                     weights.repeat_interleave(c))
+        alone = (counts.sum(0, dtype=torch.int32), lo.amin(0), hi.amax(0))
+        weight = self._absorb_pending(present)
+        self.kernels.group_merge(self.marginal[0], self.knots, *alone, torch.full((c,), weight, dtype=torch.float64))
+        if idle:
+            self._idle_groups()
+
+    def _absorb_pending(self, present: list[int]) -> float:
+        """The pending images counted as seen by their groups (``present``: those with any); the marginal's
+        weight for them all (``seen`` already counts them)."""
         for g in present:
             self.group_seen[g] += self.group_pending[g]
-        # the marginal: all of them (``seen`` already counts them)
         images = self.pending
         before = self.seen - images
         weight = group_step(images, before, MARGINAL_HORIZON)
         if self.pending_shift > 0 and before > 0:  # a shift the test saw: follow at the stream's pace
             fast = self.pending_shift * batch_weight(images, before, self.settings.horizon)
             weight = max(weight, min(fast, MAX_GROUP_STEP))
-        self.kernels.group_merge(self.marginal[0], self.knots, *alone, torch.full((c,), weight, dtype=torch.float64))
-        if idle:
-            self._idle_groups()
+        return weight
+
+    def _rebuild_idle(self, alone: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """:meth:`_merge_groups` then :meth:`_rebuild_balanced` for one batch ``alone`` (its summed histogram and
+        extremes) while the groups weigh nothing: the marginal takes it, the target is the marginal with the
+        window's tails (:meth:`~aqr.adapt.stream.base.StreamKernels.idle_rebuild`, one call of the C kernels)."""
+        weight = self._absorb_pending([g for g in range(self.robust.groups) if self.group_pending[g] > 0])
+        self.kernels.idle_rebuild(self.marginal[0], self.knots, *alone, weight, self.window,
+                                  self._weights(self.window.filled))
+        self._idle_groups()
+        if self.group_source is not None:
+            self.source.copy_(self.base_source)
+        self.table_stale = True
 
     def _idle_groups(self) -> None:
         """Every group seen so far becomes a copy of the marginal: while the recent predictions show no
