@@ -127,6 +127,10 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
             assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(got_d, want_d)), \
                 f"shift distances differ: {got_d} vs {want_d}"
             assert all(0.0 <= d <= 1.0 for d in want_d), want_d
+            small = bool(counts.abs().max() < 2**15) if counts.numel() else True
+            one, apart = native.shift_test(counts, knots, small), StreamKernels.shift_test(native, counts, knots, small)
+            assert one[0] == apart[0] and torch.equal(one[1], apart[1]) and torch.equal(one[2], apart[2]), \
+                "shift_test differs"
     windows = [TailWindow.empty(c, case["window"]) for _ in range(2)]
     groups = [PendingGroup.empty(c, cells) for _ in range(2)]
     counts = want.counts if want.finite else torch.zeros(c, cells + 4, dtype=torch.int32)

@@ -1159,9 +1159,10 @@ int aqr_stream_tables(int64_t C, int64_t K, const float *kn, const float *sq, in
    linear CDF through the knots kn (C, K) at the bins' upper edges (p0, p1, the GC cells' edges up to
    p_{K-2}, p_{K-1}) into out[0], the mean distance between the even and the odd images' histograms
    there into out[1] (0 when no channel counted). Returns the number of channels counted; refuses
-   non-finite knots. */
-int aqr_stream_shift_distances(int64_t N, int64_t C, int64_t K, const float *kn, const int32_t *counts, int64_t GC,
-                               double *out) {
+   non-finite knots. aqr_stream_shift_test also sums the images' counts into total (C, GC + 4), and
+   copies them as int16 into small (N, C, GC + 4) (the caller's to know they fit), each unless NULL. */
+int aqr_stream_shift_test(int64_t N, int64_t C, int64_t K, const float *kn, const int32_t *counts, int64_t GC,
+                          double *out, int32_t *total, int16_t *small) {
     if (N < 1 || N >= (1 << 30) || !stream_sizes_ok(C, K, 1, GC) || C > INT64_MAX / N / (GC + STREAM_EDGE_BINS) / 8 ||
         !kn || !counts || !out)
         return STREAM_BAD_ARGUMENT;
@@ -1182,6 +1183,13 @@ int aqr_stream_shift_distances(int64_t N, int64_t C, int64_t K, const float *kn,
         const int32_t *row = counts + i * plane;
         int64_t *dst = acc + (i & 1) * plane;
         for (int64_t j = 0; j < plane; j++) dst[j] += row[j] > 0 ? row[j] : 0;
+        if (small) /* the caller has checked that every count fits */
+            for (int64_t j = 0; j < plane; j++) small[i * plane + j] = (int16_t)row[j];
+    }
+    if (total) { /* the images' counts summed as they are (negatives too), wrapping as int32 does */
+        for (int64_t j = 0; j < plane; j++) total[j] = 0;
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t j = 0; j < plane; j++) total[j] = (int32_t)((uint32_t)total[j] + (uint32_t)counts[i * plane + j]);
     }
     double to_target = 0, between = 0;
     int64_t counted = 0;
@@ -1249,6 +1257,11 @@ int aqr_stream_shift_distances(int64_t N, int64_t C, int64_t K, const float *kn,
     out[0] = counted ? to_target / (double)counted : 0.0;
     out[1] = counted ? between / (double)counted : 0.0;
     return (int)(counted < INT32_MAX ? counted : INT32_MAX);
+}
+
+int aqr_stream_shift_distances(int64_t N, int64_t C, int64_t K, const float *kn, const int32_t *counts, int64_t GC,
+                               double *out) {
+    return aqr_stream_shift_test(N, C, K, kn, counts, GC, out, NULL, NULL);
 }
 
 /* ------------------------------------------------------------------------------------------------

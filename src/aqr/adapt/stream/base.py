@@ -262,6 +262,14 @@ class StreamKernels(abc.ABC):
         spread over the groups' inner knots and at each group's first two and last two knots (exact
         there, linear in between); the ends are not touched."""
 
+    def shift_test(self, counts: torch.Tensor, knots: torch.Tensor,
+                   small: bool) -> tuple[tuple[float, float], torch.Tensor, torch.Tensor]:
+        """:meth:`shift_distances` of the per-image ``counts`` ``(N, C, cells + 4)`` (int32), with what the same
+        pass can give besides: the counts summed over the images (int32 ``(C, cells + 4)``) and the counts
+        as int16 where ``small`` (the caller knows they fit), else as they are."""
+        return (self.shift_distances(counts, knots), counts.sum(0, dtype=torch.int32),
+                counts.to(torch.int16) if small else counts)
+
     @abc.abstractmethod
     def shift_distances(self, counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
         """Over the channels whose even and odd images both counted something: the mean Kolmogorov

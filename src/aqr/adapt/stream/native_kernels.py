@@ -43,9 +43,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                      *window]
     lib.aqr_stream_merge_map.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P,
                                          *window]
+    lib.aqr_stream_shift_test.argtypes = [_I, _I, _I, _P, _P, _I, _P, _P, _P]
     lib.aqr_stream_idle_rebuild.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P, _D, _I, _P, _P, _P, _I, _C]
     for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture", "shift_distances", "large",
-                 "merge_map", "idle_rebuild"):
+                 "merge_map", "idle_rebuild", "shift_test"):
         getattr(lib, f"aqr_stream_{name}").restype = _C
     return lib
 
@@ -281,6 +282,21 @@ class NativeStreamKernels(StreamKernels):
         groups = _cpu_float(groups)
         _check(self.lib.aqr_stream_mixture(m, c, k, groups.data_ptr(), _ptr(weights), grid, knots.data_ptr(),
                                            torch.get_num_threads()), "mixture")
+
+    def shift_test(self, counts: torch.Tensor, knots: torch.Tensor,
+                   small: bool) -> tuple[tuple[float, float], torch.Tensor, torch.Tensor]:
+        # StreamKernels.shift_test in one C pass over the counts (aqr_stream_shift_test)
+        n, c, bins = counts.shape if counts.dim() == 3 else (0, 0, 0)
+        if counts.dim() != 3 or (c, knots.shape[1]) != tuple(knots.shape) or bins <= EDGE_BINS:
+            raise ValueError(f"shift_test: counts {tuple(counts.shape)} for knots {tuple(knots.shape)}")
+        counts, knots = _cpu_float(counts, torch.int32), _cpu_float(knots)
+        total = torch.empty(c, bins, dtype=torch.int32)
+        compact = torch.empty(n, c, bins, dtype=torch.int16) if small else counts
+        out = (ctypes.c_double * 2)()
+        _check(self.lib.aqr_stream_shift_test(n, c, knots.shape[1], knots.data_ptr(), counts.data_ptr(),
+                                              bins - EDGE_BINS, ctypes.addressof(out), total.data_ptr(),
+                                              compact.data_ptr() if small else None), "shift_test")
+        return (out[0], out[1]), total, compact
 
     def shift_distances(self, counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
         c, k = knots.shape

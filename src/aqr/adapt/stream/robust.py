@@ -280,21 +280,20 @@ class RobustLayerStream(LayerStream):
                       COUNT_CELLS)  # counting reads no table
         if not r.finite:
             return None, None
-        ratio = shift_ratio(kern.shift_distances(r.counts, self.knots), images)
-        shift = own * shift_share(ratio)
+        # the distances, the batch's histogram (its own merge's and the marginal's) and the staged copy, in one pass
+        distances, total, counts = kern.shift_test(r.counts, self.knots, small_counts(x, images))
+        shift = own * shift_share(shift_ratio(distances, images))
         weight = shift * batch_weight(images, self.seen, self.settings.horizon)
-        total = r.counts.sum(0, dtype=torch.int32)  # the batch's histogram: its own merge's, and the marginal's
         if weight <= 0:  # the batch is as close to the target as sampling allows: map it as it is
             return kern.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP, COUNT_STRIDE,
-                             COUNT_CELLS).y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi,
-                                                          total=total)
+                             COUNT_CELLS).y, RobustStaged(None, counts, r.lo, r.hi, total=total)
         tail_weights = self._weights(min(self.window.filled + images, self.window.size))
         done = kern.merge_map(x, images, pre, self.knots, self.source, self.settings.grid, self.window, None, total,
                               r.lo, r.hi, weight, tail_weights, COUNT_STRIDE, COUNT_CELLS)
         if done is None:
             return None, None
         y, _, window = done
-        return y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi, shift, window, total)
+        return y, RobustStaged(None, counts, r.lo, r.hi, shift, window, total)
 
     def commit(self, staged: RobustStaged, labels: torch.Tensor | None = None,  # type: ignore[override]
                runs: float = 1.0, grouped: BatchGroups | None = None) -> None:
@@ -482,11 +481,16 @@ def _components(first: torch.Tensor, groups: torch.Tensor, keep_first: bool, kep
 INT16_COUNTS = 1 << 15
 
 
+def small_counts(x: torch.Tensor, images: int) -> bool:
+    """Whether no count of ``x``'s (A, C, B) per-image histograms (``images`` images) can reach
+    :data:`INT16_COUNTS`: they are then staged as int16."""
+    return x.numel() // max(1, x.shape[1] * images) < INT16_COUNTS
+
+
 def compact_counts(counts: torch.Tensor, x: torch.Tensor, images: int) -> torch.Tensor:
     """``counts`` (int32 per-image histograms of ``x`` (A, C, B), ``images`` images) as int16 where no
     count can reach :data:`INT16_COUNTS`, else as they are; the same values either way."""
-    per_image = x.numel() // max(1, x.shape[1] * images)
-    return counts.to(torch.int16) if per_image < INT16_COUNTS else counts
+    return counts.to(torch.int16) if small_counts(x, images) else counts
 
 
 # Integers below this sum exactly in float32, in any order.
