@@ -1179,17 +1179,15 @@ int aqr_stream_shift_test(int64_t N, int64_t C, int64_t K, const float *kn, cons
     }
     double *sum_even = at, *sum_odd = at + edges, *edge_at = at + 2 * edges, *start = at + 3 * edges;
     double *width = at + 4 * edges, *below = at + 5 * edges;
-    for (int64_t i = 0; i < N; i++) { /* image by image, in memory order */
+    if (total) memset(total, 0, sizeof(int32_t) * (size_t)plane);
+    for (int64_t i = 0; i < N; i++) { /* image by image, in memory order: the counts read once */
         const int32_t *row = counts + i * plane;
         int64_t *dst = acc + (i & 1) * plane;
         for (int64_t j = 0; j < plane; j++) dst[j] += row[j] > 0 ? row[j] : 0;
         if (small) /* the caller has checked that every count fits */
             for (int64_t j = 0; j < plane; j++) small[i * plane + j] = (int16_t)row[j];
-    }
-    if (total) { /* the images' counts summed as they are (negatives too), wrapping as int32 does */
-        for (int64_t j = 0; j < plane; j++) total[j] = 0;
-        for (int64_t i = 0; i < N; i++)
-            for (int64_t j = 0; j < plane; j++) total[j] = (int32_t)((uint32_t)total[j] + (uint32_t)counts[i * plane + j]);
+        if (total) /* summed as they are (negatives too), wrapping as int32 does */
+            for (int64_t j = 0; j < plane; j++) total[j] = (int32_t)((uint32_t)total[j] + (uint32_t)row[j]);
     }
     double to_target = 0, between = 0;
     int64_t counted = 0;

@@ -360,7 +360,7 @@ class LayerStream:
         kern.push(window, None, None, r.lo, r.hi)
         weight = batch_weight(images, self.seen + self.group.images, s.horizon)
         knots[:, 1:-1] = torch.lerp(knots[:, 1:-1], batch[:, 1:-1], weight)
-        y = self._map_tentative(x, images, pre, knots, window, None, weight)
+        y = self._map_tentative(x, images, pre, knots, window)
         return y, StagedLarge(knots, window, images)
 
     def bound(self) -> object | None:
@@ -391,13 +391,14 @@ class LayerStream:
                               COUNT_CELLS)
         return r.y if r.finite else None
 
-    def _map_tentative(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, window: TailWindow,
-                       group: PendingGroup | None, weight: float) -> torch.Tensor:
-        """``x`` mapped with tentative knots: ``group`` merged into ``knots`` (a copy, changed in place) at
-        ``weight``, the ends from ``window`` (the batch's extremes already pushed)."""
+    def _map_tentative(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor,
+                       window: TailWindow) -> torch.Tensor:
+        """``x`` mapped with tentative knots (``"knot-ema"``'s: their inner knots moved already): ``knots`` (a
+        copy, changed in place) take their ends from ``window`` (the batch's extremes already pushed). A
+        ``"cdf-ema"`` batch merges its histogram too, in :meth:`StreamKernels.large`."""
         kern = self.kernels
         p0, p100 = kern.tails(window, self._weights(window.filled))
-        kern.merge(knots, group, weight, p0, p100)
+        kern.merge(knots, None, 0.0, p0, p100)  # the ends only
         table = StreamTable.empty(self.channels, self.settings.grid, knots.device)
         kern.tables(knots, self.source, table)
         mapped = kern.scan(x, images, pre, knots, self.source, table, MAP, COUNT_STRIDE, COUNT_CELLS)
