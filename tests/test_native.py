@@ -281,6 +281,44 @@ def test_portable_build_matches_the_avx2_build():
 
 
 @needs_kernels
+@pytest.mark.parametrize("levels", [101, 21, 5])
+def test_the_simd_paths_give_the_portable_builds_bits(levels):
+    """The AVX2 build's histogram walk and table grid values (read from a window of eight knots, or
+    gathered where the knots crowd the grid or a tie run reaches below the window) are the scalar
+    loops' bits: quantiles, one-pass map and two-step map, with a folded affine."""
+    command = build.compile_command()
+    if "-mavx2" not in command:
+        pytest.skip("no AVX2 build on this CPU")
+    portable = build.load([arg for arg in command if arg not in ("-mavx2", "-mfma")])
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(64, 6, 256, generator=g)
+    x[:, 1] = torch.distributions.StudentT(1.1).sample(x[:, 1].shape)  # knots crowd the grid's middle
+    x[:, 2] = (x[:, 2] * 3).round()  # tie runs of many knots
+    x[:, 3] = torch.where(torch.rand(x[:, 3].shape, generator=g) < 0.3, 0.25, x[:, 3])  # one long tie run
+    x[:, 4] = x[:, 4].abs() ** 3  # skewed, with a long upper tail
+    x[:, 5] = 2.0  # constant
+    pre = (torch.randn(6, generator=g), torch.randn(6, generator=g))
+    pos = SubsetCache(8192).positions(x)
+    for cells in (1024, 64):
+        sq = torch.randn(6, 4000, generator=g).sort(1).values[:, torch.linspace(0, 3999, levels).long()]
+        source = LayerSource.create(sq, "standard", None, None, 1e-3, cells)
+        for affine in (None, pre):
+            knots = [native.subset_quantiles(lib, x, pos, levels, False, affine)[0] for lib in (LIB, portable)]
+            assert torch.equal(knots[0], knots[1])
+            one_pass = [native.recalibrate(lib, x, pos, source, affine)[0] for lib in (LIB, portable)]
+            assert torch.equal(one_pass[0], one_pass[1])
+            mapped = [native.table_map(lib, x, _targets(knots[0]), source, affine) for lib in (LIB, portable)]
+            assert torch.equal(mapped[0], mapped[1])
+    # grid points on runs of tied knots (p1 = -3, p19 = 3, 48 cells: the grid steps by 1/8), and the
+    # marked cells around them
+    tq = torch.tensor([[-4, -3, -2, -2, -2, -2, -2, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4]], dtype=torch.float32)
+    values = torch.linspace(-5, 5, 4001).view(1, 1, -1)
+    source = LayerSource.create(torch.linspace(-2, 2, 21).view(1, -1), "standard", None, None, 1e-3, 48)
+    mapped = [native.table_map(lib, values, _targets(tq), source) for lib in (LIB, portable)]
+    assert torch.equal(mapped[0], mapped[1])
+
+
+@needs_kernels
 @pytest.mark.parametrize("tail", aqr.TAILS)
 def test_one_pass_recalibrate_equals_quantiles_then_map(tail):
     g = torch.Generator().manual_seed(7)

@@ -107,7 +107,8 @@ static void after_channel(quant_args *a, int part, int64_t c);
 /* Scratch sizes are rounded to 64 bytes, so every part's slice (and each array in it) is aligned. */
 static int64_t round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
-enum { HISTS = 4 }; /* interleaved histograms: repeated buckets do not chain their increments */
+enum { HISTS = 2 }; /* interleaved histograms: repeated buckets do not chain their increments (two: the
+                       histograms' sum and clearing cost less than four's, with 4,096 buckets) */
 
 static int64_t quant_scratch_bytes(int64_t S, int64_t NB, int64_t K) {
     int64_t ints = HISTS * (NB + 1) + NB + S + 5 * K; /* hist; fill; bin; ranks, index, bucket */
@@ -339,6 +340,16 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
         for (int64_t r = 0; r < nranks; r++) { /* ranks < S = start[NB]: the bound only guards */
             const int32_t rank = ranks[r];
             while (b + 16 < NB && start[b + 16] <= rank) b += 16; /* start is ascending: skip 16 buckets */
+#ifdef __AVX2__
+            if (b + 16 < NB) { /* start[b + 16] > rank: b moves by the count of start[b + 1 .. b + 15] <= rank */
+                const __m256i vrank = _mm256_set1_epi32(rank);
+                const __m256i gt0 = _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)(start + b + 1)), vrank);
+                const __m256i gt1 = _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)(start + b + 9)), vrank);
+                const unsigned gt = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(gt0)) |
+                                    (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(gt1)) << 8;
+                b += __builtin_popcount(~gt & 0xffffu);
+            }
+#endif
             while (b + 1 < NB && start[b + 1] <= rank) b++;
             bucket[r] = b;
             int crowded = start[b + 1] - start[b] > a->crowded;
@@ -582,34 +593,82 @@ static float exact_at(float g, int64_t p, const float *tq, const float *sq, int6
 }
 
 #ifdef __AVX2__
-/* exact_at at the eight points g[0..8) with p[l] knots <= g[l] (0 <= p[l] <= K): the same float
-   operations lane by lane (a division by a width that is not positive is computed and discarded).
-   Every gathered index is clamped to [0, K - 1] first. */
-static inline __m256 exact_at8(const float *g_in, const int32_t *p_in, const float *tq, const float *sq,
-                               const int32_t *run_start, int64_t K) {
-    const __m256i zero_i = _mm256_setzero_si256(), one_i = _mm256_set1_epi32(1), top_i = _mm256_set1_epi32((int)(K - 2));
-    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), top = _mm256_set1_ps((float)(K - 2));
-    const __m256 g = _mm256_loadu_ps(g_in);
-    const __m256i p = _mm256_loadu_si256((const __m256i *)p_in);
-    const __m256i last = _mm256_max_epi32(_mm256_sub_epi32(p, one_i), zero_i);
-    const __m256i j = _mm256_min_epi32(last, top_i); /* clamp(p - 1, 0, K - 2) */
-    const __m256 lo_knot = _mm256_i32gather_ps(tq, j, 4);
-    const __m256 width = _mm256_sub_ps(_mm256_i32gather_ps(tq + 1, j, 4), lo_knot);
+/* The level coordinate u of exact_at at the eight points g, given each point's knot interval j =
+   clamp(p - 1, 0, K - 2) with its ends lo_knot = tq[j] and hi_knot = tq[j + 1], its last knot
+   at_last = tq[last] (last = max(p - 1, 0)) and that knot's tie-run start first: the same float
+   operations lane by lane (a division by a width that is not positive is computed and discarded). */
+static inline __m256 level_at8(__m256 g, __m256i p, __m256i j, __m256i last, __m256 lo_knot, __m256 hi_knot,
+                               __m256 at_last, __m256i first) {
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const __m256 width = _mm256_sub_ps(hi_knot, lo_knot);
     const __m256 t_step = _mm256_and_ps(_mm256_cmp_ps(g, lo_knot, _CMP_GT_OQ), one);
     const __m256 t = _mm256_blendv_ps(t_step, _mm256_div_ps(_mm256_sub_ps(g, lo_knot), width),
                                       _mm256_cmp_ps(width, zero, _CMP_GT_OQ));
-    __m256 u = _mm256_add_ps(_mm256_cvtepi32_ps(j), t);
-    const __m256 tied = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(p, zero_i)),
-                                      _mm256_cmp_ps(g, _mm256_i32gather_ps(tq, last, 4), _CMP_EQ_OQ));
-    const __m256i first = _mm256_i32gather_epi32(run_start, last, 4);
-    u = _mm256_blendv_ps(u, _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(first, last)), _mm256_set1_ps(2.0f)), tied);
+    const __m256 u = _mm256_add_ps(_mm256_cvtepi32_ps(j), t);
+    const __m256 tied = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(p, _mm256_setzero_si256())),
+                                      _mm256_cmp_ps(g, at_last, _CMP_EQ_OQ));
+    return _mm256_blendv_ps(u, _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(first, last)), _mm256_set1_ps(2.0f)), tied);
+}
+
+/* The source level interval i of level coordinate u: K - 2 from fl = floor(u) >= K - 2, fl where
+   fl > 0, else (also NaN) 0. */
+static inline __m256i level_interval8(__m256 u, int64_t K) {
     const __m256 fl = _mm256_floor_ps(u);
-    /* fl >= K - 2: K - 2; fl > 0: fl; else (also NaN) 0 */
-    __m256i i = _mm256_and_si256(_mm256_cvttps_epi32(fl), _mm256_castps_si256(_mm256_cmp_ps(fl, zero, _CMP_GT_OQ)));
-    i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i), _mm256_castsi256_ps(top_i),
-                                             _mm256_cmp_ps(fl, top, _CMP_GE_OQ)));
+    __m256i i = _mm256_and_si256(_mm256_cvttps_epi32(fl), _mm256_castps_si256(_mm256_cmp_ps(fl, _mm256_setzero_ps(), _CMP_GT_OQ)));
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i), _mm256_castsi256_ps(_mm256_set1_epi32((int)(K - 2))),
+                                                _mm256_cmp_ps(fl, _mm256_set1_ps((float)(K - 2)), _CMP_GE_OQ)));
+}
+
+/* exact_at at the eight points g[0..8) with p[l] knots <= g[l] (0 <= p[l] <= K), by gathers:
+   every gathered index is clamped to [0, K - 1] first. */
+static inline __m256 exact_at8_gathered(const float *g_in, const int32_t *p_in, const float *tq, const float *sq,
+                                        const int32_t *run_start, int64_t K) {
+    const __m256i one_i = _mm256_set1_epi32(1);
+    const __m256 g = _mm256_loadu_ps(g_in);
+    const __m256i p = _mm256_loadu_si256((const __m256i *)p_in);
+    const __m256i last = _mm256_max_epi32(_mm256_sub_epi32(p, one_i), _mm256_setzero_si256());
+    const __m256i j = _mm256_min_epi32(last, _mm256_set1_epi32((int)(K - 2))); /* clamp(p - 1, 0, K - 2) */
+    const __m256 u = level_at8(g, p, j, last, _mm256_i32gather_ps(tq, j, 4), _mm256_i32gather_ps(tq + 1, j, 4),
+                               _mm256_i32gather_ps(tq, last, 4), _mm256_i32gather_epi32(run_start, last, 4));
+    const __m256i i = level_interval8(u, K);
     const __m256 f = _mm256_sub_ps(u, _mm256_cvtepi32_ps(i));
     const __m256 s0 = _mm256_i32gather_ps(sq, i, 4), s1 = _mm256_i32gather_ps(sq + 1, i, 4);
+    return _mm256_add_ps(s0, _mm256_mul_ps(_mm256_sub_ps(s1, s0), f));
+}
+
+/* exact_at8_gathered, where the eight points' knots lie within the eight from j0 = clamp(p[0] - 1,
+   0, K - 2): the knots, tie-run starts and source levels are read from those eight by permutes
+   (gathers are slow on some CPUs; a table's 1,025 points took 9,400 cycles with them, 3,800 so).
+   The grid ascends, so p[l] does (a prefix sum of counts): lanes 0 and 7 bound every lane's knots.
+   Points whose source levels reach outside the window (a tie run starting below j0) take gathers. */
+static inline __m256 exact_at8(const float *g_in, const int32_t *p_in, const float *tq, const float *sq,
+                               const int32_t *run_start, int64_t K) {
+    const int32_t j0 = p_in[0] - 1 < 0 ? 0 : (p_in[0] - 1 > (int32_t)(K - 2) ? (int32_t)(K - 2) : p_in[0] - 1);
+    const int32_t last7 = p_in[7] - 1 < 0 ? 0 : p_in[7] - 1;
+    if (K < 8 || j0 > K - 8 || last7 - j0 > 6) return exact_at8_gathered(g_in, p_in, tq, sq, run_start, K);
+    const __m256i one_i = _mm256_set1_epi32(1), base = _mm256_set1_epi32(j0);
+    const __m256 knots = _mm256_loadu_ps(tq + j0); /* tq[j0 .. j0 + 7], j0 + 7 <= K - 1 */
+    const __m256 g = _mm256_loadu_ps(g_in);
+    const __m256i p = _mm256_loadu_si256((const __m256i *)p_in);
+    const __m256i last = _mm256_max_epi32(_mm256_sub_epi32(p, one_i), _mm256_setzero_si256());
+    const __m256i j = _mm256_min_epi32(last, _mm256_set1_epi32((int)(K - 2))); /* in [j0, j0 + 6] */
+    const __m256i jw = _mm256_sub_epi32(j, base), lw = _mm256_sub_epi32(last, base); /* lw in [0, 6] */
+    const __m256i first = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(run_start + j0)), lw);
+    const __m256 u = level_at8(g, p, j, last, _mm256_permutevar8x32_ps(knots, jw),
+                               _mm256_permutevar8x32_ps(knots, _mm256_add_epi32(jw, one_i)),
+                               _mm256_permutevar8x32_ps(knots, lw), first);
+    const __m256i i = level_interval8(u, K);
+    const __m256 f = _mm256_sub_ps(u, _mm256_cvtepi32_ps(i));
+    const __m256i iw = _mm256_sub_epi32(i, base);
+    __m256 s0, s1;
+    if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_cmpgt_epi32(_mm256_setzero_si256(), iw),
+                                                               _mm256_cmpgt_epi32(iw, _mm256_set1_epi32(6)))))) {
+        s0 = _mm256_i32gather_ps(sq, i, 4), s1 = _mm256_i32gather_ps(sq + 1, i, 4);
+    } else {
+        const __m256 levels = _mm256_loadu_ps(sq + j0);
+        s0 = _mm256_permutevar8x32_ps(levels, iw);
+        s1 = _mm256_permutevar8x32_ps(levels, _mm256_add_epi32(iw, one_i));
+    }
     return _mm256_add_ps(s0, _mm256_mul_ps(_mm256_sub_ps(s1, s0), f));
 }
 #endif
@@ -786,39 +845,6 @@ static void map_row(const map_args *a, int64_t c, const float *xp, float *yp, in
     }
 }
 
-#ifdef AQR_WIDE_LOOKUP
-/* map_row on 16 values at a time with AVX-512's gathers (where aqr_choose_lookup chose them): the same float
-   operations lane by lane, so the same results. Returns how many of the n values it mapped (a
-   multiple of 16); map_row maps the rest. */
-AQR_WIDE static int64_t map_row_wide(const map_args *a, int64_t c, const float *xp, float *yp, int64_t n, float pa,
-                                     float pb, float lo, float inv, const float *tab, int64_t cells) {
-    const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
-    const __m512 zero = _mm512_setzero_ps(), vtop = _mm512_set1_ps((float)(cells + 1));
-    const __m512 vpa = _mm512_set1_ps(pa), vpb = _mm512_set1_ps(pb);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(xp + i), vpa), vpb);
-        __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vlo), vinv), one);
-        t = _mm512_min_ps(_mm512_max_ps(t, zero), vtop); /* NaN -> cell 0, as in map_row */
-        __m512 y = wide_pair_lookup(tab, _mm512_cvttps_epi32(t), v);
-        __mmask16 marked = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-        if (marked) {
-            float vs[16], ys[16];
-            _mm512_storeu_ps(vs, v);
-            _mm512_storeu_ps(ys, y);
-            resolve_lanes(a, c, 0, vs, ys, marked, 16);
-            y = _mm512_loadu_ps(ys);
-        }
-        _mm512_storeu_ps(yp + i, y);
-    }
-    return i;
-}
-#endif
-
-static int64_t map_scratch_bytes(int64_t K, int64_t cells) {
-    return round64((int64_t)sizeof(int32_t) * (K + cells + 2) + (int64_t)sizeof(float) * (4 * cells + 6));
-}
-
 /* Asks for the n floats at p to be brought into the core's cache (a hint, which does nothing where
    the compiler has no builtin for it): a channel's rows are apart by the other channels' values,
    which the hardware prefetcher does not follow from one row to the next. */
@@ -830,6 +856,46 @@ static void prefetch_row(const float *p, int64_t n) {
 #endif
 }
 
+#ifdef AQR_WIDE_LOOKUP
+/* map_row on 16 values at a time with AVX-512's gathers (where aqr_choose_lookup chose them), on the
+   first n values of each of channel c's A rows: the same float operations lane by lane, so the same
+   results. Returns how many values of each row it mapped (a multiple of 16); map_row maps the rest.
+   One call per channel: a row of a small feature map is only a few blocks of 16. */
+AQR_WIDE static int64_t map_rows_wide(const map_args *a, int64_t c, int64_t n, float pa, float pb, float lo, float inv,
+                                      const float *tab, int64_t cells) {
+    const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
+    const __m512 zero = _mm512_setzero_ps(), vtop = _mm512_set1_ps((float)(cells + 1));
+    const __m512 vpa = _mm512_set1_ps(pa), vpb = _mm512_set1_ps(pb);
+    const int64_t whole = n / 16 * 16;
+    for (int64_t r = 0; r < a->A; r++) {
+        const int64_t at = (r * a->C + c) * a->B;
+        const float *xp = a->x + at;
+        float *yp = a->y + at;
+        if (c + 1 < a->C) prefetch_row(xp + a->B, a->B); /* the next channel's row, while this maps */
+        for (int64_t i = 0; i < whole; i += 16) {
+            __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(xp + i), vpa), vpb);
+            __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vlo), vinv), one);
+            t = _mm512_min_ps(_mm512_max_ps(t, zero), vtop); /* NaN -> cell 0, as in map_row */
+            __m512 y = wide_pair_lookup(tab, _mm512_cvttps_epi32(t), v);
+            __mmask16 marked = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+            if (marked) {
+                float vs[16], ys[16];
+                _mm512_storeu_ps(vs, v);
+                _mm512_storeu_ps(ys, y);
+                resolve_lanes(a, c, 0, vs, ys, marked, 16);
+                y = _mm512_loadu_ps(ys);
+            }
+            _mm512_storeu_ps(yp + i, y);
+        }
+    }
+    return whole;
+}
+#endif
+
+static int64_t map_scratch_bytes(int64_t K, int64_t cells) {
+    return round64((int64_t)sizeof(int32_t) * (K + cells + 2) + (int64_t)sizeof(float) * (4 * cells + 6));
+}
+
 /* Build channel c's table in this part's scratch and map all of the channel's rows. */
 static void map_channel(map_args *a, int part, int64_t c) {
     const int64_t cells = a->cells;
@@ -839,13 +905,13 @@ static void map_channel(map_args *a, int part, int64_t c) {
     float lo, inv;
     build_table(a, c, values, tab, run_start, &lo, &inv);
     float pa = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
-    for (int64_t r = 0; r < a->A; r++) {
-        int64_t at = (r * a->C + c) * a->B;
-        if (c + 1 < a->C) prefetch_row(a->x + at + a->B, a->B); /* the next channel's row, while this maps */
-        int64_t done = 0;
+    int64_t done = 0;
 #ifdef AQR_WIDE_LOOKUP
-        if (aqr_wide_lookup) done = map_row_wide(a, c, a->x + at, a->y + at, a->B, pa, pb, lo, inv, tab, cells);
+    if (aqr_wide_lookup) done = map_rows_wide(a, c, a->B, pa, pb, lo, inv, tab, cells);
 #endif
+    for (int64_t r = 0; done < a->B && r < a->A; r++) {
+        int64_t at = (r * a->C + c) * a->B;
+        if (!done && c + 1 < a->C) prefetch_row(a->x + at + a->B, a->B); /* the next channel's row, while this maps */
         map_row(a, c, a->x + at + done, a->y + at + done, a->B - done, pa, pb, lo, inv, tab, cells);
     }
 }
