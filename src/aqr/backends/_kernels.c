@@ -820,6 +820,22 @@ static inline __m256 resolve_marked(const map_args *a, int64_t c, int64_t dc, __
 }
 #endif
 
+#ifdef __AVX2__
+/* The lanes of yp[0..n) (n a multiple of 8) that map_row left NaN get exact_value of their
+   v = pa * xp + pb, recomputed with the same operations. Out of line: a call inside map_row's loop
+   would make the compiler keep its constants in memory, not in registers. */
+__attribute__((noinline)) static void resolve_row(const map_args *a, int64_t c, const float *xp, float *yp, int64_t n,
+                                                  float pa, float pb) {
+    const __m256 vpa = _mm256_set1_ps(pa), vpb = _mm256_set1_ps(pb);
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 y = _mm256_loadu_ps(yp + i);
+        if (!_mm256_movemask_ps(_mm256_cmp_ps(y, y, _CMP_UNORD_Q))) continue;
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + i), vpa), vpb);
+        _mm256_storeu_ps(yp + i, resolve_marked(a, c, 0, v, y));
+    }
+}
+#endif
+
 /* yp = the table map of pa * xp + pb (pa = 1, pb = 0 leave x as it is, exactly), channel c. */
 static void map_row(const map_args *a, int64_t c, const float *xp, float *yp, int64_t n, float pa, float pb,
                     float lo, float inv, const float *tab, int64_t cells) {
@@ -829,13 +845,17 @@ static void map_row(const map_args *a, int64_t c, const float *xp, float *yp, in
     const __m256 vlo = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
     const __m256 zero = _mm256_setzero_ps(), vtop = _mm256_set1_ps(top);
     const __m256 vpa = _mm256_set1_ps(pa), vpb = _mm256_set1_ps(pb);
+    int any = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp + i), vpa), vpb);
         __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, vlo), vinv), one);
         /* max(t, 0) returns its second operand when t is NaN: NaN goes to cell 0, and stays NaN */
         t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop);
-        _mm256_storeu_ps(yp + i, resolve_marked(a, c, 0, v, pair_lookup(tab, _mm256_cvttps_epi32(t), v)));
+        const __m256 y = pair_lookup(tab, _mm256_cvttps_epi32(t), v);
+        any |= _mm256_movemask_ps(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+        _mm256_storeu_ps(yp + i, y);
     }
+    if (any) resolve_row(a, c, xp, yp, i, pa, pb);
 #endif
     for (; i < n; i++) {
         float v = xp[i] * pa + pb;
@@ -857,10 +877,29 @@ static void prefetch_row(const float *p, int64_t n) {
 }
 
 #ifdef AQR_WIDE_LOOKUP
+/* The lanes of yp[0..n) (n a multiple of 16) that map_rows_wide left NaN get exact_value of their
+   v = pa * xp + pb, recomputed with the same operations. Out of line: a call inside map_rows_wide's
+   loop would make the compiler keep its constants in memory, not in registers. */
+AQR_WIDE __attribute__((noinline)) static void resolve_row_wide(const map_args *a, int64_t c, const float *xp,
+                                                               float *yp, int64_t n, float pa, float pb) {
+    const __m512 vpa = _mm512_set1_ps(pa), vpb = _mm512_set1_ps(pb);
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512 y = _mm512_loadu_ps(yp + i);
+        __mmask16 marked = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+        if (!marked) continue;
+        float vs[16], ys[16];
+        _mm512_storeu_ps(vs, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(xp + i), vpa), vpb));
+        _mm512_storeu_ps(ys, y);
+        resolve_lanes(a, c, 0, vs, ys, marked, 16);
+        _mm512_storeu_ps(yp + i, _mm512_loadu_ps(ys));
+    }
+}
+
 /* map_row on 16 values at a time with AVX-512's gathers (where aqr_choose_lookup chose them), on the
    first n values of each of channel c's A rows: the same float operations lane by lane, so the same
    results. Returns how many values of each row it mapped (a multiple of 16); map_row maps the rest.
-   One call per channel: a row of a small feature map is only a few blocks of 16. */
+   One call per channel: a row of a small feature map is only a few blocks of 16. A row with NaN
+   results (marked cells, NaN inputs) is passed over again by resolve_row_wide. */
 AQR_WIDE static int64_t map_rows_wide(const map_args *a, int64_t c, int64_t n, float pa, float pb, float lo, float inv,
                                       const float *tab, int64_t cells) {
     const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
@@ -872,21 +911,16 @@ AQR_WIDE static int64_t map_rows_wide(const map_args *a, int64_t c, int64_t n, f
         const float *xp = a->x + at;
         float *yp = a->y + at;
         if (c + 1 < a->C) prefetch_row(xp + a->B, a->B); /* the next channel's row, while this maps */
+        unsigned any = 0;
         for (int64_t i = 0; i < whole; i += 16) {
             __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(xp + i), vpa), vpb);
             __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vlo), vinv), one);
             t = _mm512_min_ps(_mm512_max_ps(t, zero), vtop); /* NaN -> cell 0, as in map_row */
             __m512 y = wide_pair_lookup(tab, _mm512_cvttps_epi32(t), v);
-            __mmask16 marked = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-            if (marked) {
-                float vs[16], ys[16];
-                _mm512_storeu_ps(vs, v);
-                _mm512_storeu_ps(ys, y);
-                resolve_lanes(a, c, 0, vs, ys, marked, 16);
-                y = _mm512_loadu_ps(ys);
-            }
+            any |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
             _mm512_storeu_ps(yp + i, y);
         }
+        if (any) resolve_row_wide(a, c, xp, yp, whole, pa, pb);
     }
     return whole;
 }
