@@ -822,8 +822,8 @@ static inline __m256 resolve_marked(const map_args *a, int64_t c, int64_t dc, __
 
 #ifdef __AVX2__
 /* The lanes of yp[0..n) (n a multiple of 8) that map_row left NaN get exact_value of their
-   v = pa * xp + pb, recomputed with the same operations. Out of line: a call inside map_row's loop
-   would make the compiler keep its constants in memory, not in registers. */
+   v = pa * xp + pb, recomputed with the same operations. Out of line: a call inside map_row's (or
+   map_rows_wide's) loop would make the compiler keep its constants in memory, not in registers. */
 __attribute__((noinline)) static void resolve_row(const map_args *a, int64_t c, const float *xp, float *yp, int64_t n,
                                                   float pa, float pb) {
     const __m256 vpa = _mm256_set1_ps(pa), vpb = _mm256_set1_ps(pb);
@@ -877,29 +877,12 @@ static void prefetch_row(const float *p, int64_t n) {
 }
 
 #ifdef AQR_WIDE_LOOKUP
-/* The lanes of yp[0..n) (n a multiple of 16) that map_rows_wide left NaN get exact_value of their
-   v = pa * xp + pb, recomputed with the same operations. Out of line: a call inside map_rows_wide's
-   loop would make the compiler keep its constants in memory, not in registers. */
-AQR_WIDE __attribute__((noinline)) static void resolve_row_wide(const map_args *a, int64_t c, const float *xp,
-                                                               float *yp, int64_t n, float pa, float pb) {
-    const __m512 vpa = _mm512_set1_ps(pa), vpb = _mm512_set1_ps(pb);
-    for (int64_t i = 0; i < n; i += 16) {
-        __m512 y = _mm512_loadu_ps(yp + i);
-        __mmask16 marked = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-        if (!marked) continue;
-        float vs[16], ys[16];
-        _mm512_storeu_ps(vs, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(xp + i), vpa), vpb));
-        _mm512_storeu_ps(ys, y);
-        resolve_lanes(a, c, 0, vs, ys, marked, 16);
-        _mm512_storeu_ps(yp + i, _mm512_loadu_ps(ys));
-    }
-}
-
 /* map_row on 16 values at a time with AVX-512's gathers (where aqr_choose_lookup chose them), on the
    first n values of each of channel c's A rows: the same float operations lane by lane, so the same
    results. Returns how many values of each row it mapped (a multiple of 16); map_row maps the rest.
    One call per channel: a row of a small feature map is only a few blocks of 16. A row with NaN
-   results (marked cells, NaN inputs) is passed over again by resolve_row_wide. */
+   results (marked cells, NaN inputs) is passed over again by resolve_row (the same operations,
+   eight lanes at a time). */
 AQR_WIDE static int64_t map_rows_wide(const map_args *a, int64_t c, int64_t n, float pa, float pb, float lo, float inv,
                                       const float *tab, int64_t cells) {
     const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
@@ -920,7 +903,7 @@ AQR_WIDE static int64_t map_rows_wide(const map_args *a, int64_t c, int64_t n, f
             any |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
             _mm512_storeu_ps(yp + i, y);
         }
-        if (any) resolve_row_wide(a, c, xp, yp, whole, pa, pb);
+        if (any) resolve_row(a, c, xp, yp, whole, pa, pb);
     }
     return whole;
 }
