@@ -1030,9 +1030,12 @@ typedef struct {
     double *scratch; /* per part stream_tables_scratch_doubles */
 } stream_tables_args;
 
-/* A part's scratch: the grid points and the map there (2 (G + 1)), each knot interval's slope (K), and
-   how many knots each grid point is the first to reach (G + 2 int32s, as doubles). */
-static int64_t stream_tables_scratch_doubles(int64_t K, int64_t G) { return 2 * (G + 1) + K + (G + 3) / 2; }
+/* A part's scratch: the grid points and the map there (2 (G + 1 + STREAM_GRID_PAD)), each knot interval's
+   slope (K), and each knot's first grid point (K int32s, as doubles). */
+enum { STREAM_GRID_PAD = 8 }; /* the vector writes of stream_grid_direct run up to this far past a range's end */
+static int64_t stream_tables_scratch_doubles(int64_t K, int64_t G) {
+    return 2 * (G + 1 + STREAM_GRID_PAD) + K + (K + 1) / 2;
+}
 
 /* The slope of the map on knot interval q, (s[q+1] - s[q]) / (k[q+1] - k[q]); 0 on an empty one. */
 static inline double stream_rise(const float *k, const float *s, int64_t q) {
@@ -1057,47 +1060,75 @@ static void stream_grid_walk(const float *k, const float *s, int64_t K, int64_t 
     }
 }
 
+/* yv[g] = s + (gx[g] - k) * rise for g in [g0, g1), four at a time in eight-wide steps: writes reach up to
+   STREAM_GRID_PAD - 1 values past g1 (the caller's later ranges, or the padding, take them). */
+static inline void stream_grid_line(const double *gxs, double *yvs, int64_t g0, int64_t g1, double s, double k,
+                                    double rise) {
+#ifdef __AVX2__
+    const __m256d vs = _mm256_set1_pd(s), vk = _mm256_set1_pd(k), vr = _mm256_set1_pd(rise);
+    int64_t g = g0;
+    do { /* most knot intervals hold at most eight grid points: one step, no branch to mispredict */
+        _mm256_storeu_pd(yvs + g, _mm256_add_pd(vs, _mm256_mul_pd(_mm256_sub_pd(_mm256_loadu_pd(gxs + g), vk), vr)));
+        _mm256_storeu_pd(yvs + g + 4,
+                         _mm256_add_pd(vs, _mm256_mul_pd(_mm256_sub_pd(_mm256_loadu_pd(gxs + g + 4), vk), vr)));
+        g += 8;
+    } while (g < g1);
+#else
+    for (int64_t g = g0; g < g1; g++) yvs[g] = s + (gxs[g] - k) * rise;
+#endif
+}
+
 /* stream_grid_walk's values without the walk, where the knots k[2..K-2] and the grid points ascend
    (every table the stream builds): grid point g lies in interval q(g) = 1 + #{j in [2, K-2]: k[j] <= gx[g]},
    which is where the walk stops (it moves on exactly past the knots at or below the point), so each
-   knot's first grid point is found on its own, the intervals' slopes are computed apart, and the
-   values follow without a chain of comparisons. Returns 0 (nothing usable written) where they do not ascend. */
+   knot's first grid point is found on its own, and each interval's values follow from its slope over
+   its range of grid points, without a chain of comparisons. Returns 0 (nothing usable written) where
+   they do not ascend. gxs and yvs: G + 1 + STREAM_GRID_PAD each. */
 static int stream_grid_direct(const float *k, const float *s, int64_t K, int64_t G, double lo, double width,
                               double inv, double *gxs, double *yvs, double *rise, int32_t *first) {
     if (!(width > 0)) return 0;
     for (int64_t j = 3; j <= K - 2; j++)
         if (!(k[j] >= k[j - 1])) return 0;
     gxs[0] = lo, yvs[0] = s[1];
-    for (int64_t g = 1; g < G; g++) gxs[g] = lo + width * (double)g;
+    int64_t g = 1;
+#ifdef __AVX2__
+    { /* (double)g exactly, then the same multiply and add as below */
+        const __m256d vlo = _mm256_set1_pd(lo), vw = _mm256_set1_pd(width), four = _mm256_set1_pd(4.0);
+        __m256d vg = _mm256_setr_pd(1.0, 2.0, 3.0, 4.0);
+        for (; g + 4 <= G; g += 4, vg = _mm256_add_pd(vg, four))
+            _mm256_storeu_pd(gxs + g, _mm256_add_pd(vlo, _mm256_mul_pd(vw, vg)));
+    }
+#endif
+    for (; g < G; g++) gxs[g] = lo + width * (double)g;
     gxs[G] = k[K - 2];
     if (G > 1 && !(gxs[G] >= gxs[G - 1])) return 0; /* lo + width * g ascends by itself: rounding is monotone */
+    for (int64_t p = G + 1; p < G + 1 + STREAM_GRID_PAD; p++) gxs[p] = gxs[G]; /* read, never used */
     rise[1] = 0.0; /* read (and not used) at the top when K is 3 */
     for (int64_t q = 1; q < K - 2; q++) rise[q] = stream_rise(k, s, q);
-    memset(first, 0, sizeof(int32_t) * (size_t)(G + 2));
+    first[1] = 1;
     for (int64_t j = 2; j <= K - 2; j++) { /* the first g in [1, G] with gx[g] >= k[j] (G + 1: none) */
         const double kj = k[j];
         const double guess = (kj - lo) * inv;
         int64_t e = guess > 1 ? (guess < (double)G ? (int64_t)guess : G) : 1;
         while (e > 1 && gxs[e - 1] >= kj) e--;
         while (e <= G && gxs[e] < kj) e++;
-        first[e]++;
+        first[j] = (int32_t)e;
     }
-    int64_t q = 1;
+    /* interval q (1 <= q <= K - 3) holds the grid points [first[q], first[q + 1]) (first[1] = 1), the top
+       those from first[K - 2] on; ranges ascend, so each range's overhanging writes fall in a later range */
+    for (int64_t q = 1; q < K - 2; q++)
+        if (first[q + 1] > first[q])
+            stream_grid_line(gxs, yvs, first[q], first[q + 1], (double)s[q], (double)k[q], rise[q]);
     const double top = s[K - 2];
-    for (int64_t g = 1; g <= G; g++) {
-        q += first[g];
-        const int64_t at = q < K - 2 ? q : 1; /* any interval's values: not used at the top */
-        const double inside = (double)s[at] + (gxs[g] - (double)k[at]) * rise[at];
-        yvs[g] = q >= K - 2 ? top : inside;
-    }
+    for (int64_t t = first[K - 2]; t <= G; t++) yvs[t] = top;
     return 1;
 }
 
 static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
     const stream_tables_args *a = (const stream_tables_args *)p;
     const int64_t K = a->K, G = a->G;
-    double *gxs = a->scratch + (int64_t)part * stream_tables_scratch_doubles(K, G), *yvs = gxs + G + 1;
-    double *rise = yvs + G + 1;
+    double *gxs = a->scratch + (int64_t)part * stream_tables_scratch_doubles(K, G), *yvs = gxs + G + 1 + STREAM_GRID_PAD;
+    double *rise = yvs + G + 1 + STREAM_GRID_PAD;
     int32_t *first = (int32_t *)(rise + K);
     for (int64_t c = c0; c < c1; c++) {
         const float *k = a->kn + c * K, *s = a->sq + c * K;
