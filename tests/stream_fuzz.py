@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow
+from aqr.adapt.stream.base import (COUNT, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow,
+                                   cloned)
 from aqr.adapt.stream.native_kernels import NativeStreamKernels
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from aqr.adapt.stream.running import extreme_weights
@@ -131,6 +132,7 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
             one, apart = native.shift_test(counts, knots, small), StreamKernels.shift_test(native, counts, knots, small)
             assert one[0] == apart[0] and torch.equal(one[1], apart[1]) and torch.equal(one[2], apart[2]), \
                 "shift_test differs"
+    check_bound(native, case, tables[0])
     windows = [TailWindow.empty(c, case["window"]) for _ in range(2)]
     groups = [PendingGroup.empty(c, cells) for _ in range(2)]
     counts = want.counts if want.finite else torch.zeros(c, cells + 4, dtype=torch.int32)
@@ -209,6 +211,46 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
             _close(mixed[0], mixed[1], "mixture knots")
             inner = mixed[1][:, 1:-1]  # (the ends are the tails', set after the mixture)
             assert bool((inner[:, 1:] >= inner[:, :-1]).all()), "the mixture's inner knots must be sorted"
+
+
+def check_bound(native: NativeStreamKernels, case: dict, table: StreamTable) -> None:
+    """A small batch through the bound kernels (a scan, then a commit that pushes and, on some batches,
+    rebuilds) leaves the bits of the separate operations: scan; push; tails, merge, tables, group cleared."""
+    x, knots, source, images = case["x"], case["knots"], case["source"], case["images"]
+    c, cells, stride = x.shape[1], case["cells"], case["stride"]
+    pre = case["pre"] or (torch.ones(c), torch.zeros(c))
+    bits = lambda t: t.view(torch.int32)  # noqa: E731 (NaN where NaN: the same bits, not equal values)
+    states = [(knots.clone(), cloned(table), TailWindow.empty(c, case["window"]), PendingGroup.empty(c, cells))
+              for _ in range(2)]
+    bound = native.bind(states[0][0], source, states[0][1], states[0][2], states[0][3], stride, cells)
+    for step in range(3):
+        own, apart = states
+        y, stage, finite = bound.map_count(x, images, pre)
+        want = native.scan(x, images, pre, apart[0], source, apart[1], MAP | COUNT, stride, cells)
+        assert finite == want.finite, "bound scan: finite flags differ"
+        if not finite:
+            return
+        lo, hi, counts = bound.staged_parts(stage, images)
+        assert torch.equal(bits(y), bits(want.y)) and torch.equal(bits(lo), bits(want.lo)) and \
+            torch.equal(bits(hi), bits(want.hi)) and torch.equal(counts, want.counts), "bound scan differs"
+        held = min(apart[2].filled + images, apart[2].size)
+        rebuild = None if step == 1 else (case["weight"], extreme_weights(held, max(1, held // 2)))
+        bound.commit(stage, images, rebuild)
+        native.push(apart[2], apart[3], want.counts, want.lo, want.hi)
+        if rebuild is not None:
+            p0, p100 = native.tails(apart[2], rebuild[1])
+            native.merge(apart[0], apart[3], rebuild[0], p0, p100)
+            native.tables(apart[0], source, apart[1])
+            apart[3].clear()
+        assert (own[2].filled, own[2].head) == (apart[2].filled, apart[2].head), "bound commit: window counters"
+        for name, a, b in (("knots", own[0], apart[0]), ("pairs", own[1].pairs, apart[1].pairs),
+                           ("glo", own[1].glo, apart[1].glo), ("ginv", own[1].ginv, apart[1].ginv),
+                           *((f"window {f}", getattr(own[2], f), getattr(apart[2], f))
+                             for f in ("ring_lo", "sorted_lo", "ring_hi", "sorted_hi")),
+                           ("group counts", own[3].counts, apart[3].counts), ("gmin", own[3].gmin, apart[3].gmin),
+                           ("gmax", own[3].gmax, apart[3].gmax)):
+            assert torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b), \
+                f"bound commit: {name} differs at batch {step}"
 
 
 def fuzz(lib: ctypes.CDLL, examples: int, seed: int | None = None) -> None:

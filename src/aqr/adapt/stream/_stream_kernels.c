@@ -26,6 +26,9 @@
  *   aqr_stream_large    a batch of rebuild_every images or more: counted, then aqr_stream_merge_map
  *   aqr_stream_idle_rebuild  target="robust": a batch alone into the marginal while the groups weigh
  *                       nothing, the knots from it and the window's tails
+ *   aqr_stream_bound_scan, aqr_stream_bound_commit  a small batch on a layer's state bound once: the
+ *                       scan (map and count), then its push and, every rebuild_every images, the knots
+ *                       rebuilt from the group and the window and the table from the knots, in one call
  *
  * Every index computed from data (a table cell, a histogram bin, a position in the sorted window)
  * is clamped to its array before a float is converted; sizes and counters the caller passes are
@@ -1182,6 +1185,83 @@ int aqr_stream_tables(int64_t C, int64_t K, const float *kn, const float *sq, in
     parallel_for(stream_tables_part, &a, C, parts);
     free(scratch);
     return STREAM_OK;
+}
+
+/* A batch of fewer than rebuild_every images committed: aqr_stream_push of counts and the images'
+   extremes lo / hi (N, C) into the pending group (pending (C, GC + 4), gmin / gmax) and the window
+   (filled and head before the batch); then, where rebuild, the knots kn (C, K) rebuilt: aqr_stream_tails
+   of the window by tail_w (ntail, at most the window's images after the push), aqr_stream_merge of the
+   group at weight with those ends, aqr_stream_tables onto sq, and the group cleared (counts 0, extremes
+   +inf / -inf). The same operations as those calls one after the other, so the same values; sizes are
+   checked before anything changes. */
+static int stream_commit(int64_t C, int64_t K, int64_t GC, int64_t W, int64_t G, float *kn, const float *sq,
+                         float *pairs, float *glo, float *ginv, int32_t *pending, float *gmin, float *gmax,
+                         float *ring_lo, float *sorted_lo, float *ring_hi, float *sorted_hi, int64_t filled,
+                         int64_t head, const int32_t *counts, const float *lo, const float *hi, int64_t N, int rebuild,
+                         double weight, const double *tail_w, int64_t ntail, int nthreads) {
+    if (!stream_sizes_ok(C, K, G, GC) || W < 1 || N < 1 || filled < 0 || filled > W || !kn || !sq || !pairs ||
+        !glo || !ginv || !pending || !gmin || !gmax || !counts)
+        return STREAM_BAD_ARGUMENT;
+    const int64_t after = N > W - filled ? W : filled + N;
+    if (rebuild && (!(weight >= 0 && weight <= 1) || !tail_w || ntail < 1 || ntail > after)) return STREAM_BAD_ARGUMENT;
+    float *ends = rebuild ? malloc(sizeof(float) * (size_t)(2 * C)) : NULL;
+    if (rebuild && !ends) return STREAM_NO_MEMORY;
+    int status = aqr_stream_push(C, GC + STREAM_EDGE_BINS, W, pending, counts, gmin, gmax, lo, hi, N, ring_lo,
+                                 sorted_lo, ring_hi, sorted_hi, filled, head, nthreads);
+    if (status == STREAM_OK && rebuild) {
+        status = aqr_stream_tails(C, W, sorted_lo, sorted_hi, tail_w, ntail, ends, ends + C);
+        if (status == STREAM_OK)
+            status = aqr_stream_merge(C, K, kn, pending, GC, gmin, gmax, weight, ends, ends + C, nthreads);
+        if (status == STREAM_OK) status = aqr_stream_tables(C, K, kn, sq, G, pairs, glo, ginv, nthreads);
+        if (status == STREAM_OK) {
+            memset(pending, 0, sizeof(int32_t) * (size_t)(C * (GC + STREAM_EDGE_BINS)));
+            for (int64_t c = 0; c < C; c++) gmin[c] = INFINITY, gmax[c] = -INFINITY;
+        }
+    }
+    free(ends);
+    return status;
+}
+
+/* One layer's stream bound once (aqr/adapt/stream/native_kernels.py's BoundStream): its sizes and the
+   addresses of its buffers, as int64 at these positions, so that a small batch's two calls pass only what
+   changes (each argument ctypes converts costs about 0.1 us, as much as a channel's work at batch 1). */
+enum {
+    BOUND_C, BOUND_K, BOUND_G, BOUND_GC, BOUND_W, BOUND_STRIDE, BOUND_KN, BOUND_SQ, BOUND_PAIRS, BOUND_GLO,
+    BOUND_GINV, BOUND_PENDING, BOUND_GMIN, BOUND_GMAX, BOUND_RING_LO, BOUND_SORTED_LO, BOUND_RING_HI,
+    BOUND_SORTED_HI, BOUND_FIELDS
+};
+#define BOUND_PTR(d, T, f) ((T *)(intptr_t)(d)[f])
+
+/* The fields of a bound stream, for its Python side to check its layout against. */
+int64_t aqr_stream_bound_fields(void) { return BOUND_FIELDS; }
+
+/* aqr_stream_scan with STREAM_MAP | STREAM_COUNT on the bound stream d: x (A, C, B) of N images read as
+   pre_scale * x + pre_shift, mapped into y; stage (2 N C + C (GC + 4) floats) takes lo (N, C), hi (N, C)
+   and the counts (C, GC + 4) as int32, in that order, for aqr_stream_bound_commit. */
+int aqr_stream_bound_scan(const int64_t *d, const float *x, float *y, int64_t A, int64_t B, int64_t N,
+                          const float *pre_scale, const float *pre_shift, float *stage, int nthreads) {
+    if (!d || !stage || N < 1 || d[BOUND_C] < 1 || d[BOUND_C] > INT64_MAX / 2 / N) return STREAM_BAD_ARGUMENT;
+    const int64_t C = d[BOUND_C];
+    return aqr_stream_scan(x, y, A, C, B, N, pre_scale, pre_shift, d[BOUND_K], BOUND_PTR(d, const float, BOUND_KN),
+                           BOUND_PTR(d, const float, BOUND_SQ), BOUND_PTR(d, const float, BOUND_PAIRS), d[BOUND_G],
+                           BOUND_PTR(d, const float, BOUND_GLO), BOUND_PTR(d, const float, BOUND_GINV), d[BOUND_STRIDE],
+                           d[BOUND_GC], (int32_t *)(stage + 2 * N * C), stage, stage + N * C,
+                           STREAM_MAP | STREAM_COUNT, nthreads);
+}
+
+/* stream_commit on the bound stream d of what aqr_stream_bound_scan left in stage for N images. */
+int aqr_stream_bound_commit(const int64_t *d, int64_t filled, int64_t head, const float *stage, int64_t N,
+                            int rebuild, double weight, const double *tail_w, int64_t ntail, int nthreads) {
+    if (!d || !stage || N < 1 || d[BOUND_C] < 1 || d[BOUND_C] > INT64_MAX / 2 / N) return STREAM_BAD_ARGUMENT;
+    const int64_t C = d[BOUND_C];
+    return stream_commit(C, d[BOUND_K], d[BOUND_GC], d[BOUND_W], d[BOUND_G], BOUND_PTR(d, float, BOUND_KN),
+                         BOUND_PTR(d, const float, BOUND_SQ), BOUND_PTR(d, float, BOUND_PAIRS),
+                         BOUND_PTR(d, float, BOUND_GLO), BOUND_PTR(d, float, BOUND_GINV),
+                         BOUND_PTR(d, int32_t, BOUND_PENDING), BOUND_PTR(d, float, BOUND_GMIN),
+                         BOUND_PTR(d, float, BOUND_GMAX), BOUND_PTR(d, float, BOUND_RING_LO),
+                         BOUND_PTR(d, float, BOUND_SORTED_LO), BOUND_PTR(d, float, BOUND_RING_HI),
+                         BOUND_PTR(d, float, BOUND_SORTED_HI), filled, head, (const int32_t *)(stage + 2 * N * C),
+                         stage, stage + N * C, N, rebuild, weight, tail_w, ntail, nthreads);
 }
 
 /* target="robust"'s shift test. Over the channels c whose even and whose odd images both counted

@@ -45,6 +45,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                          *window]
     lib.aqr_stream_shift_test.argtypes = [_I, _I, _I, _P, _P, _I, _P, _P, _P]
     lib.aqr_stream_idle_rebuild.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P, _D, _I, _P, _P, _P, _I, _C]
+    lib.aqr_stream_bound_fields.restype = _I
+    lib.aqr_stream_bound_fields.argtypes = []
+    lib.aqr_stream_bound_scan.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _P, _C]
+    lib.aqr_stream_bound_commit.argtypes = [_P, _I, _I, _P, _I, _C, _D, _P, _I, _C]
     for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture", "shift_distances", "large",
                  "merge_map", "idle_rebuild", "shift_test"):
         getattr(lib, f"aqr_stream_{name}").restype = _C
@@ -320,8 +324,9 @@ def _state_buffer(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], n
 
 class BoundStream:
     """One layer's running state bound to the C kernels for the two calls of a batch of fewer than
-    ``rebuild_every`` images (:meth:`map_count`, then :meth:`push` at the commit), with its buffers'
-    addresses and sizes taken and checked once. The running state changes its buffers in place only
+    ``rebuild_every`` images (:meth:`map_count`, then :meth:`commit`), with its buffers' addresses and
+    sizes taken and checked once, into the descriptor the C side reads (``aqr_stream_bound_scan``,
+    ``aqr_stream_bound_commit``). The running state changes its buffers in place only
     (:mod:`aqr.adapt.stream.running`), so the addresses stay valid; the bound state holds the tensors."""
 
     def __init__(self, kernels: NativeStreamKernels, knots: torch.Tensor, source: torch.Tensor, table: StreamTable,
@@ -331,60 +336,73 @@ class BoundStream:
         f32 = torch.float32
         self.kernels = kernels
         lib = kernels.lib
-        self._scan_fn, self._push_fn = lib.aqr_stream_scan, lib.aqr_stream_push
+        self._scan_fn, self._commit_fn = lib.aqr_stream_bound_scan, lib.aqr_stream_bound_commit
         self.channels, self.bins = c, bins
         self._tensors = (knots, source, table, window, group)  # the buffers whose addresses are used below
-        # the arguments that stay the same as ctypes objects of their declared types: ctypes passes those
-        # as they are instead of converting every Python int (half the cost of a call at batch 1)
-        self._scan_state = (
-            _I(k), _P(_state_buffer(knots, f32, (c, k), "knots")), _P(_state_buffer(source, f32, (c, k), "source")),
-            _P(_state_buffer(table.pairs, f32, (c, g + 2, 2), "table.pairs")), _I(g),
-            _P(_state_buffer(table.glo, f32, (c,), "table.glo")), _P(_state_buffer(table.ginv, f32, (c,), "table.ginv")),
-            _I(stride), _I(cells))
-        self._c, self._scan_mode = _I(c), _C(MAP | COUNT)
         self._window = window
-        self._group_state = (
-            _P(_state_buffer(group.counts, torch.int32, (c, bins), "group.counts")),
-            _P(_state_buffer(group.gmin, f32, (c,), "group.gmin")), _P(_state_buffer(group.gmax, f32, (c,), "group.gmax")))
-        self._push_sizes = (_I(c), _I(bins), _I(w))
-        self._window_state = (
-            _P(_state_buffer(window.ring_lo, f32, (w, c), "window.ring_lo")),
-            _P(_state_buffer(window.sorted_lo, f32, (c, w), "window.sorted_lo")),
-            _P(_state_buffer(window.ring_hi, f32, (w, c), "window.ring_hi")),
-            _P(_state_buffer(window.sorted_hi, f32, (c, w), "window.sorted_hi")))
+        fields = (c, k, g, cells, w, stride,
+                  _state_buffer(knots, f32, (c, k), "knots"), _state_buffer(source, f32, (c, k), "source"),
+                  _state_buffer(table.pairs, f32, (c, g + 2, 2), "table.pairs"),
+                  _state_buffer(table.glo, f32, (c,), "table.glo"), _state_buffer(table.ginv, f32, (c,), "table.ginv"),
+                  _state_buffer(group.counts, torch.int32, (c, bins), "group.counts"),
+                  _state_buffer(group.gmin, f32, (c,), "group.gmin"), _state_buffer(group.gmax, f32, (c,), "group.gmax"),
+                  _state_buffer(window.ring_lo, f32, (w, c), "window.ring_lo"),
+                  _state_buffer(window.sorted_lo, f32, (c, w), "window.sorted_lo"),
+                  _state_buffer(window.ring_hi, f32, (w, c), "window.ring_hi"),
+                  _state_buffer(window.sorted_hi, f32, (c, w), "window.sorted_hi"))
+        if len(fields) != lib.aqr_stream_bound_fields():
+            raise NativeKernelError(f"aqr_stream_bound_fields: the C kernels read {lib.aqr_stream_bound_fields()} "
+                                    f"fields of a bound stream, this module writes {len(fields)}")
+        self._fields = (ctypes.c_int64 * len(fields))(*fields)
+        self._descriptor = _P(ctypes.addressof(self._fields))  # passed as it is, not converted on every call
 
-    def map_count(self, x: torch.Tensor, images: int,
-                  pre: Affine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    def stage_floats(self, images: int) -> int:
+        """The floats a batch of ``images`` images stages: its extremes ``(2, images, C)``, then its counts
+        ``(C, cells + 4)`` (int32, in float32's place)."""
+        return self.channels * (2 * images + self.bins)
+
+    def map_count(self, x: torch.Tensor, images: int, pre: Affine) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """:meth:`NativeStreamKernels.scan` of ``x`` with ``MAP | COUNT`` on the bound state: ``x`` a contiguous
         float32 CPU tensor ``(A, C, ...)`` of at least one value, read as ``(A, C, B)``, and ``pre`` an
         affine of contiguous float32 CPU tensors ``(C,)`` (the caller's to ensure). Returns ``y`` shaped as
-        ``x``, ``lo``, ``hi``, ``counts`` and whether every value was finite."""
+        ``x``, the staged extremes and counts (:meth:`stage_floats`, for :meth:`commit`) and whether every
+        value was finite."""
         shape = x.shape
         a, c = shape[0], self.channels
         if shape[1] != c or images < 1 or a % images:
             raise ValueError(f"a layer output {tuple(shape)} for a streaming state of {c} channels and a batch "
                              f"of {images} images (streaming AQR needs the batch dimension first)")
         y = torch.empty_like(x)
-        counts = torch.empty(c, self.bins, dtype=torch.int32)
-        lo, hi = torch.empty(images, c), torch.empty(images, c)
-        k, kn, sq, pairs, g, glo, ginv, stride, cells = self._scan_state
-        status = self._scan_fn(x.data_ptr(), y.data_ptr(), a, self._c, x.numel() // (a * c), images,
-                               pre[0].data_ptr(), pre[1].data_ptr(), k, kn, sq, pairs, g, glo, ginv, stride, cells,
-                               counts.data_ptr(), lo.data_ptr(), hi.data_ptr(), self._scan_mode,
-                               torch.get_num_threads())
+        stage = torch.empty(c * (2 * images + self.bins))
+        status = self._scan_fn(self._descriptor, x.data_ptr(), y.data_ptr(), a, x.numel() // (a * c), images,
+                               pre[0].data_ptr(), pre[1].data_ptr(), stage.data_ptr(), torch.get_num_threads())
         if status < 0:
-            _check(status, "scan")
-        return y, lo, hi, counts, status == 0
+            _check(status, "bound_scan")
+        return y, stage, status == 0
 
-    def push(self, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        """:meth:`NativeStreamKernels.push` of what :meth:`map_count` returned into the bound window and group."""
+    def staged_parts(self, stage: torch.Tensor, images: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(lo, hi, counts)`` of a batch's ``stage`` from :meth:`map_count` (views)."""
+        c, n = self.channels, images * self.channels
+        return stage[:n].view(images, c), stage[n:2 * n].view(images, c), stage[2 * n:].view(torch.int32).view(c, -1)
+
+    def commit(self, stage: torch.Tensor, images: int, rebuild: tuple[float, torch.Tensor] | None) -> None:
+        """The push of what :meth:`map_count` staged for ``images`` images into the group and the window
+        and, with ``rebuild`` = ``(weight, tail_weights)``, the rebuild after it, in one call: the window's
+        :meth:`~NativeStreamKernels.tails` by ``tail_weights``, the group merged into the knots at ``weight``
+        (:meth:`~NativeStreamKernels.merge`), the table built (:meth:`~NativeStreamKernels.tables`) and the
+        group's counts and extremes cleared (its image count is the caller's). The same values as those calls."""
         window = self._window
-        n, size = lo.shape[0], window.size
-        pending, gmin, gmax = self._group_state
-        ring_lo, sorted_lo, ring_hi, sorted_hi = self._window_state
-        channels, bins, sized = self._push_sizes
-        _check(self._push_fn(channels, bins, sized, pending, counts.data_ptr(), gmin, gmax, lo.data_ptr(),
-                             hi.data_ptr(), n, ring_lo, sorted_lo, ring_hi, sorted_hi, window.filled, window.head,
-                             torch.get_num_threads()), "push")
-        window.filled = min(window.filled + n, size)
-        window.head = (window.head + n) % size
+        size = window.size
+        if stage.numel() != self.stage_floats(images) or stage.dtype != torch.float32:
+            raise ValueError(f"a stage of {stage.numel()} {stage.dtype} values for {images} images of "
+                             f"{self.channels} channels")
+        if rebuild is None:
+            status = self._commit_fn(self._descriptor, window.filled, window.head, stage.data_ptr(), images, 0, 0.0,
+                                     None, 0, torch.get_num_threads())
+        else:
+            tail = _cpu_float(rebuild[1], torch.float64)
+            status = self._commit_fn(self._descriptor, window.filled, window.head, stage.data_ptr(), images, 1,
+                                     float(rebuild[0]), tail.data_ptr(), len(tail), torch.get_num_threads())
+        _check(status, "bound_commit")
+        window.filled = min(window.filled + images, size)
+        window.head = (window.head + images) % size

@@ -153,7 +153,15 @@ class StagedSmall:
     hi: torch.Tensor
     counts: torch.Tensor | None  # cdf-ema
     batch_knots: torch.Tensor | None  # knot-ema
-    bound: bool = False  # from the bound kernels (LayerStream.small_step): committed through them
+
+
+@dataclass
+class StagedBound:
+    """A batch of fewer than ``rebuild_every`` images through the bound kernels (:meth:`LayerStream.small_step`):
+    its extremes and histogram in one buffer (:meth:`aqr.adapt.stream.native_kernels.BoundStream.map_count`)."""
+
+    stage: torch.Tensor
+    images: int
 
 
 @dataclass
@@ -170,7 +178,7 @@ class StagedLarge:
     images: int
 
 
-Staged = Union[StagedFirst, StagedSmall, StagedLarge]
+Staged = Union[StagedFirst, StagedSmall, StagedBound, StagedLarge]
 BatchKnots = Callable[[torch.Tensor, Union[Affine, None]], Targets]
 
 
@@ -378,10 +386,10 @@ class LayerStream:
         through :meth:`bound` (which the caller has checked is not ``None``): ``x`` a contiguous float32 CPU
         tensor ``(A, C, ...)`` of at least one value, read as ``(A, C, B)``, and ``pre`` a folded BatchNorm's
         affine; the map has ``x``'s shape. The same values as :meth:`step`, which also commit alike."""
-        y, lo, hi, counts, finite = self.bound().map_count(x, images, pre)  # type: ignore[union-attr]
+        y, stage, finite = self.bound().map_count(x, images, pre)  # type: ignore[union-attr]
         if not finite:
             return None, None
-        return y, StagedSmall(lo, hi, counts, None, True)
+        return y, StagedBound(stage, images)
 
     def held(self, x: torch.Tensor, images: int, pre: Affine | None = None) -> torch.Tensor | None:
         """``x`` (A, C, B) mapped with the committed state alone, as a batch of fewer than ``rebuild_every``
@@ -417,7 +425,12 @@ class LayerStream:
         return r.y, StagedFirst(knots, table, r.lo, r.hi)
 
     def _weights(self, filled: int) -> torch.Tensor:
-        return extreme_weights(filled, min(self.settings.tail_batch, filled))
+        """The tails' weights for a window holding ``filled`` images (kept for the last ``filled`` asked:
+        a full window asks for the same ones at every rebuild). Read-only."""
+        kept = self.__dict__.get("_kept_weights")
+        if kept is None or kept[0] != filled:
+            kept = self._kept_weights = (filled, extreme_weights(filled, min(self.settings.tail_batch, filled)))
+        return kept[1]
 
     def commit(self, staged: Staged) -> None:
         """Apply what :meth:`step` staged for a batch whose whole forward pass was finite."""
@@ -429,6 +442,8 @@ class LayerStream:
             kern.push(self.window, None, None, staged.lo, staged.hi)
             self.group.clear()
             self.started, self.seen = True, staged.lo.shape[0]
+        elif isinstance(staged, StagedBound):  # cdf-ema through the bound kernels: push and any rebuild in one call
+            self._commit_bound(staged)
         elif isinstance(staged, StagedLarge):
             self.knots.copy_(staged.knots)
             self.table_stale = True  # the table the batch was mapped with, built again by its next reader
@@ -437,9 +452,7 @@ class LayerStream:
             self.group.clear()
         else:
             images = staged.lo.shape[0]
-            if staged.bound:  # cdf-ema through the bound kernels (small_step)
-                self.bound().push(staged.counts, staged.lo, staged.hi)  # type: ignore[union-attr]
-            elif staged.batch_knots is None:  # cdf-ema: the histogram joins the group
+            if staged.batch_knots is None:  # cdf-ema: the histogram joins the group
                 kern.push(self.window, self.group, staged.counts, staged.lo, staged.hi)
             else:  # knot-ema: the knots move now, the table follows at the rebuild
                 kern.push(self.window, self.group, None, staged.lo, staged.hi)
@@ -448,6 +461,23 @@ class LayerStream:
             self.group.images += images
             if self.group.images >= s.rebuild_every or self.seen < s.horizon:
                 self._rebuild(cdf=staged.batch_knots is None)
+
+    def _commit_bound(self, staged: StagedBound) -> None:
+        """:meth:`commit` of a :meth:`small_step` batch: its push and, where it completes a group (or the stream
+        is within its horizon), :meth:`_rebuild`, with the same values, in one call of the bound kernels."""
+        s, group, images = self.settings, self.group, staged.images
+        grouped = group.images + images
+        rebuild = None
+        if grouped >= s.rebuild_every or self.seen < s.horizon:
+            filled = min(self.window.filled + images, self.window.size)
+            rebuild = (batch_weight(grouped, self.seen, s.horizon), self._weights(filled))
+        self.bound().commit(staged.stage, images, rebuild)  # type: ignore[union-attr]
+        if rebuild is None:
+            group.images = grouped
+        else:  # the group was merged into the knots and cleared, the table built
+            self.table_stale = False
+            self.seen += grouped
+            group.images = 0
 
     def _rebuild(self, cdf: bool) -> None:
         """The pending group into the knots (cdf-ema), the tails from the window, the table from the knots."""
