@@ -71,10 +71,17 @@ def test_the_avx512_lookups_scan_exactly_as_the_avx2_lookups() -> None:
 
 
 @needs_kernels
-def test_the_tables_are_the_torch_mirrors_bits_at_the_streams_sizes() -> None:
+@WIDE
+def test_the_tables_are_the_torch_mirrors_bits_at_the_streams_sizes(wide: bool) -> None:
     """The C tables find each knot's first grid point on its own; the mirror searches every grid point: the
     same bits at 101 knots and 512 cells (the stream's defaults) and at small sizes, over 60 orders of
-    magnitude, with runs of tied knots. Knots out of order take the walk over the intervals, in bounds."""
+    magnitude, with runs of tied knots, whichever width the cells' lines are computed at. Knots out of order
+    take the walk over the intervals, in bounds."""
+    with _lookup(wide):
+        _check_tables_against_the_mirror()
+
+
+def _check_tables_against_the_mirror() -> None:
     native, mirror = NativeStreamKernels(LIB), TorchStreamKernels()
     g = torch.Generator().manual_seed(11)
     for trial in range(64):

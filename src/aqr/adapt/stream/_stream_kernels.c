@@ -735,19 +735,38 @@ static int64_t stream_histogram_points(const float *k, int64_t K, const int32_t 
                                        float gmax, double total, double *zb, double *hb) {
     const double k0 = k[0], k1 = k[1], kb = k[K - 2], kl = k[K - 1];
     const double lo = gmin < k0 ? gmin : k0, hi = gmax > kl ? gmax : kl;
-    int64_t nb = 0;
-    double cum = 0;
-    zb[nb] = lo, hb[nb++] = 0.0;
-    cum += cnt[0] > 0 ? cnt[0] : 0, zb[nb] = k0, hb[nb++] = cum / total;
-    cum += cnt[1] > 0 ? cnt[1] : 0, zb[nb] = k1, hb[nb++] = cum / total;
-    for (int64_t g = 1; g <= GC; g++) {
-        cum += cnt[1 + g] > 0 ? cnt[1 + g] : 0;
-        zb[nb] = g == GC ? kb : k1 + (kb - k1) * (double)g / (double)GC;
-        hb[nb++] = cum / total;
+    /* the cumulative counts first, in integers: every partial sum is below 2^53, so these are the sums
+       in double, exactly; then the shares and the cells' edges, each point on its own */
+    int64_t cum = 0;
+    hb[0] = 0.0;
+    for (int64_t j = 0; j < GC + 3; j++) {
+        cum += cnt[j] > 0 ? cnt[j] : 0;
+        hb[j + 1] = (double)cum;
     }
-    cum += cnt[GC + 2] > 0 ? cnt[GC + 2] : 0, zb[nb] = kl, hb[nb++] = cum / total;
-    zb[nb] = hi, hb[nb++] = 1.0;
-    return nb;
+    zb[0] = lo, zb[1] = k0, zb[2] = k1;
+    const double span = kb - k1, cells = (double)GC;
+    int64_t g = 1;
+#ifdef __AVX2__
+    {
+        const __m256d vk1 = _mm256_set1_pd(k1), vspan = _mm256_set1_pd(span), vcells = _mm256_set1_pd(cells);
+        const __m256d four = _mm256_set1_pd(4.0);
+        __m256d vg = _mm256_setr_pd(1.0, 2.0, 3.0, 4.0);
+        for (; g + 4 <= GC; g += 4, vg = _mm256_add_pd(vg, four))
+            _mm256_storeu_pd(zb + 2 + g, _mm256_add_pd(vk1, _mm256_div_pd(_mm256_mul_pd(vspan, vg), vcells)));
+    }
+#endif
+    for (; g < GC; g++) zb[2 + g] = k1 + span * (double)g / cells;
+    zb[GC + 2] = kb, zb[GC + 3] = kl, zb[GC + 4] = hi;
+    int64_t j = 1;
+#ifdef __AVX2__
+    {
+        const __m256d vtotal = _mm256_set1_pd(total);
+        for (; j + 4 <= GC + 4; j += 4) _mm256_storeu_pd(hb + j, _mm256_div_pd(_mm256_loadu_pd(hb + j), vtotal));
+    }
+#endif
+    for (; j < GC + 4; j++) hb[j] = hb[j] / total;
+    hb[GC + 4] = 1.0;
+    return GC + 5;
 }
 
 typedef struct {
@@ -772,8 +791,9 @@ static int64_t stream_merge_scratch_bytes(int64_t K, int64_t GC) {
 static void stream_merge_histogram(float *k, const float *bk, int64_t K, const int32_t *cnt, int64_t GC, float gmin,
                                    float gmax, double w, char *mem) {
     const int64_t bins = GC + STREAM_EDGE_BINS;
-    double total = 0;
-    for (int64_t j = 0; j < bins; j++) total += cnt[j] > 0 ? (double)cnt[j] : 0.0;
+    int64_t counted = 0; /* below 2^53: the sum in double, exactly */
+    for (int64_t j = 0; j < bins; j++) counted += cnt[j] > 0 ? cnt[j] : 0;
+    const double total = (double)counted;
     if (!(total > 0)) return;
     const double *ha = (const double *)mem;
     double *za = (double *)mem + K, *zb = za + K, *hb = zb + bins + 2;
@@ -1112,7 +1132,7 @@ static int stream_grid_direct(const float *k, const float *s, int64_t K, int64_t
     for (int64_t j = 2; j <= K - 2; j++) { /* the first g in [1, G] with gx[g] >= k[j] (G + 1: none) */
         const double kj = k[j];
         const double guess = (kj - lo) * inv;
-        int64_t e = guess > 1 ? (guess < (double)G ? (int64_t)guess : G) : 1;
+        int64_t e = guess > 0 ? (guess < (double)G ? (int64_t)guess + 1 : G) : 1; /* the point above the guess */
         while (e > 1 && gxs[e - 1] >= kj) e--;
         while (e <= G && gxs[e] < kj) e++;
         first[j] = (int32_t)e;
@@ -1126,6 +1146,32 @@ static int stream_grid_direct(const float *k, const float *s, int64_t K, int64_t
     for (int64_t t = first[K - 2]; t <= G; t++) yvs[t] = top;
     return 1;
 }
+
+#ifdef AQR_WIDE_LOOKUP
+/* stream_float4 of eight doubles. */
+AQR_WIDE static inline __m256 stream_float8(__m512d v) {
+    const __mmask8 nan = _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q);
+    v = _mm512_max_pd(_mm512_min_pd(v, _mm512_set1_pd(FLT_MAX)), _mm512_set1_pd(-FLT_MAX));
+    return _mm512_cvtpd_ps(_mm512_maskz_mov_pd((__mmask8)~nan, v));
+}
+
+/* The cells' lines of stream_tables_part eight at a time (where the lookups are AVX-512's): the same double
+   operations and roundings, the pairs interleaved by one permute. Returns the first cell left. */
+AQR_WIDE static int64_t stream_cells_wide(const double *gxs, const double *yvs, int64_t G, double inv, float *tab) {
+    const __m512d vinv = _mm512_set1_pd(inv);
+    const __m512i pairs = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    int64_t g = 1;
+    for (; g + 8 <= G + 1; g += 8) {
+        const __m512d y1 = _mm512_loadu_pd(yvs + g), y0 = _mm512_loadu_pd(yvs + g - 1);
+        const __m256 slope = stream_float8(_mm512_mul_pd(_mm512_sub_pd(y1, y0), vinv));
+        const __m512d x0 = _mm512_loadu_pd(gxs + g - 1);
+        const __m256 icpt = stream_float8(_mm512_sub_pd(y0, _mm512_mul_pd(_mm512_cvtps_pd(slope), x0)));
+        _mm512_storeu_ps(tab + 2 * g, _mm512_permutex2var_ps(_mm512_castps256_ps512(slope), pairs,
+                                                             _mm512_castps256_ps512(icpt)));
+    }
+    return g;
+}
+#endif
 
 static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
     const stream_tables_args *a = (const stream_tables_args *)p;
@@ -1149,6 +1195,9 @@ static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
            last cell ends exactly at k[K-2], within rounding of a width) */
         if (width > 0) {
             int64_t g = 1;
+#ifdef AQR_WIDE_LOOKUP
+            if (aqr_wide_lookup) g = stream_cells_wide(gxs, yvs, G, inv, tab);
+#endif
 #ifdef __AVX2__
             /* four cells at a time, the same double operations and stream_float's rounding */
             const __m256d vinv = _mm256_set1_pd(inv);
