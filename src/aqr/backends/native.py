@@ -175,7 +175,7 @@ def recalibrate(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, sour
 
 def native_takes(x: torch.Tensor) -> bool:
     """Whether the C kernels can map ``x``: float32 on CPU, with no gradient to keep."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
+    return x.is_cpu and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
 
 
 class NativeBackend(LayerBackend):

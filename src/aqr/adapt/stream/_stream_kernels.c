@@ -1331,14 +1331,15 @@ int aqr_stream_shift_test(int64_t N, int64_t C, int64_t K, const float *kn, cons
     const int64_t bins = GC + STREAM_EDGE_BINS, plane = C * bins, edges = GC + 3;
     int64_t *acc = calloc((size_t)(2 * plane), sizeof(int64_t)); /* the even, then the odd images' sums */
     /* per channel, at each edge: the running sums, the edge, its knot interval's start, width and index */
-    double *at = malloc(sizeof(double) * (size_t)(6 * edges));
+    double *at = malloc(sizeof(double) * (size_t)(7 * edges));
     if (!acc || !at) {
         free(acc);
         free(at);
         return STREAM_NO_MEMORY;
     }
     double *sum_even = at, *sum_odd = at + edges, *edge_at = at + 2 * edges, *start = at + 3 * edges;
-    double *width = at + 4 * edges, *below = at + 5 * edges;
+    double *width = at + 4 * edges, *below = at + 5 * edges, *share = at + 6 * edges;
+    for (int64_t j = 0; j < edges; j++) share[j] = (double)(j - 1) / (double)GC; /* the cells' edges, every channel's */
     if (total) memset(total, 0, sizeof(int32_t) * (size_t)plane);
     for (int64_t i = 0; i < N; i++) { /* image by image, in memory order: the counts read once */
         const int32_t *row = counts + i * plane;
@@ -1363,7 +1364,7 @@ int aqr_stream_shift_test(int64_t N, int64_t C, int64_t K, const float *kn, cons
         for (int64_t j = 0; j < edges; j++) { /* the sums and the knots' intervals: one chain */
             ce += (double)even[j], co += (double)odd[j];
             const double edge = j == 0 ? (double)k[0] : j == 1 ? k1 : j == GC + 1 ? kb : j == GC + 2 ? (double)k[K - 1]
-                              : k1 + (kb - k1) * ((double)(j - 1) / (double)GC);
+                              : k1 + (kb - k1) * share[j];
             while (above < K && (double)k[above] <= edge) above++;
             const int64_t q = above < 1 ? 1 : (above > K - 1 ? K - 1 : above);
             sum_even[j] = ce, sum_odd[j] = co, edge_at[j] = edge;
