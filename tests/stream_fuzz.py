@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from aqr.adapt.stream.base import (COUNT, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow,
-                                   cloned)
+from aqr.adapt.stream.base import (COUNT, IMAGE_COUNT, MAP, PAIRED, PendingGroup, StreamKernels, StreamTable,
+                                   TailWindow, cloned)
 from aqr.adapt.stream.native_kernels import NativeStreamKernels
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from aqr.adapt.stream.running import extreme_weights
@@ -119,6 +119,11 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
         per_image = [k.scan(x, case["images"], pre, knots, source, t, IMAGE_COUNT, case["stride"], cells)
                      for k, t in ((native, tables[0]), (ref, tables[1]))]
         assert torch.equal(per_image[0].counts, per_image[1].counts), "per-image histograms differ"
+        paired = [k.scan(x, case["images"], pre, knots, source, t, IMAGE_COUNT | PAIRED, case["stride"], cells)
+                  for k, t in ((native, tables[0]), (ref, tables[1]))]
+        halves = torch.stack([per_image[1].counts[0::2].sum(0), per_image[1].counts[1::2].sum(0)]).int()
+        assert torch.equal(paired[0].counts, paired[1].counts) and torch.equal(paired[0].counts, halves), \
+            "the even and odd images' histograms differ"
         if case["stride"] == 1:  # every value counted: the images' histograms add up to the batch's
             assert torch.equal(per_image[0].counts.sum(0), want.counts), "per-image histograms do not add up"
         # target="robust"'s shift test on those histograms (and on counts drawn at random, negatives too)

@@ -377,6 +377,33 @@ def test_the_own_share_maps_the_batch_towards_its_own_histogram_and_stages_the_s
 
 
 @pytest.mark.parametrize("kern", KERNELS, ids=lambda k: k.name)
+def test_a_batch_absorbed_alone_counts_its_halves_only_and_commits_the_same_state(kern) -> None:
+    """Without runs and nothing pending, a batch of 16 is counted as its even and odd images' sums alone
+    (its groups' histograms would not be read): the same map and the same state after the commit as
+    counted image by image; committed with runs after all, it is refused and the state stays."""
+    k, c = 21, 2
+    g = torch.Generator().manual_seed(6)
+    source = torch.quantile(torch.randn(20000, generator=g), torch.linspace(0, 1, k))[None].repeat(c, 1).contiguous()
+    layers = [RobustLayerStream(source, StreamSettings(), RobustSettings(groups=2), kern, _quantile_knots(k))
+              for _ in range(2)]
+    warm = [torch.randn(16, c, 30, generator=g) for _ in range(4)]
+    for layer in layers:
+        for x in warm:
+            layer.commit(layer.step(x, 16, own=0.5, runs=0.0)[1], torch.arange(16) % 2, runs=0.0)
+    batch = torch.randn(16, c, 30, generator=g) + 1
+    (y0, halves), (y1, each) = layers[0].step(batch, 16, own=1.0, runs=0.0), layers[1]._step_own(batch, 16, None, 1.0)
+    assert halves.paired and not each.paired and tuple(halves.counts.shape[:2]) == (2, c)
+    assert torch.equal(y0, y1) and torch.equal(halves.total, each.total)
+    before = layers[0].snapshot()
+    with pytest.raises(RuntimeError, match="marginal alone"):
+        layers[0].commit(halves, torch.arange(16) % 2, runs=0.5)
+    assert same([before], [layers[0].snapshot()])
+    for layer, staged in zip(layers, (halves, each)):
+        layer.commit(staged, torch.arange(16) % 2, runs=0.0)
+    assert same([layers[0].snapshot()], [layers[1].snapshot()])
+
+
+@pytest.mark.parametrize("kern", KERNELS, ids=lambda k: k.name)
 def test_the_shift_ratio_is_about_one_for_a_batch_from_the_target_and_grows_with_a_shift(kern) -> None:
     """Batches drawn from the target distribution (normal, per-image offsets that make the images differ)
     give ratios near 1 at every batch size, so the share beyond sampling stays small; a shift of 0.4

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aqr.backends.native import NativeKernelError
-from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow
+from aqr.adapt.stream.base import COUNT, IMAGE_COUNT, MAP, PAIRED, PendingGroup, StreamKernels, StreamTable, TailWindow
 from aqr.adapt.stream.native_kernels import NativeStreamKernels, load_stream_kernels
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from tests.native_fuzz import has_wide_lookup, lookup
@@ -196,6 +196,8 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
         native.scan(torch.zeros(4, c, 5), 3, None, knots, knots, table, MAP, 5, 8)
     with pytest.raises(ValueError, match="channels"):
         native.scan(torch.zeros(4, c + 1, 5), 2, None, knots, knots, table, MAP, 5, 8)
+    with pytest.raises(ValueError, match="PAIRED with it"):  # the even and odd images' sums of per-image counts only
+        native.scan(torch.zeros(4, c, 5), 2, None, knots, knots, table, COUNT | PAIRED, 5, 8)
     window = TailWindow.empty(c, 4)
     window.head = 2  # a window that is not full must have its head at its end
     with pytest.raises(NativeKernelError, match="out of bounds"):
@@ -209,6 +211,11 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
     assert lib.aqr_stream_tables(c, 2, knots.data_ptr(), knots.data_ptr(), 8, table.pairs.data_ptr(),
                                  table.glo.data_ptr(), table.ginv.data_ptr(), 1) == -2  # K < 3
     x, counts, lo, hi = torch.zeros(2, c, 5), torch.zeros(2, c, 12, dtype=torch.int32), torch.zeros(2, c), torch.zeros(2, c)
+    for mode in (COUNT | PAIRED, MAP | PAIRED, 16):  # PAIRED without IMAGE_COUNT, a mode out of range
+        assert lib.aqr_stream_scan(x.data_ptr(), x.data_ptr(), 2, c, 5, 2, None, None, k, knots.data_ptr(),
+                                   knots.data_ptr(), table.pairs.data_ptr(), 8, table.glo.data_ptr(),
+                                   table.ginv.data_ptr(), 5, 8, counts.data_ptr(), lo.data_ptr(), hi.data_ptr(), mode,
+                                   1) == -2, mode
     groups = torch.zeros(2, c, k)
     assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), None, 1, knots.data_ptr(), 1) == -2  # a grid of one point
     assert lib.aqr_stream_mixture(0, c, k, groups.data_ptr(), None, 8, knots.data_ptr(), 1) == -2  # no group

@@ -47,7 +47,7 @@
 #include "_shared.h"
 
 enum { STREAM_OK = 0, STREAM_NONFINITE = 1, STREAM_NO_MEMORY = -1, STREAM_BAD_ARGUMENT = -2 };
-enum { STREAM_MAP = 1, STREAM_COUNT = 2, STREAM_IMAGE_COUNT = 4 };
+enum { STREAM_MAP = 1, STREAM_COUNT = 2, STREAM_IMAGE_COUNT = 4, STREAM_PAIRED = 8 };
 enum { STREAM_EDGE_BINS = 4 }; /* below p0, [p0, p1), [p_{K-2}, p_{K-1}), from p_{K-1} on */
 
 /* Layer outputs of more values than this are split over the thread team. */
@@ -108,7 +108,8 @@ static void stream_line(double x0, double y0, double x1, double y1, double y_fla
  * (C, GC + 4) = the histogram of every stride-th value of the channel (flat position r * B + b) on
  * the bins [.., p0), [p0, p1), GC equal cells of [p1, p_{K-2}), [p_{K-2}, p_{K-1}), [p_{K-1}, ..).
  * mode & STREAM_IMAGE_COUNT (not with STREAM_COUNT): counts (N, C, GC + 4) = each image's own
- * histogram on those bins, of every stride-th value by flat position within the image's rows.
+ * histogram on those bins, of every stride-th value by flat position within the image's rows; with
+ * STREAM_PAIRED, counts (2, C, GC + 4) = those of the even images summed, then the odd images'.
  * Always lo / hi (N, C): each image's extremes. Returns STREAM_OK, STREAM_NONFINITE when a value v
  * is NaN or +-inf (y, counts, lo and hi are then partly written and meaningless), or
  * STREAM_BAD_ARGUMENT. */
@@ -323,15 +324,17 @@ static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
     const float k0 = q.k0, k1 = q.k1, kb = q.kb, kl = q.kl;
     const float *tab = a->pairs + c * 2 * (G + 2);
     const float g0 = a->glo[c], gi = a->ginv[c];
-    const int per_image = (a->mode & STREAM_IMAGE_COUNT) != 0;
+    const int per_image = (a->mode & STREAM_IMAGE_COUNT) != 0, paired = (a->mode & STREAM_PAIRED) != 0;
     int32_t *cnt = (a->mode & STREAM_COUNT) ? a->counts + c * bins : NULL;
     if (cnt) memset(cnt, 0, sizeof(int32_t) * (size_t)bins);
+    if (paired) /* both sums start at 0, the odd one too where there is one image */
+        for (int64_t half = 0; half < 2; half++) memset(a->counts + (half * a->C + c) * bins, 0, sizeof(int32_t) * (size_t)bins);
     float bmin = INFINITY, bmax = -INFINITY;
     int bad = 0;
     for (int64_t n = 0; n < a->N; n++) {
         if (per_image) {
-            cnt = a->counts + (n * a->C + c) * bins;
-            memset(cnt, 0, sizeof(int32_t) * (size_t)bins);
+            cnt = a->counts + ((paired ? n & 1 : n) * a->C + c) * bins;
+            if (!paired) memset(cnt, 0, sizeof(int32_t) * (size_t)bins);
         }
         float mn = INFINITY, mx = -INFINITY;
         for (int64_t r = n * rows; r < (n + 1) * rows; r++) {
@@ -382,8 +385,9 @@ int aqr_stream_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, i
                     const float *sq, const float *pairs, int64_t G, const float *glo, const float *ginv,
                     int64_t stride, int64_t GC, int32_t *counts, float *lo, float *hi, int mode, int nthreads) {
     if (!stream_sizes_ok(C, K, G, GC) || A < 1 || B < 1 || N < 1 || A % N || stride < 1 ||
-        A > INT64_MAX / C / B || mode < 0 || mode > (STREAM_MAP | STREAM_COUNT | STREAM_IMAGE_COUNT) ||
+        A > INT64_MAX / C / B || mode < 0 || mode > (STREAM_MAP | STREAM_COUNT | STREAM_IMAGE_COUNT | STREAM_PAIRED) ||
         ((mode & STREAM_COUNT) && (mode & STREAM_IMAGE_COUNT)) ||
+        ((mode & STREAM_PAIRED) && !(mode & STREAM_IMAGE_COUNT)) ||
         !x || !kn || !sq || !pairs || !glo || !ginv || !lo || !hi || ((mode & STREAM_MAP) && !y) ||
         ((mode & (STREAM_COUNT | STREAM_IMAGE_COUNT)) && !counts))
         return STREAM_BAD_ARGUMENT;

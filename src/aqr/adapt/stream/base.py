@@ -22,7 +22,7 @@ import torch
 
 from aqr.backends.base import Affine
 
-MAP, COUNT, IMAGE_COUNT = 1, 2, 4  # scan modes, as _stream_kernels.c reads them
+MAP, COUNT, IMAGE_COUNT, PAIRED = 1, 2, 4, 8  # scan modes, as _stream_kernels.c reads them
 EDGE_BINS = 4  # the histogram's bins outside the inner cells: below p0, [p0, p1), [p_{K-2}, p_{K-1}), above
 
 
@@ -130,8 +130,10 @@ def check_scan(x: torch.Tensor, images: int, knots: torch.Tensor, source: torch.
                mode: int = MAP) -> None:
     """Raise ``ValueError`` unless ``x`` (A, C, B) holds ``images`` images, the state fits its C channels and
     ``mode`` is a scan mode."""
-    if not 0 <= mode <= MAP | COUNT | IMAGE_COUNT or (mode & COUNT and mode & IMAGE_COUNT):
-        raise ValueError(f"scan mode {mode}: MAP, COUNT, IMAGE_COUNT or a sum of them, COUNT and IMAGE_COUNT not both")
+    if (not 0 <= mode <= MAP | COUNT | IMAGE_COUNT | PAIRED or (mode & COUNT and mode & IMAGE_COUNT)
+            or (mode & PAIRED and not mode & IMAGE_COUNT)):
+        raise ValueError(f"scan mode {mode}: MAP, COUNT, IMAGE_COUNT (PAIRED with it) or a sum of them, COUNT and "
+                         "IMAGE_COUNT not both")
     a, c, _ = x.shape
     if images < 1 or a % images:
         raise ValueError(f"a layer output of {a} rows cannot hold {images} images (streaming AQR needs the "
@@ -170,7 +172,8 @@ class StreamKernels(abc.ABC):
         each channel (flat position ``row * B + b``) on the bins ``[.., p0)``, ``[p0, p1)``, ``cells``
         equal cells of ``[p1, p_{K-2})``, ``[p_{K-2}, p_{K-1})``, ``[p_{K-1}, ..)``.
         ``mode & IMAGE_COUNT`` (not with ``COUNT``): ``counts`` ``(images, C, cells + 4)``, each image's
-        own histogram on those bins, of every ``stride``-th value by flat position within its rows.
+        own histogram on those bins, of every ``stride``-th value by flat position within its rows; with
+        ``PAIRED``, ``counts`` ``(2, C, cells + 4)``: those of the even images summed, then the odd images'.
         """
 
     def bind(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable, window: TailWindow,

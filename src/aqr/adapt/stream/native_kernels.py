@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels,
-                                   StreamTable, TailWindow, check_mixture_weights, check_scan)
+from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, PendingGroup, ScanResult,
+                                   StreamKernels, StreamTable, TailWindow, check_mixture_weights, check_scan)
 from aqr.backends import build
 from aqr.backends.base import Affine
 from aqr.backends.native import NativeKernelError, native_takes
@@ -130,7 +130,7 @@ class NativeStreamKernels(StreamKernels):
         if mode & COUNT:
             counts = torch.empty(c, cells + EDGE_BINS, dtype=torch.int32)
         elif mode & IMAGE_COUNT:
-            counts = torch.empty(images, c, cells + EDGE_BINS, dtype=torch.int32)
+            counts = torch.empty(2 if mode & PAIRED else images, c, cells + EDGE_BINS, dtype=torch.int32)
         lo, hi = torch.empty(images, c), torch.empty(images, c)
         scale, shift = (None, None) if pre is None else pre
         status = _check(self.lib.aqr_stream_scan(

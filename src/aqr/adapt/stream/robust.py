@@ -38,7 +38,9 @@ the part of its distance to the target that sampling does not explain (:func:`sh
 :func:`shift_ratio`, per layer): a batch drawn from the target (a steady stream, or a mixed one whose
 every batch samples the same mixture) would add only its own noise to it. Once classes come in runs,
 the share is 0 and a batch of one class does not map its own content away. The share changes only
-how the batch is mapped: the update it stages is the same.
+how the batch is mapped: the update it stages is the same. Such a batch that the commit will take into
+the marginal alone (no runs, nothing pending: its groups' histograms are not read) is counted as its
+even and its odd images' sums only (the scan's ``PAIRED`` mode), all the shift test and the marginal need.
 
 Class-conditional source knots (``balance < 1``, statistics from ``aqr.calibrate(..., groups=G)``): the
 groups' part of the target weighs each group by ``balance / active + (1 - balance) * share`` (``share``: its
@@ -64,7 +66,7 @@ from typing import ClassVar
 
 import torch
 
-from aqr.adapt.stream.base import EDGE_BINS, IMAGE_COUNT, MAP, StreamKernels, StreamTable, TailWindow, copy_into
+from aqr.adapt.stream.base import EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, StreamKernels, StreamTable, TailWindow, copy_into
 from aqr.adapt.stream.running import (COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StagedFirst, StreamSettings,
                                       batch_weight)
 from aqr.backends import Affine
@@ -131,6 +133,7 @@ class RobustStaged:
     shift: float = 0.0  # the own-batch share times the shift test's share (0: not measured)
     window: TailWindow | None = None  # the tail window with the batch's extremes pushed, where the step made it
     total: torch.Tensor | None = None  # the per-image histograms summed (int32), where the step summed them
+    paired: bool = False  # counts holds the even and the odd images' sums only: the batch is absorbed alone
 
 
 @dataclass(frozen=True)
@@ -250,8 +253,8 @@ class RobustLayerStream(LayerStream):
             mine += (self.group_source, self.source)
         return super().memory_bytes() + sum(t.numel() * t.element_size() for t in mine)
 
-    def step(self, x: torch.Tensor, images: int, pre: Affine | None = None,
-             own: float = 0.0) -> tuple[torch.Tensor | None, RobustStaged | None]:
+    def step(self, x: torch.Tensor, images: int, pre: Affine | None = None, own: float = 0.0,
+             runs: float = 1.0) -> tuple[torch.Tensor | None, RobustStaged | None]:
         """Map ``x`` (A, C, B) with the target knots; stage its per-image histograms and extremes.
         ``own`` in [0, 1]: a batch of ``rebuild_every`` or more images is mapped with the target knots
         merged with its own histogram at ``own`` times :func:`shift_share` times streaming AQR's batch
@@ -265,35 +268,42 @@ class RobustLayerStream(LayerStream):
                                   COUNT_CELLS)
             return y, RobustStaged(first, compact_counts(r.counts, x, images), first.lo, first.hi)
         if own > 0 and images >= self.settings.rebuild_every:
-            return self._step_own(x, images, pre, own)
+            return self._step_own(x, images, pre, own, self._absorbed_alone(runs))
         r = self.kernels.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP | IMAGE_COUNT,
                               COUNT_STRIDE, COUNT_CELLS)
         if not r.finite:
             return None, None
         return r.y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi)
 
-    def _step_own(self, x: torch.Tensor, images: int, pre: Affine | None,
-                  own: float) -> tuple[torch.Tensor | None, RobustStaged | None]:
-        """The batch counted on the target knots' bins, merged into a copy of them, then mapped with it."""
+    def _absorbed_alone(self, runs: float) -> bool:
+        """Whether :meth:`commit` will take a batch of ``rebuild_every`` images or more, committed with ``runs``,
+        into the marginal alone (its groups' histograms unused): the groups weigh nothing and none is pending."""
+        return min(1.0, max(0.0, float(runs))) == 0.0 and self.pending == 0
+
+    def _step_own(self, x: torch.Tensor, images: int, pre: Affine | None, own: float,
+                  alone: bool = False) -> tuple[torch.Tensor | None, RobustStaged | None]:
+        """The batch counted on the target knots' bins, merged into a copy of them, then mapped with it; ``alone``:
+        the commit absorbs it alone (:meth:`_absorbed_alone`), so only its even and odd images' sums are counted."""
         kern = self.kernels
-        r = kern.scan(x, images, pre, self.knots, self.source, self.table, IMAGE_COUNT, COUNT_STRIDE,
-                      COUNT_CELLS)  # counting reads no table
+        r = kern.scan(x, images, pre, self.knots, self.source, self.table, IMAGE_COUNT | (PAIRED if alone else 0),
+                      COUNT_STRIDE, COUNT_CELLS)  # counting reads no table
         if not r.finite:
             return None, None
-        # the distances, the batch's histogram (its own merge's and the marginal's) and the staged copy, in one pass
-        distances, total, counts = kern.shift_test(r.counts, self.knots, small_counts(x, images))
+        # the distances (of the even and the odd images' sums: the same as of their histograms), the batch's
+        # histogram (its own merge's and the marginal's) and the staged copy, in one pass
+        distances, total, counts = kern.shift_test(r.counts, self.knots, not alone and small_counts(x, images))
         shift = own * shift_share(shift_ratio(distances, images))
         weight = shift * batch_weight(images, self.seen, self.settings.horizon)
         if weight <= 0:  # the batch is as close to the target as sampling allows: map it as it is
             return kern.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP, COUNT_STRIDE,
-                             COUNT_CELLS).y, RobustStaged(None, counts, r.lo, r.hi, total=total)
+                             COUNT_CELLS).y, RobustStaged(None, counts, r.lo, r.hi, total=total, paired=alone)
         tail_weights = self._weights(min(self.window.filled + images, self.window.size))
         done = kern.merge_map(x, images, pre, self.knots, self.source, self.settings.grid, self.window, None, total,
                               r.lo, r.hi, weight, tail_weights, COUNT_STRIDE, COUNT_CELLS)
         if done is None:
             return None, None
         y, _, window = done
-        return y, RobustStaged(None, counts, r.lo, r.hi, shift, window, total)
+        return y, RobustStaged(None, counts, r.lo, r.hi, shift, window, total, alone)
 
     def commit(self, staged: RobustStaged, labels: torch.Tensor | None = None,  # type: ignore[override]
                runs: float = 1.0, grouped: BatchGroups | None = None) -> None:
@@ -303,6 +313,9 @@ class RobustLayerStream(LayerStream):
         labels as this layer's groups where the caller worked them out for every layer."""
         if labels is None:
             raise ValueError("target='robust' commits a batch with its predicted classes")
+        if staged.paired and not self._absorbed_alone(runs):  # counted for the marginal alone (_step_own)
+            raise RuntimeError("target='robust': a batch counted for the marginal alone was committed with other runs "
+                               "than it was mapped with; the stream's state is unchanged")
         if grouped is None:
             grouped = BatchGroups.of_labels(labels, self.robust.groups, staged.counts.device)
         self.runs = min(1.0, max(0.0, float(runs)))

@@ -191,7 +191,7 @@ class StreamLayerMap(LayerMap):
         elif self._small is None:
             self._note_small(stream, x.device, pre)
         if isinstance(stream, RobustLayerStream):
-            y, staged = stream.step(acb, self.batch.images, pre, self.batch.own)
+            y, staged = stream.step(acb, self.batch.images, pre, self.batch.own, self.batch.runs)
         else:
             y, staged = stream.step(acb, self.batch.images, pre)
         if staged is None:

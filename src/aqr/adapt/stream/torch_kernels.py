@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from aqr.backends.base import Affine
-from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PendingGroup, ScanResult, StreamKernels,
-                                   StreamTable, TailWindow, check_mixture_weights, check_scan)
+from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, PendingGroup, ScanResult,
+                                   StreamKernels, StreamTable, TailWindow, check_mixture_weights, check_scan)
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -234,6 +234,9 @@ class TorchStreamKernels(StreamKernels):
             bins = count_bins(values, knots, cells)
             counts = torch.zeros(images, c, cells + EDGE_BINS, dtype=torch.int32, device=v.device)
             counts.scatter_add_(2, bins, torch.ones_like(bins, dtype=torch.int32))
+            if mode & PAIRED:  # the even images' histograms summed, then the odd images'
+                halves = torch.zeros(2, c, cells + EDGE_BINS, dtype=torch.int32, device=v.device)
+                counts = halves.index_add_(0, torch.arange(images, device=v.device) % 2, counts)
         return ScanResult(None if y is None else y.to(x.dtype), lo, hi, counts, True)
 
     def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,
