@@ -328,7 +328,8 @@ static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
     int32_t *cnt = (a->mode & STREAM_COUNT) ? a->counts + c * bins : NULL;
     if (cnt) memset(cnt, 0, sizeof(int32_t) * (size_t)bins);
     if (paired) /* both sums start at 0, the odd one too where there is one image */
-        for (int64_t half = 0; half < 2; half++) memset(a->counts + (half * a->C + c) * bins, 0, sizeof(int32_t) * (size_t)bins);
+        for (int64_t half = 0; half < 2; half++)
+            memset(a->counts + (half * a->C + c) * bins, 0, sizeof(int32_t) * (size_t)bins);
     float bmin = INFINITY, bmax = -INFINITY;
     int bad = 0;
     for (int64_t n = 0; n < a->N; n++) {

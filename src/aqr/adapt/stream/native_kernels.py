@@ -373,7 +373,7 @@ class BoundStream:
             raise ValueError(f"a layer output {tuple(shape)} for a streaming state of {c} channels and a batch "
                              f"of {images} images (streaming AQR needs the batch dimension first)")
         y = torch.empty_like(x)
-        stage = torch.empty(c * (2 * images + self.bins))
+        stage = torch.empty(self.stage_floats(images))
         status = self._scan_fn(self._descriptor, x.data_ptr(), y.data_ptr(), a, x.numel() // (a * c), images,
                                pre[0].data_ptr(), pre[1].data_ptr(), stage.data_ptr(), torch.get_num_threads())
         if status < 0:

@@ -276,8 +276,9 @@ class RobustLayerStream(LayerStream):
         return r.y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi)
 
     def _absorbed_alone(self, runs: float) -> bool:
-        """Whether :meth:`commit` will take a batch of ``rebuild_every`` images or more, committed with ``runs``,
-        into the marginal alone (its groups' histograms unused): the groups weigh nothing and none is pending."""
+        """Whether :meth:`commit` takes a batch that rebuilds (``rebuild_every`` images or more), committed with
+        ``runs``, into the marginal alone (its groups' histograms unused): the groups weigh nothing (as
+        :attr:`groups_idle` will be with these runs) and none is pending."""
         return min(1.0, max(0.0, float(runs))) == 0.0 and self.pending == 0
 
     def _step_own(self, x: torch.Tensor, images: int, pre: Affine | None, own: float,
@@ -331,7 +332,7 @@ class RobustLayerStream(LayerStream):
         n = staged.lo.shape[0]
         rebuild = staged.first is not None or self.pending + n >= self.settings.rebuild_every
         alone = None  # an idle rebuild of this batch alone: the marginal takes its sums, the groups nothing
-        if rebuild and self.groups_idle and self.pending == 0:
+        if rebuild and self._absorbed_alone(runs):  # the step's own test (it counted the batch for this)
             total = staged.counts.sum(0, dtype=torch.int32) if staged.total is None else staged.total
             alone = (total, staged.lo.amin(0), staged.hi.amax(0))
         else:

@@ -459,18 +459,18 @@ class LayerStream:
                 weight = batch_weight(images, self.seen + self.group.images, s.horizon)
                 self.knots[:, 1:-1] = torch.lerp(self.knots[:, 1:-1], staged.batch_knots[:, 1:-1], weight)
             self.group.images += images
-            if self.group.images >= s.rebuild_every or self.seen < s.horizon:
+            if self._rebuild_due(self.group.images):
                 self._rebuild(cdf=staged.batch_knots is None)
 
     def _commit_bound(self, staged: StagedBound) -> None:
         """:meth:`commit` of a :meth:`small_step` batch: its push and, where it completes a group (or the stream
         is within its horizon), :meth:`_rebuild`, with the same values, in one call of the bound kernels."""
-        s, group, images = self.settings, self.group, staged.images
+        group, images = self.group, staged.images
         grouped = group.images + images
         rebuild = None
-        if grouped >= s.rebuild_every or self.seen < s.horizon:
+        if self._rebuild_due(grouped):
             filled = min(self.window.filled + images, self.window.size)
-            rebuild = (batch_weight(grouped, self.seen, s.horizon), self._weights(filled))
+            rebuild = (batch_weight(grouped, self.seen, self.settings.horizon), self._weights(filled))
         self.bound().commit(staged.stage, images, rebuild)  # type: ignore[union-attr]
         if rebuild is None:
             group.images = grouped
@@ -478,6 +478,11 @@ class LayerStream:
             self.table_stale = False
             self.seen += grouped
             group.images = 0
+
+    def _rebuild_due(self, grouped: int) -> bool:
+        """Whether a pending group of ``grouped`` images is merged into the knots at this commit: a full group,
+        or any while the stream is within its horizon."""
+        return grouped >= self.settings.rebuild_every or self.seen < self.settings.horizon
 
     def _rebuild(self, cdf: bool) -> None:
         """The pending group into the knots (cdf-ema), the tails from the window, the table from the knots."""
