@@ -263,6 +263,45 @@ def test_the_direct_small_batch_path_gives_the_general_paths_outputs_and_state(m
     assert same(direct[1], general[1])
 
 
+class SharedNorm(nn.Module):
+    """Two convolutions normalized by one BatchNorm: its layer runs twice in every forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.bn, self.head = nn.BatchNorm2d(8), nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv1(x)))
+        return self.head(torch.relu(self.bn(self.conv2(x))).mean((2, 3)))
+
+
+def test_a_layer_run_twice_per_forward_commits_its_batches_in_order(monkeypatch) -> None:
+    """A BatchNorm applied twice per forward pass stages two batches of one stream; the direct path commits them
+    one after the other, as the general path does: the same outputs and state, bit for bit."""
+    from aqr.adapt.stream.stream_maps import StreamLayerMap
+
+    torch.manual_seed(0)
+    model = SharedNorm()
+    with torch.no_grad():
+        for s in range(4):  # running statistics of its own
+            model(images(32, seed=s))
+    model.eval()
+    stats = aqr.calibrate(model, [images(64, seed=s) for s in range(2)], num_quantiles=21, compile=False)
+
+    def run(direct: bool) -> tuple[list[torch.Tensor], list[dict]]:
+        adapter = aqr.AQR(copy.deepcopy(model), stats, target="stream", horizon=8, rebuild_every=4)
+        outs = [adapter(shifted(b, seed=300 + i)) for i, b in enumerate([1, 2, 1, 1, 3, 1, 1, 1, 2])]
+        assert any(m._small is not None for m in adapter._maps.values()) == direct
+        return outs, state(adapter)
+
+    direct = run(True)
+    monkeypatch.setattr(StreamLayerMap, "_note_small", lambda *args: None)
+    general = run(False)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(direct[0], general[0]))
+    assert same(direct[1], general[1])
+
+
 def test_a_batch_norm_changed_through_data_is_folded_anew() -> None:
     """``bn.bias.data = ...`` keeps the tensor and its version: the folded affine sees the new memory."""
     model, stats = calibrated("bn")

@@ -247,6 +247,26 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
                                    counts.data_ptr(), lo.data_ptr(), hi.data_ptr(), mode, 1) == -2
 
 
+@needs_kernels
+@pytest.mark.parametrize("size", [9, 128, 512, 513, 700])
+def test_the_sorted_window_is_the_sorted_ring_one_image_at_a_time(size: int) -> None:
+    """Images pushed one at a time into a window, past full (each replaces the oldest in the sorted copies in
+    place: ranks counted up to 512 entries, found by halving beyond), with ties: the copies stay the ring
+    sorted, as the torch mirror sorts it, bit for bit."""
+    native, mirror = NativeStreamKernels(LIB), TorchStreamKernels()
+    c = 3
+    windows = [TailWindow.empty(c, size) for _ in range(2)]
+    g = torch.Generator().manual_seed(size)
+    for _ in range(size + 200):
+        lo = (torch.randn(1, c, generator=g) * 4).round() / 4 + 0.0  # ties (and no -0.0)
+        hi = lo + torch.rand(1, c, generator=g).round()
+        native.push(windows[0], None, None, lo, hi)
+        mirror.push(windows[1], None, None, lo, hi)
+    for name in ("ring_lo", "sorted_lo", "ring_hi", "sorted_hi"):
+        assert torch.equal(getattr(windows[0], name), getattr(windows[1], name)), name
+    assert (windows[0].filled, windows[0].head) == (windows[1].filled, windows[1].head) == (size, 200 % size)
+
+
 @pytest.mark.slow
 @needs_kernels
 def test_stream_fuzz_under_address_and_undefined_behaviour_sanitizers() -> None:

@@ -421,6 +421,32 @@ static inline int64_t stream_rank(const float *row, int64_t len, float x, int at
     return (base - row) + (at_most ? *base <= x : *base < x);
 }
 
+/* Rows up to this long are ranked by counting (AVX2 compares over the row instead of a chain of dependent
+   loads); longer ones by halving, whose cost grows with the log of the length. On an ascending row both
+   give the same ranks. */
+enum { STREAM_COUNT_RANK_MAX = 512 };
+
+/* stream_rank(row, len, old, 0) and stream_rank(row, len, v, 1), counted (the same on an ascending row;
+   on a row out of order, other ranks, which the caller clamps). */
+static inline void stream_count_ranks(const float *row, int64_t len, float old, float v, int64_t *below_old,
+                                      int64_t *upto_v) {
+    int64_t a = 0, b = 0, i = 0;
+#ifdef __AVX2__
+    const __m256 vo = _mm256_set1_ps(old), vv = _mm256_set1_ps(v);
+    for (; i + 8 <= len; i += 8) {
+        const __m256 r = _mm256_loadu_ps(row + i);
+        a += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(r, vo, _CMP_LT_OQ)));
+        b += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(r, vv, _CMP_LE_OQ)));
+    }
+#endif
+    for (; i < len; i++) {
+        a += row[i] < old;
+        b += row[i] <= v;
+    }
+    *below_old = a;
+    *upto_v = b;
+}
+
 /* row[0..len) ascending: remove one copy of old (the entry found where old would go: a window
    whose copies disagree loses its nearest entry instead, never a size), then insert v after the
    entries equal to it; the entries between the two places move by one, in one move. */
@@ -431,10 +457,16 @@ static void stream_sorted_replace(float *row, int64_t len, int remove, float old
         row[at] = v;
         return;
     }
-    int64_t gone = stream_rank(row, len, old, 0);
+    int64_t gone, at;
+    if (len <= STREAM_COUNT_RANK_MAX) {
+        stream_count_ranks(row, len, old, v, &gone, &at);
+    } else {
+        gone = stream_rank(row, len, old, 0);
+        at = stream_rank(row, len, v, 1);
+    }
     if (gone >= len) gone = len - 1;
     /* where v goes among the entries left: those at or below it, less the one removed if it was */
-    int64_t at = stream_rank(row, len, v, 1) - (row[gone] <= v);
+    at -= row[gone] <= v;
     at = at < 0 ? 0 : (at > len - 1 ? len - 1 : at); /* in bounds even where the row is out of order */
     if (at <= gone) memmove(row + at + 1, row + at, sizeof(float) * (size_t)(gone - at));
     else memmove(row + gone, row + gone + 1, sizeof(float) * (size_t)(at - gone));
