@@ -267,6 +267,27 @@ def test_the_sorted_window_is_the_sorted_ring_one_image_at_a_time(size: int) -> 
     assert (windows[0].filled, windows[0].head) == (windows[1].filled, windows[1].head) == (size, 200 % size)
 
 
+@needs_kernels
+def test_a_bound_commit_refuses_a_stage_that_is_not_one_block_of_its_size() -> None:
+    """The C side reads a stage (and the next scan writes it) as one contiguous float32 block of the batch's
+    size: another size, an expanded (one-value) tensor or float64 is refused, the state unchanged."""
+    native = NativeStreamKernels(LIB)
+    c, k, cells = 3, 11, 8
+    knots = torch.linspace(-1, 1, k).expand(c, k).contiguous()
+    table = StreamTable.empty(c, 8)
+    native.tables(knots, knots, table)
+    window, group = TailWindow.empty(c, 4), PendingGroup.empty(c, cells)
+    bound = native.bind(knots.clone(), knots, table, window, group, 5, cells)
+    _, stage, finite = bound.map_count(torch.randn(1, c, 7), 1, (torch.ones(c), torch.zeros(c)))
+    assert finite
+    for bad in (stage[:-1], torch.zeros(1).expand(stage.numel()), stage.double()):
+        with pytest.raises(ValueError, match="one contiguous float32 CPU block"):
+            bound.commit(bad, 1, None)
+    assert window.filled == 0 and int(group.counts.sum()) == 0
+    bound.commit(stage, 1, None)
+    assert window.filled == 1 and int(group.counts.sum()) > 0
+
+
 @pytest.mark.slow
 @needs_kernels
 def test_stream_fuzz_under_address_and_undefined_behaviour_sanitizers() -> None:

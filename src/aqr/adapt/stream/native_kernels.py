@@ -400,9 +400,11 @@ class BoundStream:
         group's counts and extremes cleared (its image count is the caller's). The same values as those calls."""
         window = self._window
         size = window.size
-        if stage.numel() != self.stage_floats(images) or stage.dtype != torch.float32:
-            raise ValueError(f"a stage of {stage.numel()} {stage.dtype} values for {images} images of "
-                             f"{self.channels} channels")
+        if (stage.numel() != self.stage_floats(images) or stage.dtype != torch.float32 or not stage.is_cpu
+                or not stage.is_contiguous()):  # the C side reads it, and the next scan writes it, as one block
+            raise ValueError(f"a stage of {stage.numel()} {stage.dtype} values ({stage.device}, contiguous: "
+                             f"{stage.is_contiguous()}) for {images} images of {self.channels} channels: "
+                             f"map_count's stage is one contiguous float32 CPU block")
         if rebuild is None:
             status = self._commit_fn(self._descriptor, window.filled, window.head, stage.data_ptr(), images, 0, 0.0,
                                      None, 0, torch.get_num_threads())
