@@ -66,13 +66,16 @@ def test_crowded_buckets_and_ties_are_exact():
 
 
 @needs_kernels
-def test_nonfinite_values_are_reported_even_outside_the_sample():
+@pytest.mark.parametrize("at", [(5, 1, 7), (5, 1, 298), (31, 2, 299)], ids=["vectors", "row-tail", "last-row-tail"])
+def test_nonfinite_values_are_reported_even_outside_the_sample(at):
+    """Rows of 300 values: 296 read eight at a time, 4 one by one; a NaN or Inf in either part is found."""
     x = torch.randn(32, 3, 300)
-    x[5, 1, 7] = float("nan")
+    x[at] = float("nan")
     cache = SubsetCache(1000)  # 1,000 of 9,600 positions: the NaN is most likely not among them
     tq, _, _, finite = native.subset_quantiles(LIB, x, cache.positions(x), 11)
-    assert not finite and bool(tq[1].isnan().all()) and bool(tq[0].isfinite().all())
-    x[5, 1, 7] = float("inf")
+    others = [c for c in range(3) if c != at[1]]
+    assert not finite and bool(tq[at[1]].isnan().all()) and bool(tq[others].isfinite().all())
+    x[at] = float("inf")
     assert not native.subset_quantiles(LIB, x, cache.positions(x), 11)[3]
 
 
