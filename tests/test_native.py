@@ -343,6 +343,77 @@ def test_one_pass_recalibrate_equals_quantiles_then_map(tail):
 
 
 @needs_kernels
+@pytest.mark.parametrize("tail", ["average", "gaussian"])
+def test_recalibrate_returns_how_many_channels_it_left_unmapped(tail):
+    """The knots, moments and finite flags are outputs a caller may leave to the C side (NULL): the map
+    is the same, and the return value counts the channels with a non-finite value."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(16, 6, 300, generator=g)
+    x[2, 1, 7], x[5, 4, 299] = float("nan"), float("-inf")  # two channels, one value each
+    sq = torch.randn(6, 2000, generator=g).sort(1).values[:, torch.linspace(0, 1999, 101).long()]
+    source = LayerSource.create(sq, tail, torch.zeros(6), torch.ones(6), 0.01, 128)
+    pos = SubsetCache(1024).positions(x)
+    s = pos.shape[0]
+    rank_lo, frac = native._ranks(s, 101)
+
+    def call(outputs: tuple[torch.Tensor | None, ...]) -> tuple[int, torch.Tensor]:
+        y = torch.full_like(x, 12345.0)
+        status = LIB.aqr_recalibrate(
+            x.data_ptr(), y.data_ptr(), 16, 6, 300, pos.data_ptr(), None, None, s, 101, rank_lo.data_ptr(),
+            frac.data_ptr(), *native._histogram(s), sq.data_ptr(), native.TAIL_CODES[tail], source.loc.data_ptr(),
+            source.scale.data_ptr(), native._probits(source).data_ptr() if source.z else None, 128,
+            *(None if t is None else t.data_ptr() for t in outputs), 1)
+        return status, y
+
+    tq, moments, finite = torch.empty(6, 101), torch.empty(6, 2), torch.empty(6, dtype=torch.int32)
+    given, y_given = call((tq, moments, finite))
+    left, y_left = call((None, None, None))
+    assert given == left == 2
+    assert finite.tolist() == [1, 0, 1, 1, 0, 1]
+    assert torch.equal(y_given, y_left)
+    assert bool((y_left[:, [1, 4]] == 12345.0).all()) and not bool((y_left[:, [0, 2, 3, 5]] == 12345.0).any())
+    want = native.subset_quantiles(LIB, x[:, [0, 2, 3, 5]].contiguous(), SubsetCache(1024).positions(x[:, :4]), 101)[0]
+    assert torch.equal(tq[[0, 2, 3, 5]], want)
+
+
+@needs_kernels
+def test_a_bound_recalibrate_refuses_a_batch_of_another_shape():
+    x = torch.randn(8, 3, 64)
+    source = LayerSource.create(torch.randn(3, 11).sort(1).values, "average", None, None, 0.01, 32)
+    bound = native.BoundRecalibrate(LIB, x.shape, SubsetCache(256).positions(x), source)
+    assert torch.equal(bound(x)[0], native.recalibrate(LIB, x, SubsetCache(256).positions(x), source)[0])
+    for other in (torch.randn(9, 3, 64), torch.randn(8, 3, 8, 8), torch.randn(4, 3, 64)):
+        with pytest.raises(ValueError, match="bound to batches of shape"):
+            bound(other)
+    with pytest.raises(ValueError, match="channel-major"):
+        native.BoundRecalibrate(LIB, torch.Size((8, 3, 2, 7)), SubsetCache(256).positions(x), source)
+
+
+@needs_kernels
+def test_recalibrate_output_maps_a_layer_output_in_its_own_shape():
+    """A contiguous (N, C, H, W) output goes to its shape's bound call without views; the same values
+    as the (A, C, B) path, and a channels-last or channel-dim-last output takes that path."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(12, 5, 9, 9, generator=g)
+    source = LayerSource.create(torch.randn(5, 101, generator=g).sort(1).values, "average", None, None, 0.01, 256)
+    backend = choose_backend(source, SubsetCache(512), compile=False)
+    assert isinstance(backend, native.NativeBackend)
+    want, finite = backend.recalibrate(x.reshape(12, 5, 81))
+    got, ok = backend.recalibrate_output(x, 1)
+    assert ok is True and bool(finite) and got.shape == x.shape and torch.equal(got.reshape(12, 5, 81), want)
+    assert list(backend._bound) == [torch.Size((12, 5, 81)), x.shape]  # one bound call per shape seen
+    got_cl, ok = backend.recalibrate_output(x.contiguous(memory_format=torch.channels_last), 1)
+    assert bool(ok) and torch.equal(got_cl, got)
+    moved = x.movedim(1, -1).contiguous()  # channels last in the shape: the (A, C, B) view, B = 1
+    got_last, ok = backend.recalibrate_output(moved, -1)
+    want_last, _ = backend.recalibrate(moved.reshape(-1, 5, 1))
+    assert bool(ok) and torch.equal(got_last, want_last.reshape(moved.shape))
+    x[3, 2, 4, 4] = float("nan")
+    y, ok = backend.recalibrate_output(x, 1)
+    assert ok is False and y is x
+
+
+@needs_kernels
 def test_missing_tail_inputs_are_named_not_dereferenced():
     x = torch.randn(4, 3, 64)
     pos = SubsetCache(256).positions(x)

@@ -127,16 +127,20 @@ class LayerMap:
                             source_scale=source.scale, gaussian_p=self.config.gaussian_p)
 
     def _fast(self, x: torch.Tensor, pre: Affine | None = None,
-              unmapped: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+              unmapped: Callable[[], torch.Tensor] | None = None,
+              backend: LayerBackend | None = None) -> torch.Tensor:
         """The fast map of the layer output ``x``; with ``pre``, of ``pre[0] * x + pre[1]`` per
-        channel (a folded BatchNorm, whose own output ``unmapped()`` computes)."""
-        y, finite = self.backend(x.device).recalibrate(as_acb(x, self.info.channel_dim), pre)
-        y = y.reshape(x.shape)
+        channel (a folded BatchNorm, whose own output ``unmapped()`` computes). ``backend``: the
+        device's, where a caller has it."""
+        backend = self.backend(x.device) if backend is None else backend
+        y, finite = backend.recalibrate_output(x, self.info.channel_dim, pre)
         if self.logits_checked and not host_reads_are_cheap(x.device):
             # Reading ``finite`` would stall the GPU at every layer. A non-finite value makes its
             # channel's map NaN, which reaches the logits, and AQR.forward checks those once.
             # ("skip" is never folded here: it needs the unmapped output, see folded_forward.)
-            return torch.where(finite, y, x) if self.on_nonfinite == "skip" else y
+            if self.on_nonfinite != "skip":
+                return y
+            return torch.where(finite, y, x) if isinstance(finite, torch.Tensor) else (y if finite else x)
         if bool(finite):
             return y
         return self._nonfinite(x if unmapped is None else unmapped())
@@ -144,11 +148,11 @@ class LayerMap:
     def foldable(self, module: nn.Module) -> bool:
         """Whether this layer is a BatchNorm with running statistics that aqr's kernels (C on CPU,
         Triton on a GPU) can absorb into the map."""
-        return (
-            self.config.mode == "fast" and (self.config.native or self.config.triton)
-            and isinstance(module, nn.modules.batchnorm._BatchNorm)
-            and module.track_running_stats and module.running_mean is not None and module.running_var is not None
-        )
+        if not (self.config.mode == "fast" and (self.config.native or self.config.triton)
+                and isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats):
+            return False
+        var, mean, _, _ = batch_norm_tensors(module)
+        return var is not None and mean is not None
 
     def layer_forward(self, module: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
                       x: torch.Tensor) -> torch.Tensor:
@@ -171,12 +175,15 @@ class LayerMap:
     def _folded(self, module: nn.modules.batchnorm._BatchNorm, forward: Callable[[torch.Tensor], torch.Tensor],
                 x: torch.Tensor) -> torch.Tensor:
         """:meth:`folded_forward`'s call on ``x``."""
-        if (module.training or x.ndim < 2 or x.shape[1] != self.info.channels or x.numel() == 0
-                or not self.backend(x.device).folds(as_acb(x, 1))
-                # on a GPU "skip" would need the unmapped output too (no host read of `finite`)
-                or (self.on_nonfinite == "skip" and not host_reads_are_cheap(x.device))):
+        if module.training or x.ndim < 2 or x.shape[1] != self.info.channels or x.numel() == 0:
             return self(module, (x,), forward(x))
-        return self._fast(x, self._folded_affine(module), lambda: forward(x))
+        device = x.device
+        backend = self.backend(device)
+        if (not backend.folds(x)
+                # on a GPU "skip" would need the unmapped output too (no host read of `finite`)
+                or (self.on_nonfinite == "skip" and not host_reads_are_cheap(device))):
+            return self(module, (x,), forward(x))
+        return self._fast(x, self._folded_affine(module), lambda: forward(x), backend)
 
     def _folded_affine(self, module: nn.modules.batchnorm._BatchNorm) -> Affine:
         """The eval-mode BatchNorm as ``(scale, shift)`` per channel, as ATen's eval batch_norm computes it."""

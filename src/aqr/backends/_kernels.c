@@ -1041,35 +1041,46 @@ int aqr_table_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, con
 /* Channel-major layouts (B >= ROWS_LAYOUT_BELOW): aqr_subset_quantiles and aqr_table_map in one
    pass per channel. A channel's values are read for its extremes and sample, then mapped while
    they are still in cache, which saves one read of the layer output from memory. Channels whose
-   values are not all finite are left unmapped (finite[c] = 0). moments (C, 2) is required by the
-   parametric tails. Returns 0, -1 when scratch memory failed, or -2 for a channels-last layout,
-   sizes, positions or ranks out of bounds, or a missing array. */
+   values are not all finite are left unmapped (finite[c] = 0). tq (C, K), moments (C, 2) and
+   finite (C) are outputs a caller may pass NULL for (then kept in scratch: one allocation fewer
+   per layer for a caller that only wants y); moments are computed where given or where the tail
+   reads them (the parametric tails). Returns the number of channels left unmapped (0: every value
+   was finite), -1 when scratch memory failed, or -2 for a channels-last layout, sizes, positions
+   or ranks out of bounds, or a missing array. */
 int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, const int64_t *pos,
                     const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
                     const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
                     const float *sq, int tail, const float *loc, const float *scale, const double *z,
                     int64_t cells, float *tq, float *moments, int32_t *finite, int nthreads) {
     int sample = B >= ROWS_LAYOUT_BELOW && sizes_ok(A, C, B, K, cells) ? sample_ok(A, C, B, pos, S, K, rank_lo, nbins) : 0;
-    if (!sample ||
-        !tail_ok(tail, moments, moments, loc, scale, z))
-        return AQR_BAD_ARGUMENT;
+    /* the moments are given or made here: only the source's arrays are checked */
+    if (!sample || !tail_ok(tail, &tail, &tail, loc, scale, z)) return AQR_BAD_ARGUMENT;
+    const int parametric = tail == TAIL_INTERVAL || tail == TAIL_GAUSSIAN;
     int parts = num_parts(C, nthreads);
     char *qscratch = malloc((size_t)(parts * quant_scratch_bytes(S, nbins, K)));
     char *mscratch = malloc((size_t)(parts * map_scratch_bytes(K, cells)));
     float *ext = malloc(sizeof(float) * (size_t)(2 * C));
     int32_t *ext_nan = malloc(sizeof(int32_t) * (size_t)C);
-    int status = -1;
-    if (qscratch && mscratch && ext && ext_nan) {
+    /* the outputs not given: (C, K) knots, (C, 2) moments, (C) finite flags */
+    void *own = malloc(sizeof(float) * (size_t)(C * K + 2 * C) + sizeof(int32_t) * (size_t)C);
+    int status = AQR_NO_MEMORY;
+    if (qscratch && mscratch && ext && ext_nan && own) {
+        float *own_tq = (float *)own, *own_moments = own_tq + C * K;
+        tq = tq ? tq : own_tq;
+        moments = moments ? moments : (parametric ? own_moments : NULL);
+        finite = finite ? finite : (int32_t *)(own_moments + 2 * C);
         map_args m = {x, y, A, C, B, pre_scale, pre_shift, tq, sq, K, tail, moments, moments ? moments + 1 : NULL,
                       2, loc, scale, z, cells, mscratch};
         quant_args q = {x, pos, B, pre_scale, pre_shift, S, K, nbins, crowded, A, C, B, x, rank_lo, frac, tq, moments,
                         finite, qscratch, NULL, ext, ext + C, ext_nan, &m, sample == 2};
         parallel_for(quantiles_part, &q, C, parts);
         status = 0;
+        for (int64_t c = 0; c < C; c++) status += !finite[c];
     }
     free(qscratch);
     free(mscratch);
     free(ext);
     free(ext_nan);
+    free(own);
     return status;
 }

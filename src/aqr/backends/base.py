@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from aqr.backends.subsets import SubsetCache
+from aqr.core.layers import as_acb
 from aqr.core.qmap import PARAMETRIC_TAILS, check_tail, gaussian_z
 
 TAIL_CODES = {"standard": 0, "average": 0, "none": 1, "clip": 2, "interval": 3, "gaussian": 4, "clip-source": 5}  # as the kernels read them
@@ -115,7 +116,8 @@ class LayerBackend(abc.ABC):
         self.subsets = subsets
 
     def folds(self, x: torch.Tensor) -> bool:
-        """Whether folding a BatchNorm into the map (``pre``) saves a pass over ``x`` here."""
+        """Whether folding a BatchNorm into the map (``pre``) saves a pass over ``x`` (the BatchNorm's
+        input, channels on dim 1) here."""
         return False
 
     @abc.abstractmethod
@@ -130,3 +132,10 @@ class LayerBackend(abc.ABC):
         """``x`` (A, C, B) mapped with its own target knots, and whether every value was finite (0-d bool)."""
         targets = self.target_knots(x, pre)
         return self.apply(x, targets, pre), targets.finite
+
+    def recalibrate_output(self, out: torch.Tensor, channel_dim: int,
+                           pre: Affine | None = None) -> tuple[torch.Tensor, torch.Tensor | bool]:
+        """:meth:`recalibrate` of a layer output with its channels on ``channel_dim``, in ``out``'s shape
+        (a backend may skip the ``(A, C, B)`` views; whether every value was finite may come as a bool)."""
+        y, finite = self.recalibrate(as_acb(out, channel_dim), pre)
+        return y.reshape(out.shape), finite

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import torch
 
 from aqr.backends.base import TAIL_CODES, Affine, LayerBackend, LayerSource, Targets
 from aqr.backends.subsets import SubsetCache
+from aqr.core.layers import as_acb
 from aqr.core.qmap import PARAMETRIC_TAILS, quantile_levels
 
 ROWS_LAYOUT_BELOW = 16  # as in _kernels.c: fewer values per (row, channel) count as channels-last
@@ -144,6 +146,49 @@ def table_map(lib: ctypes.CDLL, x: torch.Tensor, targets: Targets, source: Layer
     return y
 
 
+class BoundRecalibrate:
+    """``aqr_recalibrate`` bound to one layer's source and one batch shape.
+
+    The positions, the ranks, the source knots and the tail's arrays stay the same from batch to
+    batch of one shape, so a call converts and passes only the batch, its output and the folded
+    affine step: a layer's Python around the C call is a few microseconds. ``shape`` is the layer
+    output's, channels on dim 1 (``(A, C, ...)``, read as ``(A, C, B)``: no views are made). It holds
+    no per-batch state (the C side keeps the knots, moments and finite flags in its own scratch), so
+    threads may share it.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, shape: torch.Size, positions: torch.Tensor, source: LayerSource) -> None:
+        a, c = shape[0], shape[1]
+        b = math.prod(shape[2:])
+        if b < ROWS_LAYOUT_BELOW:
+            raise ValueError(f"recalibrate takes channel-major layouts ({ROWS_LAYOUT_BELOW}+ values per row and "
+                             f"channel), got {b}")
+        s, k = positions.shape[0], source.num_quantiles
+        rank_lo, frac = _ranks(s, k)
+        sq, zs = source.knots.contiguous().float(), _probits(source)
+        self.shape = shape
+        self._fn = lib.aqr_recalibrate
+        self._what = f"{c} x {s} values"
+        self._sizes = (a, c, b, positions.data_ptr())
+        self._sample = (s, k, _ptr(rank_lo), _ptr(frac), *_histogram(s), _ptr(sq), _tail_code(source, True),
+                        _ptr_or_null(source.loc), _ptr_or_null(source.scale), _ptr_or_null(zs), source.cells,
+                        None, None, None)  # the knots, moments and finite flags: kept by the C side
+        self._keep = (positions, rank_lo, frac, sq, zs, source)  # the memory the pointers above read
+
+    def __call__(self, x: torch.Tensor, pre: Affine | None = None) -> tuple[torch.Tensor, bool]:
+        """The map of ``x`` (contiguous float32 on CPU, of :attr:`shape`; ``pre`` likewise) in ``x``'s
+        shape, and whether every value was finite (if not, its non-finite channels are never written)."""
+        if x.shape != self.shape:  # the C side reads A * C * B values
+            raise ValueError(f"recalibrate was bound to batches of shape {tuple(self.shape)}, got {tuple(x.shape)}")
+        y = torch.empty_like(x)
+        scale, shift = (None, None) if pre is None else (pre[0].data_ptr(), pre[1].data_ptr())
+        status = self._fn(x.data_ptr(), y.data_ptr(), *self._sizes, scale, shift, *self._sample,
+                          torch.get_num_threads())
+        if status < 0:
+            _check(status, "aqr_recalibrate", self._what)
+        return y, status == 0
+
+
 def recalibrate(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, source: LayerSource,
                 pre: Affine | None = None) -> tuple[torch.Tensor, bool]:
     """:func:`subset_quantiles` then :func:`table_map`, in one pass per channel (channel-major ``x``).
@@ -152,25 +197,7 @@ def recalibrate(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, sour
     mapped ``x`` and whether every value was finite; if not, the output's non-finite channels hold
     no values (they are never written).
     """
-    a, c, b = x.shape
-    if b < ROWS_LAYOUT_BELOW:
-        raise ValueError(f"recalibrate takes channel-major layouts ({ROWS_LAYOUT_BELOW}+ values per row and channel), got {b}")
-    code = _tail_code(source, True)
-    s, k = positions.shape[0], source.num_quantiles
-    rank_lo, frac = _ranks(s, k)
-    y = torch.empty_like(x)
-    tq = torch.empty(c, k)
-    moments = torch.empty(c, 2) if source.needs_moments else None
-    finite = torch.empty(c, dtype=torch.int32)
-    sq = source.knots.contiguous().float()
-    zs = _probits(source)
-    status = lib.aqr_recalibrate(
-        _ptr(x), _ptr(y), a, c, b, _ptr(positions), *_affine_ptrs(pre), s, k, _ptr(rank_lo), _ptr(frac),
-        *_histogram(s), _ptr(sq), code, _ptr_or_null(source.loc), _ptr_or_null(source.scale), _ptr_or_null(zs),
-        source.cells, _ptr(tq), _ptr_or_null(moments), _ptr(finite), torch.get_num_threads(),
-    )
-    _check(status, "aqr_recalibrate", f"{c} x {s} values")
-    return y, bool(finite.all())
+    return BoundRecalibrate(lib, x.shape, positions, source)(x, pre)
 
 
 def native_takes(x: torch.Tensor) -> bool:
@@ -189,6 +216,9 @@ class NativeBackend(LayerBackend):
         super().__init__(source, subsets)
         self.lib = lib
         self.fallback = fallback
+        self._bound: dict[torch.Size, BoundRecalibrate] = {}  # per batch shape (channels on dim 1); filled idempotently
+        # recalibrate's flags, made once (callers only read them) rather than a tensor per layer and batch
+        self._all_finite, self._not_finite = torch.tensor(True), torch.tensor(False)
 
     def folds(self, x: torch.Tensor) -> bool:
         return native_takes(x)
@@ -212,9 +242,28 @@ class NativeBackend(LayerBackend):
             return self.fallback.recalibrate(x, pre)
         x = x.contiguous()
         if x.shape[2] >= ROWS_LAYOUT_BELOW:  # one pass per channel, quantiles then map
-            y, finite = recalibrate(self.lib, x, self.subsets.positions(x), self.source, pre)
+            y, finite = self._bound_to(x)(x, pre)
         else:
             targets = self.target_knots(x, pre)
             finite = bool(targets.finite)
             y = self.apply(x, targets, pre) if finite else x
-        return (y, torch.tensor(True)) if finite else (x, torch.tensor(False))
+        return (y, self._all_finite) if finite else (x, self._not_finite)
+
+    def recalibrate_output(self, out: torch.Tensor, channel_dim: int,
+                           pre: Affine | None = None) -> tuple[torch.Tensor, torch.Tensor | bool]:
+        """As :meth:`LayerBackend.recalibrate_output`; a contiguous channel-major output (channels on
+        dim 1, 16+ values per row and channel) goes straight to its shape's bound call, in its own shape."""
+        bound = self._bound.get(out.shape)
+        if (bound is not None or (out.ndim >= 3 and math.prod(out.shape[2:]) >= ROWS_LAYOUT_BELOW)) \
+                and channel_dim % out.ndim == 1 and native_takes(out) and out.is_contiguous():
+            y, finite = (bound or self._bound_to(out))(out, pre)
+            return (y, True) if finite else (out, False)
+        return super().recalibrate_output(out, channel_dim, pre)
+
+    def _bound_to(self, x: torch.Tensor) -> BoundRecalibrate:
+        """The bound call for batches of ``x``'s shape (channels on dim 1), made on first use."""
+        bound = self._bound.get(x.shape)
+        if bound is None:
+            positions = self.subsets.positions(as_acb(x, 1))
+            bound = self._bound.setdefault(x.shape, BoundRecalibrate(self.lib, x.shape, positions, self.source))
+        return bound

@@ -24,6 +24,7 @@ import torch
 
 from aqr.backends.base import TAIL_CODES, Affine, LayerBackend, LayerSource, Targets
 from aqr.backends.subsets import SubsetCache
+from aqr.core.layers import as_acb
 from aqr.core.qmap import quantile_levels
 
 try:  # the kernels need triton; without it this backend is simply unavailable
@@ -87,7 +88,7 @@ class TritonBackend(LayerBackend):
         return self._ranks[samples]
 
     def folds(self, x: torch.Tensor) -> bool:
-        return self.takes(x)
+        return self.takes(as_acb(x, 1))
 
     def histogram(self, x: torch.Tensor) -> bool:
         """Whether the knots of ``x`` (A, C, B) come from the histogram of every value (else from the

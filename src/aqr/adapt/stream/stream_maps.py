@@ -23,7 +23,7 @@ from aqr.adapt.stream.native_kernels import NativeStreamKernels, native_stream_k
 from aqr.adapt.stream.robust import MARGINAL_WINDOW, BatchGroups, RobustLayerStream
 from aqr.adapt.stream.running import LayerStream, Staged, StreamSettings
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
-from aqr.backends import Affine, SubsetCache, Targets
+from aqr.backends import Affine, LayerBackend, SubsetCache, Targets
 from aqr.backends.native import NativeBackend, native_takes
 from aqr.core.layers import as_acb
 from aqr.core.stats import SourceStats
@@ -180,8 +180,10 @@ class StreamLayerMap(LayerMap):
         return sum(stream.memory_bytes() for stream in self.streams.values())
 
     def _fast(self, x: torch.Tensor, pre: Affine | None = None,
-              unmapped: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
-        """The layer output ``x`` mapped with the running estimate; the batch's update is staged."""
+              unmapped: Callable[[], torch.Tensor] | None = None,
+              backend: LayerBackend | None = None) -> torch.Tensor:
+        """The layer output ``x`` mapped with the running estimate; the batch's update is staged.
+        (``backend``, the per-batch map's, is not used.)"""
         if self.batch.held:
             return self._held(x, pre, unmapped)
         state = stream = self.stream(x.device)
