@@ -637,22 +637,30 @@ static inline __m256 exact_at8_gathered(const float *g_in, const int32_t *p_in, 
 }
 
 /* exact_at8_gathered, where the eight points' knots lie within the eight from j0 = clamp(p[0] - 1,
-   0, K - 2): the knots, tie-run starts and source levels are read from those eight by permutes
-   (gathers are slow on some CPUs; a table's 1,025 points took 9,400 cycles with them, 3,800 so).
+   0, K - 2), or from K - 8 where j0 is past it: the knots, tie-run starts and source levels are
+   read from those eight by permutes (gathers are slow on some CPUs; a table's 1,025 points took
+   9,400 cycles with them, 3,800 so; starting no window past K - 8, the grid's points in the top
+   seven intervals all took gathers, and a table 10-18 % longer).
    The grid ascends, so p[l] does (a prefix sum of counts): lanes 0 and 7 bound every lane's knots.
    Points whose source levels reach outside the window (a tie run starting below j0) take gathers. */
 static inline __m256 exact_at8(const float *g_in, const int32_t *p_in, const float *tq, const float *sq,
                                const int32_t *run_start, int64_t K) {
-    const int32_t j0 = p_in[0] - 1 < 0 ? 0 : (p_in[0] - 1 > (int32_t)(K - 2) ? (int32_t)(K - 2) : p_in[0] - 1);
-    const int32_t last7 = p_in[7] - 1 < 0 ? 0 : p_in[7] - 1;
-    if (K < 8 || j0 > K - 8 || last7 - j0 > 6) return exact_at8_gathered(g_in, p_in, tq, sq, run_start, K);
+    if (K < 8) return exact_at8_gathered(g_in, p_in, tq, sq, run_start, K);
+    /* the window starts at lane 0's interval, or at K - 8 where that is past it (the grid's top
+       points: their intervals are the last few) */
+    int32_t j0 = p_in[0] - 1 < 0 ? 0 : (p_in[0] - 1 > (int32_t)(K - 2) ? (int32_t)(K - 2) : p_in[0] - 1);
+    j0 = j0 > (int32_t)(K - 8) ? (int32_t)(K - 8) : j0;
+    const int32_t last7 = p_in[7] - 1 < 0 ? 0 : p_in[7] - 1, j7 = last7 > (int32_t)(K - 2) ? (int32_t)(K - 2) : last7;
+    /* every lane's interval j in [j0, j0 + 6]; then its upper knot and its last knot (at most j + 1,
+       as p <= K) lie in the window too */
+    if (j7 - j0 > 6) return exact_at8_gathered(g_in, p_in, tq, sq, run_start, K);
     const __m256i one_i = _mm256_set1_epi32(1), base = _mm256_set1_epi32(j0);
     const __m256 knots = _mm256_loadu_ps(tq + j0); /* tq[j0 .. j0 + 7], j0 + 7 <= K - 1 */
     const __m256 g = _mm256_loadu_ps(g_in);
     const __m256i p = _mm256_loadu_si256((const __m256i *)p_in);
     const __m256i last = _mm256_max_epi32(_mm256_sub_epi32(p, one_i), _mm256_setzero_si256());
     const __m256i j = _mm256_min_epi32(last, _mm256_set1_epi32((int)(K - 2))); /* in [j0, j0 + 6] */
-    const __m256i jw = _mm256_sub_epi32(j, base), lw = _mm256_sub_epi32(last, base); /* lw in [0, 6] */
+    const __m256i jw = _mm256_sub_epi32(j, base), lw = _mm256_sub_epi32(last, base); /* lw in [0, 7] */
     const __m256i first = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(run_start + j0)), lw);
     const __m256 u = level_at8(g, p, j, last, _mm256_permutevar8x32_ps(knots, jw),
                                _mm256_permutevar8x32_ps(knots, _mm256_add_epi32(jw, one_i)),
