@@ -229,6 +229,22 @@ static void channel_extremes(quant_args *a, int64_t c) {
     a->ext_nan[c] = nan;
 }
 
+#ifdef AQR_WIDE_LOOKUP
+/* buf[i] = xc[pos[i]] * pa + pb for the first i of S sampled positions, eight at a time with
+   AVX-512's gathers (where aqr_choose_lookup found gathers the faster; same operations lane by
+   lane); returns how many it read, a multiple of 8. The positions are in bounds (sample_ok). */
+AQR_WIDE static int64_t gather_sample_wide(const float *xc, const int64_t *pos, int64_t S, float pa, float pb,
+                                           float *buf) {
+    const __m256 vpa = _mm256_set1_ps(pa), vpb = _mm256_set1_ps(pb);
+    int64_t i = 0;
+    for (; i + 8 <= S; i += 8) {
+        const __m256 v = _mm512_i64gather_ps(_mm512_loadu_si512((const void *)(pos + i)), xc, 4);
+        _mm256_storeu_ps(buf + i, _mm256_add_ps(_mm256_mul_ps(v, vpa), vpb));
+    }
+    return i;
+}
+#endif
+
 static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
     quant_args *a = (quant_args *)p;
     const int64_t S = a->S, K = a->K;
@@ -268,7 +284,11 @@ static void quantiles_part(void *p, int part, int64_t c0, int64_t c1) {
                 for (int64_t j = 0; j < a->B; j++) br[j] = xr[j] * pa + pb;
             }
         } else if (a->pos) {
-            for (int64_t i = 0; i < S; i++) buf[i] = xc[a->pos[i]] * pa + pb;
+            int64_t i = 0;
+#ifdef AQR_WIDE_LOOKUP
+            if (aqr_wide_lookup) i = gather_sample_wide(xc, a->pos, S, pa, pb, buf);
+#endif
+            for (; i < S; i++) buf[i] = xc[a->pos[i]] * pa + pb;
         } else { /* already gathered, channel by channel (transpose_part) */
             for (int64_t i = 0; i < S; i++) buf[i] = xc[i] * pa + pb;
         }
