@@ -355,13 +355,14 @@ def test_recalibrate_returns_how_many_channels_it_left_unmapped(tail):
     pos = SubsetCache(1024).positions(x)
     s = pos.shape[0]
     rank_lo, frac = native._ranks(s, 101)
+    zs = native._probits(source)  # held: the C side reads it
 
     def call(outputs: tuple[torch.Tensor | None, ...]) -> tuple[int, torch.Tensor]:
         y = torch.full_like(x, 12345.0)
         status = LIB.aqr_recalibrate(
             x.data_ptr(), y.data_ptr(), 16, 6, 300, pos.data_ptr(), None, None, s, 101, rank_lo.data_ptr(),
             frac.data_ptr(), *native._histogram(s), sq.data_ptr(), native.TAIL_CODES[tail], source.loc.data_ptr(),
-            source.scale.data_ptr(), native._probits(source).data_ptr() if source.z else None, 128,
+            source.scale.data_ptr(), None if zs is None else zs.data_ptr(), 128,
             *(None if t is None else t.data_ptr() for t in outputs), 1)
         return status, y
 
@@ -372,8 +373,13 @@ def test_recalibrate_returns_how_many_channels_it_left_unmapped(tail):
     assert finite.tolist() == [1, 0, 1, 1, 0, 1]
     assert torch.equal(y_given, y_left)
     assert bool((y_left[:, [1, 4]] == 12345.0).all()) and not bool((y_left[:, [0, 2, 3, 5]] == 12345.0).any())
-    want = native.subset_quantiles(LIB, x[:, [0, 2, 3, 5]].contiguous(), SubsetCache(1024).positions(x[:, :4]), 101)[0]
-    assert torch.equal(tq[[0, 2, 3, 5]], want)
+    kept = [0, 2, 3, 5]
+    x_kept = x[:, kept].contiguous()
+    want = native.subset_quantiles(LIB, x_kept, SubsetCache(1024).positions(x_kept), 101)
+    assert torch.equal(tq[kept], want[0])
+    kept_source = LayerSource.create(sq[kept], tail, torch.zeros(4), torch.ones(4), 0.01, 128)
+    two_steps = native.table_map(LIB, x_kept, _targets(*want[:3]), kept_source)  # the quantiles, then the map
+    assert torch.equal(y_left[:, kept], two_steps)
 
 
 @needs_kernels
@@ -384,6 +390,9 @@ def test_a_bound_recalibrate_refuses_a_batch_of_another_shape():
     assert torch.equal(bound(x)[0], native.recalibrate(LIB, x, SubsetCache(256).positions(x), source)[0])
     for other in (torch.randn(9, 3, 64), torch.randn(8, 3, 8, 8), torch.randn(4, 3, 64)):
         with pytest.raises(ValueError, match="bound to batches of shape"):
+            bound(other)
+    for other in (x.double(), x.half(), torch.randn(8, 64, 3).transpose(1, 2), torch.randn(1, 1, 64).expand(8, 3, 64)):
+        with pytest.raises(ValueError, match="contiguous float32"):
             bound(other)
     with pytest.raises(ValueError, match="channel-major"):
         native.BoundRecalibrate(LIB, torch.Size((8, 3, 2, 7)), SubsetCache(256).positions(x), source)
@@ -408,6 +417,7 @@ def test_recalibrate_output_maps_a_layer_output_in_its_own_shape():
     got_last, ok = backend.recalibrate_output(moved, -1)
     want_last, _ = backend.recalibrate(moved.reshape(-1, 5, 1))
     assert bool(ok) and torch.equal(got_last, want_last.reshape(moved.shape))
+    assert list(backend._bound) == [torch.Size((12, 5, 81)), x.shape]  # neither took a bound call of its own
     x[3, 2, 4, 4] = float("nan")
     y, ok = backend.recalibrate_output(x, 1)
     assert ok is False and y is x

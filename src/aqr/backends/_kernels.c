@@ -928,7 +928,7 @@ static void map_row(const map_args *a, int64_t c, const float *xp, float *yp, in
     }
     if (any) resolve_row(a, c, xp, yp, i, pa, pb);
 #else
-    (void)spread;
+    if (spread) prefetch_floats(spread, n); /* no blocks of eight here: the whole row at once */
 #endif
     for (; i < n; i++) {
         float v = xp[i] * pa + pb;

@@ -180,6 +180,9 @@ class BoundRecalibrate:
         shape, and whether every value was finite (if not, its non-finite channels are never written)."""
         if x.shape != self.shape:  # the C side reads A * C * B values
             raise ValueError(f"recalibrate was bound to batches of shape {tuple(self.shape)}, got {tuple(x.shape)}")
+        if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():  # ... as one float32 block
+            raise ValueError(f"recalibrate reads contiguous float32 CPU batches, got {x.dtype} on {x.device}"
+                             f"{'' if x.is_contiguous() else ', not contiguous'}")
         y = torch.empty_like(x)
         scale, shift = (None, None) if pre is None else (pre[0].data_ptr(), pre[1].data_ptr())
         status = self._fn(x.data_ptr(), y.data_ptr(), *self._sizes, scale, shift, *self._sample,
@@ -217,7 +220,8 @@ class NativeBackend(LayerBackend):
         self.lib = lib
         self.fallback = fallback
         self._bound: dict[torch.Size, BoundRecalibrate] = {}  # per batch shape (channels on dim 1); filled idempotently
-        # recalibrate's flags, made once (callers only read them) rather than a tensor per layer and batch
+        # recalibrate's flags, made once rather than a tensor per layer and batch: shared by every caller,
+        # which only reads them (never in place)
         self._all_finite, self._not_finite = torch.tensor(True), torch.tensor(False)
 
     def folds(self, x: torch.Tensor) -> bool:
