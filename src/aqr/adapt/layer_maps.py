@@ -16,7 +16,7 @@ from torch import nn
 
 from aqr.adapt.config import AQRConfig
 from aqr.backends import Affine, LayerBackend, LayerSource, SubsetCache, choose_backend
-from aqr.core.layers import NonFiniteActivationError, as_acb, check_output
+from aqr.core.layers import NonFiniteActivationError, check_output
 from aqr.core.qmap import channel_quantiles, quantile_map
 from aqr.core.stats import SourceStats
 
