@@ -65,9 +65,12 @@ static int sample_ok(int64_t A, int64_t C, int64_t B, const int64_t *pos, int64_
    that must be given. Clip-source came after the others, so its code is last. */
 enum { TAIL_EQ1 = 0, TAIL_NONE = 1, TAIL_CLIP = 2, TAIL_INTERVAL = 3, TAIL_GAUSSIAN = 4, TAIL_CLIP_SOURCE = 5 };
 
+/* Whether the tail reads the sample's mean and std and the source's scale. */
+static int tail_parametric(int tail) { return tail == TAIL_INTERVAL || tail == TAIL_GAUSSIAN; }
+
 static int tail_ok(int tail, const void *mean, const void *std, const void *loc, const void *scale, const void *z) {
     if (tail < TAIL_EQ1 || tail > TAIL_CLIP_SOURCE) return 0;
-    if ((tail == TAIL_INTERVAL || tail == TAIL_GAUSSIAN) && (!std || !scale)) return 0;
+    if (tail_parametric(tail) && (!std || !scale)) return 0;
     return tail != TAIL_GAUSSIAN || (mean && loc && z);
 }
 
@@ -558,7 +561,7 @@ static void tail_lines(const map_args *a, int64_t c, float lines[4]) {
     float t0 = tq[0], t1 = tq[1], t98 = tq[K - 2], t99 = tq[K - 1];
     float s0 = sq[0], s1 = sq[1], s98 = sq[K - 2], s99 = sq[K - 1];
     float std = 1.0f, scale = 0.0f;
-    if (a->tail == TAIL_INTERVAL || a->tail == TAIL_GAUSSIAN) {
+    if (tail_parametric(a->tail)) {
         float sd = a->std[c * a->mstride];
         std = sd > 0 ? sd : 1.0f; /* constant channel: no spread to rescale */
         scale = a->scale[c];
@@ -1130,7 +1133,6 @@ int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, c
     int sample = B >= ROWS_LAYOUT_BELOW && sizes_ok(A, C, B, K, cells) ? sample_ok(A, C, B, pos, S, K, rank_lo, nbins) : 0;
     /* the moments are given or made here: only the source's arrays are checked */
     if (!sample || !tail_ok(tail, &tail, &tail, loc, scale, z)) return AQR_BAD_ARGUMENT;
-    const int parametric = tail == TAIL_INTERVAL || tail == TAIL_GAUSSIAN;
     int parts = num_parts(C, nthreads);
     char *qscratch = malloc((size_t)(parts * quant_scratch_bytes(S, nbins, K)));
     char *mscratch = malloc((size_t)(parts * map_scratch_bytes(K, cells)));
@@ -1142,7 +1144,7 @@ int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, c
     if (qscratch && mscratch && ext && ext_nan && own) {
         float *own_tq = (float *)own, *own_moments = own_tq + C * K;
         tq = tq ? tq : own_tq;
-        moments = moments ? moments : (parametric ? own_moments : NULL);
+        moments = moments ? moments : (tail_parametric(tail) ? own_moments : NULL);
         finite = finite ? finite : (int32_t *)(own_moments + 2 * C);
         map_args m = {x, y, A, C, B, pre_scale, pre_shift, tq, sq, K, tail, moments, moments ? moments + 1 : NULL,
                       2, loc, scale, z, cells, mscratch};

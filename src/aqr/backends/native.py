@@ -257,10 +257,9 @@ class NativeBackend(LayerBackend):
                            pre: Affine | None = None) -> tuple[torch.Tensor, torch.Tensor | bool]:
         """As :meth:`LayerBackend.recalibrate_output`; a contiguous channel-major output (channels on
         dim 1, 16+ values per row and channel) goes straight to its shape's bound call, in its own shape."""
-        bound = self._bound.get(out.shape)
-        if (bound is not None or (out.ndim >= 3 and math.prod(out.shape[2:]) >= ROWS_LAYOUT_BELOW)) \
-                and channel_dim % out.ndim == 1 and native_takes(out) and out.is_contiguous():
-            y, finite = (bound or self._bound_to(out))(out, pre)
+        if (out.ndim >= 3 and channel_dim % out.ndim == 1 and math.prod(out.shape[2:]) >= ROWS_LAYOUT_BELOW
+                and native_takes(out) and out.is_contiguous()):
+            y, finite = self._bound_to(out)(out, pre)
             return (y, True) if finite else (out, False)
         return super().recalibrate_output(out, channel_dim, pre)
 
