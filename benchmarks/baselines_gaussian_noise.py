@@ -24,7 +24,7 @@ from torch import nn
 import aqr
 from aqr import models
 from aqr.data import DataDirError, resolve_data_dir, to_float
-from aqr.methods import NotApplicable, create, method_class, softmax_entropy
+from aqr.methods import NotApplicable, create, declaration, softmax_entropy
 
 def load_model(path: Path) -> nn.Module:
     """ResNet-20 with the akamaster weights, taking inputs in [0, 1] (normalization inside)."""
@@ -86,7 +86,7 @@ def main() -> None:
     for name in args.methods.split(","):
         options: dict = {"protocol": args.protocol}
         t0 = time.perf_counter()
-        if method_class(name).needs_stats:
+        if declaration(name).needs.stats is not None:
             clean_src = to_float(data["x"][:5000])
             options["stats"] = aqr.calibrate(model, [clean_src[i : i + 500] for i in range(0, 5000, 500)])
             print(f"  ({name} calibration on clean 0-4999: {time.perf_counter() - t0:.1f}s)")

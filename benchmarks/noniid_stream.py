@@ -132,16 +132,12 @@ def main(argv: list[str] | None = None) -> int:
             if (str(order), name) in done:
                 continue
             spec = MethodSpec.parse(name)
-            cls = methods.method_class(spec.name)
-            options = dict(spec.options)
-            if cls.needs_stats:
-                if stats is None:
-                    p.error(f"method {name!r} needs --stats")
-                options["stats"] = stats
-            if cls.needs_batch_size:
-                options["batch_size"] = args.batch
+            method_plan = methods.plan(spec.name, {**spec.options, "protocol": "online", "seed": args.seed},
+                                       batch_size=args.batch)
+            if method_plan.needs.stats is not None and stats is None:
+                p.error(f"method {name!r} needs --stats")
             try:
-                method = methods.create(spec.name, model, protocol="online", seed=args.seed, **options)
+                method = method_plan.build(model, stats=stats if method_plan.needs.stats is not None else None)
             except methods.NotApplicable as err:  # e.g. a BatchNorm method on a GroupNorm model
                 print(f"{name}: not applicable ({err})", flush=True)
                 continue

@@ -609,9 +609,8 @@ def test_git_commit_is_dirty_only_for_changes_to_the_package(tmp_path: Path) -> 
 
 
 def test_bench_gives_eata_the_cells_source_images(tiny: GridSpec, tmp_path: Path) -> None:
-    from aqr.harness.cell_run import build_method, method_source
+    from aqr.harness.cell_run import build_method, cell_plan, method_source
     from aqr.harness.inputs import load_source
-    from aqr.methods import method_class
     from aqr.methods.eata import fisher_information
 
     config = _grid_file(tiny, tmp_path / "grid.json")
@@ -628,14 +627,13 @@ def test_bench_gives_eata_the_cells_source_images(tiny: GridSpec, tmp_path: Path
     # in batches of the cell's size, a seeded draw
     cell = next(c for c in tiny.cells() if c.model.name == "tiny_bn" and c.corruption == "gaussian_noise")
     eata_cell = replace(cell, method="eata", options=(("source_images", 20),))
-    batches = list(method_source(eata_cell, eata_cell.option_dict, method_class("eata")))
+    batches = list(method_source(eata_cell, cell_plan(eata_cell).config))
     assert [len(b[0]) for b in batches] == [16, 4]
     pool = {tuple(to_float(x[None])[0].flatten().tolist()) for x in load_source(cell.model)[0]}
     drawn = torch.cat([b[0] for b in batches])
     assert all(tuple(x.flatten().tolist()) in pool for x in drawn)
     assert len({tuple(x.flatten().tolist()) for x in drawn}) == 20
-    reseeded = torch.cat([b[0] for b in method_source(replace(eata_cell, seed=1), eata_cell.option_dict,
-                                                      method_class("eata"))])
+    reseeded = torch.cat([b[0] for b in method_source(replace(eata_cell, seed=1), cell_plan(eata_cell).config)])
     assert not torch.equal(drawn, reseeded)
 
     # ... and the method's Fisher is the one of those batches

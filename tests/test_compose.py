@@ -379,7 +379,7 @@ def test_options_route_to_their_part() -> None:
                                                         on_nonfinite="skip")
     assert (method.config.optimizer, method.config.lr, method.config.temperature) == ("sgd", 2.5e-4, 0.5)
     assert isinstance(method.optimizer, torch.optim.SGD)
-    with pytest.raises(TypeError, match="unexpected keyword"):
+    with pytest.raises(TypeError, match="takes no option"):
         create("aqr+tent", model, stats=stats, nope=1)
     with pytest.raises(TypeError, match="needs stats="):
         create("aqr+eta", model)

@@ -76,9 +76,9 @@ def manual_step(method: methods.TTAMethod, loss_of_logits, x: torch.Tensor, lr: 
 def test_registered_with_declarations() -> None:
     for name in NAMES:
         assert name in methods.available()
-        cls = methods.method_class(name)
-        assert (cls.needs_stats, cls.needs_batch_size, cls.needs_source) == (False, False, name == "eata")
-    assert not methods.method_class("tent").needs_source
+        needs = methods.declaration(name).needs
+        assert (needs.stats, needs.batch_size, needs.source) == (None, False, name == "eata")
+    assert not methods.declaration("tent").needs.source
 
 
 def test_presets_follow_the_reference_configs() -> None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aqr.methods.rotta_memory import ClassBalancedMemory
-from aqr.methods import NotApplicable, create, method_class
+from aqr.methods import NotApplicable, create, method_class, plan
 from aqr.methods.augment import (STRONG, AugmentParams, Generators, adjust_hue, affine, gaussian_blur, hsv_to_rgb,
                                  rgb_to_hsv, tta_augment)
 from aqr.methods.cotta import soft_cross_entropy, weight_and_bias
@@ -402,10 +402,10 @@ def test_one_optimizer_config_and_preset_helper_for_the_field_methods() -> None:
 
     for name in ("eta", "roid", "deyo", "cotta", "rotta"):
         for defaults in ("cifar10", "imagenet"):
-            config = method_class(name).from_options(defaults=defaults)
+            config = plan(name, {"defaults": defaults}).config
             assert isinstance(config, OptimizerConfig) and config.defaults == defaults
         with pytest.raises(ValueError, match=f"{name}: defaults must be one of"):
-            method_class(name).from_options(defaults="mnist")
+            plan(name, {"defaults": "mnist"})
     # SGD without momentum is plain SGD, whatever nesterov says (torch refuses Nesterov without momentum)
     sgd = create("cotta", bn_cnn(), optimizer="sgd", momentum=0.0).optimizer
     assert isinstance(sgd, torch.optim.SGD) and not sgd.param_groups[0]["nesterov"]

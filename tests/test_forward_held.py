@@ -13,7 +13,7 @@ from torch import nn
 
 import aqr
 from aqr.core.layers import NonFiniteActivationError
-from aqr.methods import METHODS, create, method_class
+from aqr.methods import METHODS, create, declaration
 from aqr.methods.roid import prior_correction
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,11 +53,11 @@ PRE_AFFINE_STATS = aqr.calibrate(NET, [images(64, seed=s) for s in range(2)], nu
 
 def options(name: str, protocol: str, target: str | None = None) -> dict:
     """Options under which method ``name`` adapts on the tiny net (filters open, stochastic parts exercised)."""
-    cls = method_class(name)
+    needs = declaration(name).needs
     opts: dict = {"protocol": protocol}
-    if cls.needs_stats:
-        opts["stats"] = PRE_AFFINE_STATS if getattr(cls, "stats_point", "output") == "pre-affine" else STATS
-    if cls.needs_source:
+    if needs.stats is not None:
+        opts["stats"] = PRE_AFFINE_STATS if needs.stats == "pre-affine" else STATS
+    if needs.source:
         opts["source"] = images(32, seed=11)
     opts |= {
         "tent": {"lr": 0.05},

@@ -430,17 +430,25 @@ def test_aqr_behind_the_same_interface() -> None:
 
 
 def test_methods_declare_what_a_caller_must_supply() -> None:
-    needs = {name: (cls.needs_stats, cls.needs_batch_size, cls.needs_source)
-             for name, cls in ((n, methods.method_class(n)) for n in methods.available())}
-    assert needs == {"source": (False, False, False), "ttn": (False, False, False), "tent": (False, True, False),
-                     "sar": (False, True, False), "aqr": (True, False, False), "moments": (True, False, False),
-                     "rbn": (False, False, False), "bn-ema": (False, False, False), "eta": (False, False, False),
-                     "eata": (False, False, True), "roid": (False, False, False), "deyo": (False, False, False),
-                     "cotta": (False, False, False), "rotta": (False, False, False), "lame": (False, False, False),
-                     "aqr+tent": (True, True, False), "aqr+eta": (True, False, False), "aqr+roid": (True, False, False),
-                     "aqr+lame": (True, False, False)}
+    needs = {name: (d.needs.stats, d.needs.batch_size, d.needs.source)
+             for name, d in ((n, methods.declaration(n)) for n in methods.available())}
+    out, pre = "output", "pre-affine"
+    assert needs == {"source": (None, False, False), "ttn": (None, False, False), "tent": (None, True, False),
+                     "sar": (None, True, False), "aqr": (out, False, False), "moments": (out, False, False),
+                     "rbn": (None, False, False), "bn-ema": (None, False, False), "eta": (None, False, False),
+                     "eata": (None, False, True), "roid": (None, False, False), "deyo": (None, False, False),
+                     "cotta": (None, False, False), "rotta": (None, False, False), "lame": (None, False, False),
+                     "aqr+tent": (pre, True, False), "aqr+eta": (pre, False, False), "aqr+roid": (pre, False, False),
+                     "aqr+lame": (out, False, False)}
+    maps = {name for name in methods.available() if methods.declaration(name).maps_quantiles}
+    assert maps == {"aqr", "aqr+tent", "aqr+eta", "aqr+roid", "aqr+lame"}
+    for name in methods.available():  # the class carries the one declaration it was registered with
+        d = methods.declaration(name)
+        assert (d.cls.name, d.cls.Config, d.cls.declaration) == (name, d.config, d)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         methods.method_class("nope")
+    with pytest.raises(KeyError, match="did you mean 'tent'"):
+        methods.plan("tnet")
 
 
 def test_aqr_options_are_a_typed_config() -> None:
@@ -450,8 +458,8 @@ def test_aqr_options_are_a_typed_config() -> None:
     stats = aqr.calibrate(net, [images(n=32, seed=s) for s in range(2)])
     m = create("aqr", net, stats=stats, tail="clip", grid=64)
     assert isinstance(m.config, methods.AQRMethodConfig) and isinstance(m.config, aqr.AQRConfig)
-    assert (m.config.tail, m.config.grid, m.config.mode) == ("clip", 64, "fast") and m.config.stats is stats
-    assert m.adapter.config == aqr.AQRConfig(tail="clip", grid=64)
+    assert (m.config.tail, m.config.grid, m.config.mode) == ("clip", 64, "fast") and m.stats is stats
+    assert m.aqr.config == aqr.AQRConfig(tail="clip", grid=64)
     assert "stats" not in repr(m.config)
     with pytest.raises(TypeError, match="turbo"):
         create("aqr", net, stats=stats, turbo=True)
@@ -507,7 +515,7 @@ def test_moments_equals_the_direct_computation(kind: str) -> None:
     assert not torch.allclose(got, plain, atol=1e-2)
     assert same_state(before, state_of(net))
     assert torch.equal(create("moments", net, stats=stats, protocol="online")(x), got)
-    assert isinstance(method.config, methods.MomentsConfig) and method.adapter.config.match == "moments"
+    assert isinstance(method.config, methods.MomentsConfig) and method.aqr.config.match == "moments"
 
 
 def test_moments_on_batchnorm_is_ttn_with_the_measured_source_moments() -> None:
@@ -532,7 +540,7 @@ def test_moments_layers_and_nonfinite_policy() -> None:
 
     net = conv_net("gn")
     stats = aqr.calibrate(net, [images(n=32, seed=s) for s in range(2)])
-    assert create("moments", net, stats=stats, layers=["norm2"]).adapter.layer_names == ["norm2"]
+    assert create("moments", net, stats=stats, layers=["norm2"]).aqr.layer_names == ["norm2"]
     with pytest.raises(TypeError, match="'moments' method needs stats"):
         create("moments", net)
     with pytest.raises(TypeError):

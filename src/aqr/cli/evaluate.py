@@ -81,34 +81,30 @@ def _test_data(args: argparse.Namespace, model):
 def _run(args: argparse.Namespace) -> int:
     from aqr.core.stats import SourceStats
     from aqr.harness.cells import index_count
-    from aqr.methods import NotApplicable, create, method_class
+    from aqr.methods import NotApplicable, plan
 
     index_count(args.indices)  # the form of --indices, before any file is read (its bounds: once the data's size is)
     specs = method_specs(args.methods)
+    chosen = []
     for spec in specs:  # every method is checked before any file is read or any method runs
-        method_class(spec.name)
         if args.protocol == "episodic" and spec.options.get("target") in ("stream", "robust"):
             raise UsageError(f"{spec.name}:target={spec.options['target']} keeps a running estimate across batches; "
                              "in the episodic protocol it restarts every batch (per-batch AQR): add --protocol online")
+        try:
+            method_plan = plan(spec.name, {**spec.options, "protocol": args.protocol, "seed": args.seed},
+                               batch_size=args.batch_size)
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"method {spec.label!r}: {err}") from None
+        if method_plan.needs.stats is not None and not args.stats:
+            raise UsageError(f"the {spec.name} method needs --stats (make one with `aqr calibrate`)")
+        chosen.append((spec.label, method_plan))
     stats = SourceStats.load(args.stats) if args.stats else None
-    chosen = []
-    for spec in specs:
-        label = spec.name + (f"[{','.join(f'{k}={v}' for k, v in spec.options.items())}]" if spec.options else "")
-        cls = method_class(spec.name)
-        options = dict(spec.options)
-        if cls.needs_stats:
-            if stats is None:
-                raise UsageError(f"the {spec.name} method needs --stats (make one with `aqr calibrate`)")
-            options["stats"] = stats
-        if cls.needs_batch_size:
-            options.setdefault("batch_size", args.batch_size)
-        chosen.append((label, spec.name, options))
     model = load_model(args)
     run_on, where = _test_data(args, model)
     results: dict[str, float | None] = {}
-    for label, name, options in chosen:
+    for label, method_plan in chosen:
         try:
-            method = create(name, model, protocol=args.protocol, seed=args.seed, **options)
+            method = method_plan.build(model, stats=stats if method_plan.needs.stats is not None else None)
         except NotApplicable as err:
             results[label] = None
             print(f"{label:>24}: n/a ({err})", file=sys.stderr)

@@ -239,17 +239,23 @@ def _labels(batch: object) -> torch.Tensor | None:
     return None
 
 
+#: ``K``, the knots per channel :func:`calibrate` stores by default (the percentiles p0..p100).
+DEFAULT_NUM_QUANTILES = 101
+#: the values per channel :func:`calibrate` keeps by default (the DKW bound in the module docs).
+DEFAULT_MAX_SAMPLES = 100_000
+
+
 def calibrate(
     model: nn.Module,
     source: Iterable[object],
     layers: str | Sequence[str] = "all",
-    num_quantiles: int = 101,
+    num_quantiles: int = DEFAULT_NUM_QUANTILES,
     tail: str = "average",
     *,
     tail_batch: int = 100,
     tail_repeats: int = 1000,
     tail_unit: str = DEFAULT_TAIL_UNIT,
-    max_samples: int = 100_000,
+    max_samples: int = DEFAULT_MAX_SAMPLES,
     max_batches: int | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,

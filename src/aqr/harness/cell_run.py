@@ -30,22 +30,17 @@ from aqr.util.threads import torch_threads
 
 def build_method(cell: Cell, cache_dir: str | Path, device: str | None = None, loader_workers: int = 0,
                  stats_file: str | Path | None = None) -> nn.Module:
-    """The method of a cell around its (cached) model, given what the method declares it needs.
+    """The method of a cell around its (cached) model, given what the method declares it needs
+    (:func:`aqr.methods.plan`).
 
     ``stats_file``: the cell's source statistics, if the caller has them (else from ``cache_dir``).
     """
-    from aqr.methods import create, method_class
-
-    cls = method_class(cell.method)
+    method_plan = cell_plan(cell)
     model = load_model(cell.model)
     if device is not None:
         model.to(device)
-    options = {k: v for k, v in cell.option_dict.items() if k not in STATS_OPTIONS}
-    if isinstance(options.get("layers"), tuple):
-        options["layers"] = list(options["layers"])
-    if cls.needs_batch_size:  # which only the cell knows
-        options.setdefault("batch_size", cell.batch_size)
-    if cls.needs_stats:
+    stats = source = None
+    if method_plan.needs.stats is not None:
         path = (Path(stats_file) if stats_file is not None
                 else ensure_stats(cell, cache_dir, device=device, loader_workers=loader_workers))
         stats = load_stats(str(path))
@@ -53,31 +48,41 @@ def build_method(cell: Cell, cache_dir: str | Path, device: str | None = None, l
             # A library user gets a warning; a benchmark cell must not score stale statistics.
             raise StatsError(f"{path} was computed with other weights than {cell.model.model} has now "
                              "(was the checkpoint rewritten during the run?)")
-        options["stats"] = stats
-    if cls.needs_source and options.get("source") is None:
-        options["source"] = method_source(cell, options, cls, device, loader_workers)
-    return create(cell.method, model, protocol=cell.method_protocol, seed=cell.seed, **options)
+    if method_plan.needs.source:
+        source = method_source(cell, method_plan.config, device, loader_workers)
+    return method_plan.build(model, stats=stats, source=source)
 
 
-def method_source(cell: Cell, options: dict[str, Any], cls: type, device: str | None = None,
+def cell_plan(cell: Cell) -> Any:
+    """The cell's method checked (:class:`aqr.methods.MethodPlan`): its options without the statistics'
+    ones, the cell's protocol and seed, and its batch size where the method needs it."""
+    from aqr.methods import plan
+
+    options = {k: v for k, v in cell.option_dict.items() if k not in STATS_OPTIONS}
+    if isinstance(options.get("layers"), tuple):
+        options["layers"] = list(options["layers"])
+    return plan(cell.method, {**options, "protocol": cell.method_protocol, "seed": cell.seed},
+                batch_size=cell.batch_size)
+
+
+def method_source(cell: Cell, config: Any, device: str | None = None,
                   loader_workers: int = 0) -> Iterable[tuple[torch.Tensor, Any]]:
-    """The source images for a method that ``needs_source`` (EATA's Fisher information): the clean images
-    the cell's statistics are computed from, at most the method's ``source_images`` of them (drawn
+    """The source images for a method that needs them (EATA's Fisher information): the clean images the
+    cell's statistics are computed from, at most the config's ``source_images`` of them (drawn
     class-balanced with the cell's seed), in batches of its ``fisher_batch_size`` when the cell sets it,
     else of the cell's batch size (the reference computes the Fisher in test-sized batches)."""
-    limit = options.get("source_images", getattr(cls.Config, "source_images", None))
-    batch_size = options.get("fisher_batch_size")
+    batch_size = cell.option_dict.get("fisher_batch_size")
     if batch_size is None:
-        batch_size = cell.batch_size if cell.batch_size > 1 else getattr(cls.Config, "fisher_batch_size", 1)
-    return source_loader(cell.model, limit, int(batch_size), cell.seed, loader_workers, device)
+        batch_size = cell.batch_size if cell.batch_size > 1 else config.fisher_batch_size
+    return source_loader(cell.model, config.source_images, int(batch_size), cell.seed, loader_workers, device)
 
 
 def needs_stats(cell: Cell) -> bool:
     """Whether the cell's method needs source statistics (``False`` for an unknown method, whose cell fails)."""
     from aqr.methods import METHODS
 
-    cls = METHODS.get(cell.method)
-    return cls is not None and cls.needs_stats
+    found = METHODS.get(cell.method)
+    return found is not None and found.needs.stats is not None
 
 
 def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False, device: str | None = None,

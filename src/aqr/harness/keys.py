@@ -90,10 +90,10 @@ def _key(config: Mapping[str, Any], method: str, fingerprints: Mapping[str, str]
 
 def _aqr_parts(method: str) -> tuple[bool, bool]:
     """Whether the method reads AQR's source statistics (aqr, moments, the compositions) and whether it maps
-    with AQR's quantile map (aqr and the compositions), from its class; an unknown name has neither."""
+    with AQR's quantile map (aqr and the compositions), as it declares; an unknown name has neither."""
     from aqr.methods import METHODS
 
-    cls = METHODS.get(method)
-    if cls is None:
+    found = METHODS.get(method)
+    if found is None:
         return False, False
-    return bool(cls.needs_stats), bool(getattr(cls, "uses_quantile_map", False))
+    return found.needs.stats is not None, found.maps_quantiles

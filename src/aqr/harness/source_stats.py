@@ -5,9 +5,13 @@ from __future__ import annotations
 import functools
 import hashlib
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-from aqr.core.tails import DEFAULT_TAIL_UNIT
+from aqr.adapt import AQRConfig
+from aqr.core.calibrate import DEFAULT_MAX_SAMPLES, DEFAULT_NUM_QUANTILES
+from aqr.core.points import OUTPUT
+from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
 from aqr.harness.cells import Cell
 from aqr.harness.inputs import data_loader, load_model, model_preprocess, source_dataset
 from aqr.harness.keys import canonical_json, location_free
@@ -16,9 +20,8 @@ from aqr.util.threads import torch_threads
 
 
 # Defaults of the statistics' options: aqr.calibrate's K and max_samples, aqr.AQRConfig's groups.
-DEFAULT_K = 101
-DEFAULT_MAX_SAMPLES = 100_000
-DEFAULT_GROUPS = 16
+DEFAULT_K = DEFAULT_NUM_QUANTILES
+DEFAULT_GROUPS = AQRConfig.__dataclass_fields__["groups"].default
 
 # Method options that change the source statistics (not the adaptation): they key the stats cache.
 STATS_OPTIONS = ("K", "max_samples", "tail_unit")
@@ -32,17 +35,33 @@ def stats_options(cell: Cell) -> dict[str, Any]:
     if float(opts.get("balance", 1.0)) < 1:  # class-conditional knots (only then: other cells keep their files)
         out["groups"] = int(opts.get("groups", DEFAULT_GROUPS))
     point = stats_point(cell.method)
-    if point != "output":  # the values before the affine step (only then: other cells keep their files)
+    if point != OUTPUT:  # the values before the affine step (only then: other cells keep their files)
         out["point"] = point
     return out
 
 
 def stats_point(method: str) -> str:
-    """Where the method's statistics are read (:mod:`aqr.core.points`): its class's ``stats_point``, else
-    ``"output"``, the layers' outputs."""
-    from aqr.methods import METHODS
+    """Where the method's statistics are read (:mod:`aqr.core.points`), as it declares (``needs.stats``);
+    ``KeyError`` for an unknown method, ``ValueError`` for one that needs no statistics."""
+    from aqr.methods import declaration
 
-    return str(getattr(METHODS.get(method), "stats_point", "output"))
+    point = declaration(method).needs.stats
+    if point is None:
+        raise ValueError(f"the {method!r} method needs no source statistics")
+    return point
+
+
+def check_stats_options(options: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for a statistics option (``K``, ``max_samples``, ``tail_unit``) out of its range."""
+    for key, least in (("K", 3), ("max_samples", 2)):
+        value = options.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise ValueError(f"{key} must be an integer >= {least}, got {value!r}")
+    k, kept = options.get("K", DEFAULT_K), options.get("max_samples", DEFAULT_MAX_SAMPLES)
+    if k > kept:
+        raise ValueError(f"K={k} must be at most max_samples={kept}, the values kept per channel")
+    if "tail_unit" in options and options["tail_unit"] not in TAIL_UNITS:
+        raise ValueError(f"tail_unit must be one of {TAIL_UNITS}, got {options['tail_unit']!r}")
 
 
 def stats_path(cell: Cell, cache_dir: str | Path) -> Path:

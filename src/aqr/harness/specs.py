@@ -42,6 +42,11 @@ class MethodSpec:
             options[key.strip()] = _parse_scalar(value.strip())
         return cls(name.strip(), options)
 
+    @property
+    def label(self) -> str:
+        """The method as the bench's method syntax spells it: ``"aqr:target=stream,K=11"``."""
+        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options.items()) if self.options else "")
+
 
 # Options a cell sets itself: the grid's protocol and seed, and the statistics for the methods that need them
 CELL_OPTIONS = ("protocol", "seed", "stats")
@@ -49,63 +54,36 @@ CELL_OPTIONS = ("protocol", "seed", "stats")
 
 def check_method(spec: MethodSpec, protocol: str = "episodic", batch_size: int = 1) -> None:
     """Raise ``KeyError`` for an unknown method, ``ValueError`` for an option it does not take or a value
-    its config refuses, without a model, data or database: the method's config is built from the options.
+    its config refuses, without a model, data or database: the method's plan (:func:`aqr.methods.plan`) is
+    built from the options.
 
     A method that needs statistics also takes the options that shape them (``K``, ``max_samples``,
     ``tail_unit``; see :mod:`aqr.harness.source_stats`); a cell's method gets its protocol and seed from
-    the grid and, where it needs them, ``batch_size`` from the cell (this one stands in for it here).
+    the grid and, where it needs it, ``batch_size`` from the cell (``batch_size`` here).
     """
-    import inspect
-    from dataclasses import fields
+    from aqr.harness.source_stats import STATS_OPTIONS, check_stats_options
+    from aqr.methods import declaration, plan
 
-    from aqr.harness.source_stats import STATS_OPTIONS
-    from aqr.methods import ProtocolConfig, method_class
-
-    cls = method_class(spec.name)
+    found = declaration(spec.name)
     if protocol not in CELL_PROTOCOLS:
         raise ValueError(f"protocol must be one of {CELL_PROTOCOLS}, got {protocol!r}")
     protocol = "online" if protocol == REALTIME else protocol  # a realtime cell's method runs online
-    label = spec.name + (":" + ",".join(f"{k}={v}" for k, v in spec.options.items()) if spec.options else "")
-    protocol_keys = {f.name for f in fields(ProtocolConfig)} - set(CELL_OPTIONS)
-    stats_keys = set(STATS_OPTIONS) if cls.needs_stats else set()
-    presets = {"defaults"} & set(inspect.signature(cls.from_options).parameters)  # the field's methods' presets
-    taken = ({f.name for f in fields(cls.Config)} | protocol_keys | stats_keys | presets) - set(CELL_OPTIONS)
+    label = spec.label
     set_by_cell = [k for k in CELL_OPTIONS if k in spec.options]
     if set_by_cell:
         raise ValueError(f"method {label!r}: {', '.join(set_by_cell)} {'is' if len(set_by_cell) == 1 else 'are'} "
                          "set by the grid, not by a method option")
+    stats_keys = set(STATS_OPTIONS) if found.needs.stats is not None else set()
+    taken = sorted((set(found.options) | stats_keys) - set(CELL_OPTIONS))
     unknown = sorted(k for k in spec.options if k not in taken)
     if unknown:
-        raise ValueError(f"method {label!r}: unknown options {unknown}; {spec.name} takes {', '.join(sorted(taken))}")
-    options = dict(spec.options)
+        raise ValueError(f"method {label!r}: unknown options {unknown}; {spec.name} takes {', '.join(taken)}")
+    options = {k: v for k, v in spec.options.items() if k not in stats_keys}
     try:
-        ProtocolConfig(protocol, **{k: options.pop(k) for k in list(options) if k in protocol_keys})
-        _check_stats_options({k: options.pop(k) for k in list(options) if k in stats_keys})
-        if cls.needs_stats:
-            options["stats"] = object()  # stands in for the statistics the cell loads
-        if cls.needs_batch_size:
-            options.setdefault("batch_size", batch_size)
-        if cls.needs_source:
-            options["source"] = ()  # stands in for the clean source images the cell gives it
-        cls.from_options(**options)
+        check_stats_options({k: v for k, v in spec.options.items() if k in stats_keys})
+        plan(spec.name, {**options, "protocol": protocol}, batch_size=batch_size)
     except (TypeError, ValueError) as err:
         raise ValueError(f"method {label!r}: {err}") from None
-
-
-def _check_stats_options(options: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` for a statistics option (``K``, ``max_samples``, ``tail_unit``) out of its range."""
-    from aqr.core.tails import TAIL_UNITS
-    from aqr.harness.source_stats import DEFAULT_K, DEFAULT_MAX_SAMPLES
-
-    for key, least in (("K", 3), ("max_samples", 2)):
-        value = options.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-            raise ValueError(f"{key} must be an integer >= {least}, got {value!r}")
-    k, kept = options.get("K", DEFAULT_K), options.get("max_samples", DEFAULT_MAX_SAMPLES)
-    if k > kept:
-        raise ValueError(f"K={k} must be at most max_samples={kept}, the values kept per channel")
-    if "tail_unit" in options and options["tail_unit"] not in TAIL_UNITS:
-        raise ValueError(f"tail_unit must be one of {TAIL_UNITS}, got {options['tail_unit']!r}")
 
 
 def _parse_scalar(text: str) -> Any:

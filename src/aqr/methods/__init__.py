@@ -3,6 +3,7 @@ bn-ema, and the field's ETA/EATA, ROID, DeYO, CoTTA, RoTTA and LAME as in the te
 benchmark code.
 
 >>> method = create("tent", model)              # episodic, the AQR paper's protocol
+>>> plan("tent", {"lr": 1e-3}).config           # the checked config, without a model
 >>> logits = method(x)                          # scored logits for batch x
 >>> method = create("sar", model, protocol="online", lr=1e-3)
 >>> method = create("aqr", model, stats=stats)  # stats from aqr.calibrate
@@ -19,30 +20,33 @@ benchmark code.
 
 ``create`` deep-copies ``model``; the user's model is never modified. Options are the fields of
 :class:`ProtocolConfig` (``protocol``, ``steps``, ``seed``) plus the method's own config dataclass
-(``TentConfig``, ``SARConfig``, ``AQRMethodConfig``, ``MomentsConfig``, ``RBNConfig``, ``BNEmaConfig``,
-``ETAConfig``, ``EATAConfig``, ``ROIDConfig``, ``DeYOConfig``, ``CoTTAConfig``, ``RoTTAConfig``, ``LAMEConfig``;
-the field's methods also take ``defaults="cifar10"`` or ``"imagenet"``, the reference's presets, which other
-options override). The compositions ``aqr+tent``, ``aqr+eta``, ``aqr+roid`` and ``aqr+lame`` take AQR's options and their
+(``plan(name).config``), and ``defaults="cifar10"`` or ``"imagenet"``, the reference's option sets, for the
+methods that have them (other options override them). The compositions ``aqr+tent``, ``aqr+eta``, ``aqr+roid`` and ``aqr+lame`` take AQR's options and their
 partner's side by side (:mod:`aqr.methods.compose`; the first three need statistics taken before the
 affine step, ``aqr.calibrate(..., point="pre-affine")``, their ``stats_point``).
-A method class declares what a caller must supply: ``needs_stats`` (AQR, moments, the compositions),
-``needs_batch_size`` (TENT, SAR) and ``needs_source`` (EATA); see :func:`method_class`.
+Every method is declared once, in its own file, by ``@method(name, Config, defaults=..., needs=...)``
+(:mod:`aqr.methods.declaration`): :func:`declaration` reads it (what a caller must supply: ``needs.stats``,
+the point where its statistics are taken, for AQR, moments and the compositions; ``needs.batch_size`` for
+TENT and SAR; ``needs.source`` for EATA), and :func:`plan` checks options against it without a model.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
-from types import MappingProxyType
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
+# Importing a method's module registers it (its @method declaration); the order here is the order of available().
+from . import source, ttn, tent, sar, aqr_method, moments, rbn, bn_ema, eata, roid, deyo, cotta, rotta, lame  # noqa: F401
+from . import compose  # noqa: F401  (after its partners)
 from .aqr_method import AQRMethod, AQRMethodConfig
 from .base import NotApplicable, ProtocolConfig, TTAMethod, softmax_entropy
 from .bn_ema import BNEma, BNEmaConfig, EmaBatchNorm
 from .compose import (AQRETA, AQRLAME, AQRROID, AQRETAConfig, AQRLAMEConfig, AQRROIDConfig, AQRTent,
                       AQRTentConfig)
-from .cotta import COTTA_PRESETS, CoTTA, CoTTAConfig
+from .cotta import CoTTA, CoTTAConfig
+from .declaration import REGISTRY, MethodDeclaration, MethodPlan, Needs, method
 from .deyo import DeYO, DeYOConfig
 from .eata import EATA, ETA, EATAConfig, ETAConfig
 from .lame import LAME, LAMEConfig
@@ -50,94 +54,61 @@ from .moments import Moments, MomentsConfig
 from .rbn import RBN, RBNConfig, RobustBatchNorm
 from .roid import ROID, ROIDConfig
 from .rotta import RoTTA, RoTTAConfig
-from .sar import FREEZE_PRESETS, SAR, SARConfig
+from .sar import FREEZE_RULES, SAR, SARConfig
 from .source import Source
 from .tent import Tent, TentConfig, default_lr, infer_arch
 from .ttn import TTN
 
-METHODS: Mapping[str, type[TTAMethod]] = MappingProxyType(
-    {cls.name: cls for cls in (Source, TTN, Tent, SAR, AQRMethod, Moments, RBN, BNEma, ETA, EATA, ROID, DeYO, CoTTA,
-                               RoTTA, LAME, AQRTent, AQRETA, AQRROID, AQRLAME)}
-)
-
-_PROTOCOL_KEYS = frozenset(f.name for f in fields(ProtocolConfig))
+#: The registered methods by name, a read-only view of the registry (:func:`declaration` for what each declares).
+METHODS: Mapping[str, MethodDeclaration] = REGISTRY.view
 
 
 def available() -> list[str]:
     """Names accepted by :func:`create`, in a fixed order."""
-    return list(METHODS)
+    return list(REGISTRY)
+
+
+def declaration(name: str) -> MethodDeclaration:
+    """What method ``name`` declares (class, config, option sets, needs); ``KeyError`` for an unknown name."""
+    return REGISTRY[name]
 
 
 def method_class(name: str) -> type[TTAMethod]:
-    """The class of method ``name`` (read its ``needs_*`` declarations); ``KeyError`` for an unknown name."""
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise KeyError(f"unknown method {name!r}; available: {', '.join(METHODS)}") from None
+    """The class of method ``name``; ``KeyError`` for an unknown name."""
+    return REGISTRY[name].cls
 
 
-def create(name: str, model: nn.Module, **options: Any) -> TTAMethod:
+def plan(name: str, options: Mapping[str, Any] | None = None, *, batch_size: int | None = None) -> MethodPlan:
+    """Method ``name`` with ``options`` checked, without a model: its configs and what it needs
+    (:class:`MethodPlan`). ``batch_size`` fills the option of a method that needs it. ``KeyError`` for an
+    unknown method, ``TypeError`` for an option it does not take, ``ValueError`` for a value it refuses."""
+    return REGISTRY.plan(name, options, batch_size=batch_size)
+
+
+def create(name: str, model: nn.Module, *, stats: Any = None, source: Any = None, **options: Any) -> TTAMethod:
     """Build method ``name`` around a private copy of ``model``.
 
-    Returns an ``nn.Module`` whose ``forward(x)`` gives the scored logits and whose ``reset()``
-    restores the original state. Raises ``KeyError`` for an unknown name, ``TypeError`` for an
-    unknown option and :class:`NotApplicable` when the method cannot run on this model.
+    ``stats``: the :class:`aqr.SourceStats` of a method that needs them; ``source``: EATA's clean source
+    images. Returns an ``nn.Module`` whose ``forward(x)`` gives the scored logits and whose ``reset()``
+    restores the original state. Raises ``KeyError`` for an unknown name, ``TypeError`` for an unknown
+    option or a missing ``stats``/``source`` and :class:`NotApplicable` when the method cannot run on this model.
     """
-    cls = method_class(name)
-    protocol = ProtocolConfig(**{k: v for k, v in options.items() if k in _PROTOCOL_KEYS})
-    config = cls.from_options(**{k: v for k, v in options.items() if k not in _PROTOCOL_KEYS})
-    return cls(model, config, protocol)
+    return plan(name, options).build(model, stats=stats, source=source)
 
 
 __all__ = [
-    "AQRETA",
-    "AQRETAConfig",
-    "AQRLAME",
-    "AQRLAMEConfig",
-    "AQRROID",
-    "AQRROIDConfig",
-    "AQRTent",
-    "AQRTentConfig",
-    "AQRMethod",
-    "AQRMethodConfig",
-    "BNEma",
-    "BNEmaConfig",
-    "COTTA_PRESETS",
-    "CoTTA",
-    "CoTTAConfig",
-    "DeYO",
-    "DeYOConfig",
-    "EATA",
-    "EATAConfig",
-    "ETA",
-    "ETAConfig",
-    "EmaBatchNorm",
-    "FREEZE_PRESETS",
-    "LAME",
-    "LAMEConfig",
     "METHODS",
-    "Moments",
-    "MomentsConfig",
+    "MethodDeclaration",
+    "MethodPlan",
+    "Needs",
     "NotApplicable",
     "ProtocolConfig",
-    "RBN",
-    "RBNConfig",
-    "ROID",
-    "ROIDConfig",
-    "RoTTA",
-    "RoTTAConfig",
-    "RobustBatchNorm",
-    "SAR",
-    "SARConfig",
-    "Source",
     "TTAMethod",
-    "TTN",
-    "Tent",
-    "TentConfig",
     "available",
     "create",
-    "default_lr",
-    "infer_arch",
+    "declaration",
+    "method",
     "method_class",
+    "plan",
     "softmax_entropy",
 ]

@@ -122,38 +122,46 @@ class NoOptions:
 class TTAMethod(nn.Module):
     """Base class: wraps a private copy of ``model`` and runs the protocol.
 
-    Subclasses set ``name`` and ``Config`` (a dataclass), declare what a caller must supply
-    (``needs_stats``, ``needs_batch_size``, ``needs_source``) and override the hooks :meth:`configure_model`,
-    :meth:`build_optimizer` and, if they update weights, :meth:`adapt`.
+    A subclass is declared once with ``@method(name, Config, defaults=..., needs=...)``
+    (:mod:`aqr.methods.declaration`), which sets its ``name``, ``Config`` and ``declaration``, and
+    overrides the hooks :meth:`configure_model`, :meth:`build_optimizer` and, if it updates weights,
+    :meth:`adapt`. What the declaration says it needs arrives here: ``stats`` (its
+    :class:`aqr.SourceStats`, as :attr:`stats`) and ``source`` (clean source images, as
+    :attr:`supplied_source` while :meth:`configure_model` runs).
     """
 
     name: ClassVar[str] = ""
     Config: ClassVar[type] = NoOptions
-    #: the method needs ``stats=``, the :class:`aqr.SourceStats` of the model from :func:`aqr.calibrate`
-    needs_stats: ClassVar[bool] = False
-    #: the method's defaults depend on the evaluation batch size: pass ``batch_size=`` (it knows no other way)
-    needs_batch_size: ClassVar[bool] = False
-    #: the method needs ``source=``, clean images of the source distribution (EATA's Fisher regularizer)
-    needs_source: ClassVar[bool] = False
+    declaration: ClassVar[Any] = None  # the MethodDeclaration, set by the registration
 
-    def __init__(self, model: nn.Module, config: Any = None, protocol: ProtocolConfig | None = None) -> None:
+    def __init__(self, model: nn.Module, config: Any = None, protocol: ProtocolConfig | None = None, *,
+                 stats: Any = None, source: Any = None) -> None:
         super().__init__()
-        self.config = config if config is not None else self.Config()
+        if self.declaration is None or self.declaration.cls is not type(self):
+            raise TypeError(f"{type(self).__qualname__} is not a registered method (decorate it with "
+                            "aqr.methods.method(name, Config, ...))")
+        needs = self.declaration.needs
+        if needs.stats is None and stats is not None:
+            raise TypeError(f"the {self.name!r} method takes no stats=")
+        if needs.stats is not None and stats is None:
+            raise TypeError(f"the {self.name!r} method needs stats= (from aqr.calibrate"
+                            + (f"(..., point={needs.stats!r})" if needs.stats != "output" else "") + ")")
+        if not needs.source and source is not None:
+            raise TypeError(f"the {self.name!r} method takes no source=")
+        self.config = config if config is not None else self.declaration.build_config({})
         self.protocol = protocol if protocol is not None else ProtocolConfig()
+        #: the source statistics the method reads (``None`` for a method that needs none)
+        self.stats = stats
+        self.supplied_source = source  # read while the copy is configured (EATA's Fisher), then dropped
         private = copy.deepcopy(model)
         # the user's BatchNorm statistics, which configure_model may drop or replace (forward_held needs them)
         self._source_statistics = running_statistics(private)
         self._source_views = RebuiltCache()  # device -> the copy's twin that computes the user's model
         self.model = self.configure_model(private)
+        self.supplied_source = None
         self.optimizer = self.build_optimizer()
         self._initial_state = self._snapshot() if self.optimizer is not None else None
         self._batches_since_reset = 0
-
-    # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_options(cls, **options: Any) -> Any:
-        """Build this method's config from keyword options (unknown keys raise ``TypeError``)."""
-        return cls.Config(**options)
 
     # ---- hooks --------------------------------------------------------------------------
     def configure_model(self, model: nn.Module) -> nn.Module:

@@ -37,6 +37,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from aqr.core.twin import structural_twin
 
 from .base import NotApplicable, SerializedCalls, TTAMethod
+from .declaration import method
 from .norm_layers import MovingStatsBatchNorm, replace_batchnorms
 
 
@@ -91,11 +92,9 @@ class EmaBatchNorm(MovingStatsBatchNorm):
         return f"{super().extra_repr()}, pooled={self.pooled}"
 
 
+@method("bn-ema", BNEmaConfig)
 class BNEma(SerializedCalls, TTAMethod):
     """Test-time BatchNorm with EMA statistics over the stream (see module docs); no weights change."""
-
-    name = "bn-ema"
-    Config = BNEmaConfig
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model.eval().requires_grad_(False)

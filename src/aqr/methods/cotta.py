@@ -20,7 +20,7 @@ Trained parameters: every module's own ``weight`` and ``bias`` (all layers, not 
 as in the reference. The scored logits are the teacher's from step 1 (online: before the update;
 episodic: after it, by a second teacher prediction). Options are :class:`CoTTAConfig`; the defaults
 are the reference's CIFAR-10-C settings, ``defaults="imagenet"`` its ImageNet-C ones
-(:data:`COTTA_PRESETS`).
+(:data:`COTTA_DEFAULTS`).
 
 Differences from the reference: the augmentations are plain-torch re-writes of its torchvision
 transforms (:mod:`aqr.methods.augment`); augmentations and restore masks come from generators seeded by
@@ -41,13 +41,14 @@ from torch import nn
 
 from .augment import SOFT, STRONG, Generators, tta_augment
 from .base import NotApplicable, TTAMethod
+from .declaration import method
 from .norm_layers import use_batch_statistics
-from .options import OptimizerConfig, check_positive, check_unit, config_from_preset
+from .options import OptimizerConfig, check_positive, check_unit
 
 LOSSES = ("ce", "symmetric")
 
 #: The reference's settings per benchmark (``cfgs/cifar10_c/cotta.yaml``, ``cfgs/imagenet_c/cotta.yaml``).
-COTTA_PRESETS: dict[str, dict[str, Any]] = {
+COTTA_DEFAULTS: dict[str, dict[str, Any]] = {
     "cifar10": {},
     "imagenet": {"optimizer": "sgd", "lr": 0.01, "restore_prob": 0.001, "anchor_threshold": 0.1,
                  "loss": "symmetric"},
@@ -122,16 +123,9 @@ def grads_finite(params: list[nn.Parameter]) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
+@method("cotta", CoTTAConfig, defaults=COTTA_DEFAULTS)
 class CoTTA(TTAMethod):
     """CoTTA behind the common protocol (see the module docs)."""
-
-    name = "cotta"
-    Config = CoTTAConfig
-
-    @classmethod
-    def from_options(cls, defaults: str = "cifar10", **options: Any) -> CoTTAConfig:
-        """The config from the preset ``defaults`` (``"cifar10"`` or ``"imagenet"``) and ``options``."""
-        return config_from_preset(cls.Config, COTTA_PRESETS, cls.name, defaults, **options)
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model.eval().requires_grad_(False)

@@ -43,8 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import softmax_entropy
+from .declaration import method
 from .norm_training import NormTrainingMethod
-from .options import OptimizerConfig, check_number
+from .options import OPTIMIZER_DEFAULTS, OptimizerConfig, check_number
 from .sar import frozen_module_names, resolve_freeze_rules
 
 AUGMENTATIONS = ("patch", "pixel", "occ")
@@ -142,11 +143,10 @@ def plpd(probs: torch.Tensor, probs_destroyed: torch.Tensor) -> torch.Tensor:
     return (probs.gather(1, label) - probs_destroyed.gather(1, label)).squeeze(1)
 
 
+@method("deyo", DeYOConfig, defaults=OPTIMIZER_DEFAULTS)
 class DeYO(NormTrainingMethod):
     """DeYO behind the common protocol (see :mod:`aqr.methods.base`)."""
 
-    name = "deyo"
-    Config = DeYOConfig
 
     def frozen_modules(self, model: nn.Module) -> frozenset[str]:
         self.frozen_rules = resolve_freeze_rules(model, self.config.freeze)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -47,16 +47,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import softmax_entropy
+from .declaration import Needs, method
 from .norm_training import NormTrainingMethod, finite_images
-from .options import OPTIMIZER_PRESETS, OptimizerConfig, check_number
+from .options import OPTIMIZER_DEFAULTS, OptimizerConfig, check_number
 
-ETA_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
-    "cifar10": MappingProxyType({**OPTIMIZER_PRESETS["cifar10"], "d_margin": 0.4}),
-    "imagenet": MappingProxyType({**OPTIMIZER_PRESETS["imagenet"], "d_margin": 0.05}),
+ETA_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    "cifar10": MappingProxyType({**OPTIMIZER_DEFAULTS["cifar10"], "d_margin": 0.4}),
+    "imagenet": MappingProxyType({**OPTIMIZER_DEFAULTS["imagenet"], "d_margin": 0.05}),
 })
-EATA_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
-    "cifar10": MappingProxyType({**ETA_PRESETS["cifar10"], "fisher_alpha": 1.0, "fisher_batch_size": 200}),
-    "imagenet": MappingProxyType({**ETA_PRESETS["imagenet"], "fisher_alpha": 2000.0, "fisher_batch_size": 64}),
+EATA_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    "cifar10": MappingProxyType({**ETA_DEFAULTS["cifar10"], "fisher_alpha": 1.0, "fisher_batch_size": 200}),
+    "imagenet": MappingProxyType({**ETA_DEFAULTS["imagenet"], "fisher_alpha": 2000.0, "fisher_batch_size": 64}),
 })
 
 
@@ -95,16 +96,14 @@ class EATAConfig(ETAConfig):
 
     Attributes:
         fisher_alpha: weight of the Fisher regularizer (``beta`` in the paper's Eq. 8).
-        source: clean source images for the Fisher information: an ``(N, C, H, W)`` tensor, or an
-            iterable of batches (tensors, or sequences whose first item is the image tensor, such as
-            a ``DataLoader`` of ``(image, label)``). Needed when ``fisher_alpha > 0``.
         source_images: at most this many source images are used (the reference: 2000).
-        fisher_batch_size: a tensor ``source`` is split into batches of this size (the reference's
+        fisher_batch_size: a tensor ``source=`` (the clean source images EATA is built with: an
+            ``(N, C, H, W)`` tensor, or an iterable of batches, tensors or ``(image, label)`` pairs; needed
+            when ``fisher_alpha > 0``) is split into batches of this size (the reference's
             test batch size); an iterable's own batches are used as they come.
     """
 
     fisher_alpha: float = 1.0
-    source: Any = field(default=None, repr=False, compare=False)
     source_images: int = 2000
     fisher_batch_size: int = 200
 
@@ -142,7 +141,7 @@ def eata_selection(probs: torch.Tensor, entropy: torch.Tensor, e0: float, d_marg
 
 
 def _source_batches(source: Any, batch_size: int, limit: int) -> Iterable[torch.Tensor]:
-    """The image batches of ``source`` (see :class:`EATAConfig`), at most ``limit`` images in all."""
+    """The image batches of ``source`` (see :class:`EATAConfig`'s ``fisher_batch_size``), at most ``limit`` images in all."""
     if isinstance(source, torch.Tensor):
         source = source.split(batch_size)
     seen = 0
@@ -195,12 +194,9 @@ def fisher_penalty(params: Mapping[str, torch.Tensor], fisher: Mapping[str, torc
                        start=torch.zeros(()))
 
 
+@method("eta", ETAConfig, defaults=ETA_DEFAULTS)
 class ETA(NormTrainingMethod):
     """ETA behind the common protocol: EATA's sample selection and weighting, no Fisher regularizer."""
-
-    name = "eta"
-    Config = ETAConfig
-    PRESETS = ETA_PRESETS
 
     def setup(self, model: nn.Module) -> None:
         self.moving_probs: torch.Tensor | None = None
@@ -229,28 +225,19 @@ class ETA(NormTrainingMethod):
         return loss if extra is None else loss + extra
 
 
+@method("eata", EATAConfig, defaults=EATA_DEFAULTS, needs=Needs(source=True))
 class EATA(ETA):
     """EATA behind the common protocol: ETA plus the Fisher regularizer from clean source images."""
-
-    name = "eata"
-    Config = EATAConfig
-    PRESETS = EATA_PRESETS
-    needs_source = True
-
-    @classmethod
-    def from_options(cls, **options: Any) -> Any:
-        config = super().from_options(**options)
-        if config.fisher_alpha > 0 and config.source is None:
-            raise TypeError("the 'eata' method needs source= (clean source images for its Fisher regularizer; "
-                            "'eta' is EATA without it)")
-        return config
 
     def setup(self, model: nn.Module) -> None:
         super().setup(model)
         params = dict(zip(self.param_names, self.trained))
         self.fisher: dict[str, torch.Tensor] | None = None
         if self.config.fisher_alpha > 0:
-            batches = _source_batches(self.config.source, self.config.fisher_batch_size, self.config.source_images)
+            if self.supplied_source is None:
+                raise TypeError("the 'eata' method needs source= (clean source images for its Fisher regularizer; "
+                                "'eta' is EATA without it)")
+            batches = _source_batches(self.supplied_source, self.config.fisher_batch_size, self.config.source_images)
             self.fisher = fisher_information(model, params, batches)
         self.anchor = {name: p.detach().clone() for name, p in params.items()}
 

@@ -39,12 +39,13 @@ from torch import nn
 from aqr.models.features import feature_layer_name
 
 from .base import TTAMethod
-from .options import check_positive, config_from_preset
+from .declaration import method
+from .options import check_positive
 
 AFFINITIES = ("rbf", "knn", "linear")
 
 #: The reference's settings per benchmark (``conf.py``'s ``LAME`` section; no dataset overrides it).
-LAME_PRESETS: dict[str, dict[str, Any]] = {"cifar10": {}, "imagenet": {}}
+LAME_DEFAULTS: dict[str, dict[str, Any]] = {"cifar10": {}, "imagenet": {}}
 
 
 @dataclass(frozen=True)
@@ -129,16 +130,9 @@ def laplacian_optimization(unary: torch.Tensor, kernel: torch.Tensor, bound_lamb
     return y, exponent, steps
 
 
+@method("lame", LAMEConfig, defaults=LAME_DEFAULTS, stateless=True)
 class LAME(TTAMethod):
     """LAME behind the common protocol (see the module docs); no weights change."""
-
-    name = "lame"
-    Config = LAMEConfig
-
-    @classmethod
-    def from_options(cls, defaults: str = "cifar10", **options: Any) -> LAMEConfig:
-        """The config from the preset ``defaults`` (``"cifar10"`` or ``"imagenet"``: the same) and ``options``."""
-        return config_from_preset(cls.Config, LAME_PRESETS, cls.name, defaults, **options)
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model.eval().requires_grad_(False)

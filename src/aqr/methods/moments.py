@@ -11,36 +11,35 @@ what the measured source moments add. Stateless, like AQR.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from aqr.core.stats import SourceStats
+from aqr.adapt import AQRConfig
+from aqr.core.points import OUTPUT
 
 from .aqr_method import AQRMethod
+from .declaration import Needs, method
 
 
 @dataclass(frozen=True)
 class MomentsConfig:
     """Options of the ``"moments"`` method.
 
+    The statistics are supplied beside the options (AQR's file from :func:`aqr.calibrate`; its ``mean``/``std``).
+
     Attributes:
-        stats: the :class:`aqr.SourceStats` from :func:`aqr.calibrate` (AQR's file; its ``mean``/``std``).
         layers: as :class:`aqr.AQRConfig` ``layers``: ``"all"``, ``"top-half"``, ``"bottom-half"`` or names.
         on_nonfinite: ``"raise"`` or ``"skip"`` a layer whose batch has NaN/Inf values.
     """
 
-    stats: SourceStats | None = field(default=None, repr=False)
     layers: str | Sequence[str] | None = None
     on_nonfinite: str = "raise"
 
-    def aqr_config(self) -> dict[str, Any]:
-        """Keyword options of :class:`aqr.AQR` that make it the moment-matching control."""
-        return {"match": "moments", "layers": self.layers, "on_nonfinite": self.on_nonfinite}
+    def aqr_config(self) -> AQRConfig:
+        """The :class:`aqr.AQRConfig` that makes :class:`aqr.AQR` the moment-matching control."""
+        return AQRConfig(match="moments", layers=self.layers, on_nonfinite=self.on_nonfinite)
 
 
+# an affine map: AQR's statistics, but none of its quantile map's fast path (maps_quantiles stays off)
+@method("moments", MomentsConfig, needs=Needs(stats=OUTPUT), stateless=True)
 class Moments(AQRMethod):
     """Per-channel mean/std matching onto the measured source moments; no weights are updated."""
-
-    name = "moments"
-    Config = MomentsConfig
-    uses_quantile_map = False  # an affine map: no fast path of AQR's (its statistics, though)

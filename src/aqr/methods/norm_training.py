@@ -1,4 +1,4 @@
-"""Set-up shared by ETA/EATA, ROID and DeYO: what they train, their optimizer and presets, and how
+"""Set-up shared by ETA/EATA, ROID and DeYO: what they train, their optimizer and option sets, and how
 images with non-finite values are kept out of adaptation.
 
 All three follow the test-time-adaptation benchmark code (github.com/mariodoebler/test-time-adaptation):
@@ -11,10 +11,10 @@ All three follow the test-time-adaptation benchmark code (github.com/mariodoeble
   Adam (``betas=(beta, 0.999)``) or SGD (``momentum``, dampening 0, Nesterov); neither scales the
   learning rate with the batch size.
 
-``defaults=`` picks the preset that fills the options a caller does not give: ``"cifar10"`` (the
+``defaults=`` picks the option set that fills the options a caller does not give: ``"cifar10"`` (the
 reference's ``cfgs/cifar10_c``: Adam, lr 1e-3) or ``"imagenet"`` (``cfgs/imagenet_c``: SGD with
-Nesterov momentum 0.9, lr 2.5e-4), :data:`aqr.methods.options.OPTIMIZER_PRESETS`; each method adds its
-own preset values.
+Nesterov momentum 0.9, lr 2.5e-4), :data:`aqr.methods.options.OPTIMIZER_DEFAULTS`; each method adds its
+own values.
 
 Non-finite input: an image with a NaN or Inf pixel goes through the model apart from the others
 (so, through batch statistics, it cannot turn their logits into NaN) and never enters a loss, a
@@ -24,15 +24,13 @@ stay finite.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from .base import NotApplicable, TTAMethod
 from .norm_layers import norm_affine_parameters
-from .options import OPTIMIZER_PRESETS, config_from_preset
 from .tent import configure_for_entropy_minimization
 
 def finite_images(x: torch.Tensor) -> torch.Tensor:
@@ -43,17 +41,10 @@ def finite_images(x: torch.Tensor) -> torch.Tensor:
 class NormTrainingMethod(TTAMethod):
     """Base of ETA/EATA, ROID and DeYO: trains the norm layers' affine parameters (see the module docs).
 
-    Subclasses set ``PRESETS`` (per ``defaults`` name, the option values that differ from the config's
-    own defaults) and implement :meth:`loss`; optional hooks: :meth:`frozen_modules`, :meth:`setup`,
+    Subclasses declare their option sets with their registration (``@method(..., defaults=...)``) and
+    implement :meth:`loss`; optional hooks: :meth:`frozen_modules`, :meth:`setup`,
     :meth:`after_step` and :meth:`postprocess`.
     """
-
-    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = OPTIMIZER_PRESETS
-
-    @classmethod
-    def from_options(cls, defaults: str = "cifar10", **options: Any) -> Any:
-        """The config from the preset ``defaults`` (``"cifar10"`` or ``"imagenet"``) and ``options``."""
-        return config_from_preset(cls.Config, cls.PRESETS, cls.name, defaults, **options)
 
     # ---- hooks ------------------------------------------------------------------------
     def frozen_modules(self, model: nn.Module) -> frozenset[str]:

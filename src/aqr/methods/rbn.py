@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .base import NotApplicable, SerializedCalls, TTAMethod, softmax_entropy
+from .declaration import method
 from .norm_layers import MovingStatsBatchNorm, replace_batchnorms
 from .rotta_memory import ClassBalancedMemory
 
@@ -117,11 +118,9 @@ def use_robust_batchnorm(model: nn.Module, momentum: float) -> list[RobustBatchN
     return replace_batchnorms(model, lambda bn: RobustBatchNorm(bn, momentum), "rbn")  # type: ignore[return-value]
 
 
+@method("rbn", RBNConfig)
 class RBN(SerializedCalls, TTAMethod):
     """RoTTA's robust BatchNorm fed by its class-balanced memory (see module docs); no weights change."""
-
-    name = "rbn"
-    Config = RBNConfig
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         if self.protocol.episodic:

@@ -45,8 +45,9 @@ from torch import nn
 
 from .augment import roid_augment
 from .base import softmax_entropy
+from .declaration import method
 from .norm_training import NormTrainingMethod
-from .options import OptimizerConfig, check_number
+from .options import OPTIMIZER_DEFAULTS, OptimizerConfig, check_number
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,9 @@ def prior_correction(logits: torch.Tensor) -> torch.Tensor:
     return logits * ((prior + smooth) / (1 + smooth * classes))
 
 
+@method("roid", ROIDConfig, defaults=OPTIMIZER_DEFAULTS)
 class ROID(NormTrainingMethod):
     """ROID behind the common protocol (see :mod:`aqr.methods.base`)."""
-
-    name = "roid"
-    Config = ROIDConfig
 
     def setup(self, model: nn.Module) -> None:
         self.source_weights = [p.detach().clone() for p in self.trained]

@@ -49,13 +49,14 @@ from aqr.methods.rotta_memory import ClassBalancedMemory
 
 from .augment import SOFT, STRONG, Generators, tta_augment
 from .base import NotApplicable, SerializedCalls, TTAMethod
+from .declaration import method
 from .cotta import ema_update, frozen_copy, grads_finite, soft_cross_entropy
 from .norm_layers import batchnorm_layers
-from .options import OptimizerConfig, check_positive, check_unit, config_from_preset
+from .options import OptimizerConfig, check_positive, check_unit
 from .rbn import RobustBatchNorm, use_robust_batchnorm
 
 #: The reference's settings per benchmark (``cfgs/cifar10_c/rotta.yaml``, ``cfgs/imagenet_c/rotta.yaml``: the same).
-ROTTA_PRESETS: dict[str, dict[str, Any]] = {"cifar10": {}, "imagenet": {}}
+ROTTA_DEFAULTS: dict[str, dict[str, Any]] = {"cifar10": {}, "imagenet": {}}
 
 
 @dataclass(frozen=True)
@@ -119,16 +120,9 @@ def set_updating(layers: list[RobustBatchNorm], on: bool) -> None:
         layer.updating = on
 
 
+@method("rotta", RoTTAConfig, defaults=ROTTA_DEFAULTS)
 class RoTTA(SerializedCalls, TTAMethod):
     """RoTTA behind the common protocol (see the module docs); :class:`NotApplicable` without BatchNorm."""
-
-    name = "rotta"
-    Config = RoTTAConfig
-
-    @classmethod
-    def from_options(cls, defaults: str = "cifar10", **options: Any) -> RoTTAConfig:
-        """The config from the preset ``defaults`` (``"cifar10"`` or ``"imagenet"``) and ``options``."""
-        return config_from_preset(cls.Config, ROTTA_PRESETS, cls.name, defaults, **options)
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         if not batchnorm_layers(model):

@@ -19,10 +19,10 @@ Choices (documented because the papers leave them open):
 * Trained parameters: affine weight/bias of every BatchNorm/GroupNorm/LayerNorm layer except those
   inside frozen modules. The official code always skips modules named ``*layer4*``,
   ``*blocks.9*``-``*blocks.11*`` and the final ``norm``, silently matching nothing on other
-  architectures. Here freezing is explicit: ``freeze`` is a preset name or module-name rules (a
+  architectures. Here freezing is explicit: ``freeze`` is a name from ``FREEZE_RULES`` or module-name rules (a
   rule matches a module whose name equals it or starts with ``rule + "."``; rules containing
   ``* ? [`` are shell patterns matched against each module name and its ancestors), and a rule
-  that matches no module raises ``ValueError``. ``"auto"`` (default) picks the first preset all
+  that matches no module raises ``ValueError``. ``"auto"`` (default) picks the first named set all
   of whose rules match the model (``"resnet"``: ``layer4``, the paper's ResNet-50 choice and the
   official default; ``"vit-base"``: ``blocks.9-11`` from the paper plus the final ``norm`` as in
   the official code), else freezes nothing (e.g. CIFAR ResNet-20, which has no ``layer4``);
@@ -49,10 +49,11 @@ from torch import nn
 from .base import TTAMethod, softmax_entropy
 from .norm_layers import norm_affine_parameters, train_norm_affine_parameters
 from .sam import SAM
-from .tent import TentConfig, configure_for_entropy_minimization
+from .declaration import Needs, method
+from .tent import TENT_DEFAULTS, TentConfig, configure_for_entropy_minimization
 
-#: Named freezing presets: module-name rules whose norm layers SAR leaves untrained.
-FREEZE_PRESETS: dict[str, tuple[str, ...]] = {
+#: Named freezing rules: module-name rules whose norm layers SAR leaves untrained.
+FREEZE_RULES: dict[str, tuple[str, ...]] = {
     "none": (),
     "resnet": ("layer4",),
     "vit-base": ("blocks.9", "blocks.10", "blocks.11", "norm"),
@@ -70,7 +71,7 @@ class SARConfig(TentConfig):
         e0_factor: the 0.4 in ``E0 = 0.4 ln C``.
         ema_momentum: weight of the old value in the loss moving average.
         recovery_threshold: reset the model when the moving average falls below this (``e_m``).
-        freeze: ``"auto"``, a preset name from ``FREEZE_PRESETS``, one rule, or a sequence of rules.
+        freeze: ``"auto"``, a name from ``FREEZE_RULES``, one rule, or a sequence of rules.
     """
 
     rho: float = 0.05
@@ -115,14 +116,14 @@ def resolve_freeze_rules(model: nn.Module, freeze: str | Sequence[str]) -> tuple
     """Turn the ``freeze`` option into explicit rules for ``model`` (see the module docstring)."""
     if isinstance(freeze, str):
         if freeze == "auto":
-            for preset in _AUTO_ORDER:
+            for named in _AUTO_ORDER:
                 try:
-                    frozen_module_names(model, FREEZE_PRESETS[preset])
+                    frozen_module_names(model, FREEZE_RULES[named])
                 except ValueError:
                     continue
-                return FREEZE_PRESETS[preset]
+                return FREEZE_RULES[named]
             return ()
-        return FREEZE_PRESETS.get(freeze, (freeze,))
+        return FREEZE_RULES.get(freeze, (freeze,))
     return tuple(freeze)
 
 
@@ -131,12 +132,10 @@ def _masked_mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return (values * keep).sum() / keep.sum().clamp(min=1)
 
 
+# needs the batch size: the ViT learning rate scales with it
+@method("sar", SARConfig, defaults=TENT_DEFAULTS, needs=Needs(batch_size=True))
 class SAR(TTAMethod):
     """SAR behind the common protocol (see :mod:`aqr.methods.base`)."""
-
-    name = "sar"
-    Config = SARConfig
-    needs_batch_size = True  # the ViT learning rate scales with it
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model = configure_for_entropy_minimization(model)
@@ -149,7 +148,7 @@ class SAR(TTAMethod):
 
     def build_optimizer(self) -> SAM:
         params = [p for _, p in norm_affine_parameters(self.model) if p.requires_grad]
-        base = torch.optim.SGD(params, lr=self.config.resolve_lr(self.model), momentum=self.config.momentum)
+        base = self.config.build(params, lr=self.config.resolve_lr(self.model))
         return SAM(base, rho=self.config.rho)
 
     def reset_extra_state(self) -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .base import TTAMethod
+from .base import NoOptions, TTAMethod
+from .declaration import method
 
 
+@method("source", NoOptions, stateless=True)
 class Source(TTAMethod):
     """The model as trained, evaluated in eval mode with gradients off."""
-
-    name = "source"

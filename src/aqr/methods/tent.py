@@ -9,11 +9,14 @@ difference is dropout/stochastic depth, which we keep off so adaptation is deter
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from .base import TTAMethod, softmax_entropy
+from .declaration import Needs, method
+from .options import OptimizerConfig
 from .norm_layers import (contiguous_groupnorm_inputs, norm_affine_parameters, train_norm_affine_parameters,
                           use_batch_statistics)
 
@@ -42,9 +45,14 @@ def default_lr(arch: str, batch_size: int | None = None) -> float:
     raise ValueError(f"arch must be 'cnn' or 'vit', got {arch!r}")
 
 
+#: TENT's and SAR's option sets: the paper's learning-rate rule (:func:`default_lr`) on every benchmark.
+TENT_DEFAULTS: dict[str, dict[str, Any]] = {"cifar10": {}, "imagenet": {}}
+
+
 @dataclass(frozen=True)
-class TentConfig:
-    """TENT options.
+class TentConfig(OptimizerConfig):
+    """TENT options (the optimizer's as in :class:`~aqr.methods.options.OptimizerConfig`; TENT's own
+    defaults: SGD with momentum 0.9, no Nesterov, the paper's learning rate).
 
     Attributes:
         lr: SGD learning rate; ``None`` picks :func:`default_lr` for ``arch``/``batch_size``.
@@ -53,10 +61,13 @@ class TentConfig:
         batch_size: the evaluation batch size, needed only for the ViT default lr.
     """
 
+    optimizer: str = "sgd"
     lr: float | None = None
-    momentum: float = 0.9
+    nesterov: bool = False
     arch: str | None = None
     batch_size: int | None = None
+
+    lr_rule: ClassVar[bool] = True
 
     def resolve_lr(self, model: nn.Module) -> float:
         """The learning rate to use on ``model``."""
@@ -73,12 +84,10 @@ def configure_for_entropy_minimization(model: nn.Module) -> nn.Module:
     return model
 
 
+# needs the batch size: the ViT learning rate scales with it
+@method("tent", TentConfig, defaults=TENT_DEFAULTS, needs=Needs(batch_size=True))
 class Tent(TTAMethod):
     """TENT behind the common protocol (see :mod:`aqr.methods.base`)."""
-
-    name = "tent"
-    Config = TentConfig
-    needs_batch_size = True  # the ViT learning rate scales with it
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model = configure_for_entropy_minimization(model)
@@ -87,7 +96,7 @@ class Tent(TTAMethod):
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         params = [p for _, p in norm_affine_parameters(self.model)]
-        return torch.optim.SGD(params, lr=self.config.resolve_lr(self.model), momentum=self.config.momentum)
+        return self.config.build(params, lr=self.config.resolve_lr(self.model))
 
     def adapt(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.model(x)

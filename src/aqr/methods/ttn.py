@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import NotApplicable, TTAMethod
+from .base import NoOptions, NotApplicable, TTAMethod
+from .declaration import method
 from .norm_layers import use_batch_statistics
 
 
+@method("ttn", NoOptions, stateless=True)
 class TTN(TTAMethod):
     """Batch-statistics BatchNorm; raises :class:`NotApplicable` on models without BatchNorm."""
-
-    name = "ttn"
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model.eval().requires_grad_(False)
