@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, check_writable_file, count, load_model,
+from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, check_writable_file, count, model_from_args,
                             torch_threads)
 from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
 
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if not (args.indices or "").strip().startswith("balanced~"):
         index_count(args.indices)  # the form of --indices, before the model is loaded
     with torch_threads(args.threads):
-        model = load_model(args)
+        model = model_from_args(args)
         spec = ModelSpec("cli", args.model, args.checkpoint, args.data, args.indices, args.image_size, args.resize)
         preprocess = model_preprocess(spec, model)
         source = source_dataset(spec, preprocess, args.n_images, args.seed)

@@ -117,7 +117,7 @@ def add_threads(p: argparse.ArgumentParser, default: int | None = None,
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """MODEL, ``--checkpoint`` and ``--pretrained`` (see :func:`load_model`), ``--device`` and ``--threads``."""
+    """MODEL, ``--checkpoint`` and ``--pretrained`` (see :func:`model_from_args`), ``--device`` and ``--threads``."""
     p.add_argument("model", help="zoo name, aqr checkpoint file, architecture (with --checkpoint) or timm:/torchvision: name")
     p.add_argument("--checkpoint", default=None,
                    help="weights for an architecture or timm:/torchvision: name (safetensors or a weights-only state dict)")
@@ -140,7 +140,7 @@ def add_image_arguments(p: argparse.ArgumentParser, workers: bool = True, model:
         p.add_argument("--workers", type=count(0), default=0, help="DataLoader processes decoding image files (default 0)")
 
 
-def load_model(args: argparse.Namespace) -> nn.Module:
+def model_from_args(args: argparse.Namespace) -> nn.Module:
     """The model MODEL, ``--checkpoint`` and ``--pretrained`` name, on ``--device``.
 
     A ``timm:``/``torchvision:`` name needs ``--pretrained`` (weights from the local cache) or

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, count, load_model, method_specs,
+from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, count, model_from_args, method_specs,
                             torch_threads)
 
 
@@ -99,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"the {spec.name} method needs --stats (make one with `aqr calibrate`)")
         chosen.append((spec.label, method_plan))
     stats = SourceStats.load(args.stats) if args.stats else None
-    model = load_model(args)
+    model = model_from_args(args)
     run_on, where = _test_data(args, model)
     results: dict[str, float | None] = {}
     for label, method_plan in chosen:

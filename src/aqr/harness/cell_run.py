@@ -99,7 +99,7 @@ def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False
         try:
             torch.manual_seed(cell.seed)
             method = build_method(cell, cache_dir, device, loader_workers, stats_file)
-            desc = f"{cell.variant} {cell.corruption}-{cell.severity}"
+            desc = f"{cell.spec} {cell.corruption}-{cell.severity}"
             if stream_corruptions(cell.corruption) is not None:
                 return _run_continual(cell, method, progress, desc, t0, where)
             if uses_image_folders(cell.data):

@@ -215,8 +215,18 @@ class Cell:
         return dict(self.options)
 
     @property
+    def spec(self) -> str:
+        """``method`` or ``method:key=value,...``: the cell's method in the bench's method syntax
+        (:meth:`aqr.harness.specs.MethodSpec.parse` reads it back), as messages and progress bars spell it."""
+        if not self.options:
+            return self.method
+        return f"{self.method}:{','.join(f'{k}={_fmt(v)}' for k, v in self.options)}"
+
+    @property
     def variant(self) -> str:
-        """``method`` or ``method[key=value,...]``: how the method is labelled in tables."""
+        """``method`` or ``method[key=value,...]``: the label the results database and the costs file store
+        for the method (kept as the committed rows spell it; the reports print it). Elsewhere a cell's
+        method is spelled as a spec (:attr:`spec`)."""
         if not self.options:
             return self.method
         return f"{self.method}[{','.join(f'{k}={_fmt(v)}' for k, v in self.options)}]"

@@ -197,7 +197,7 @@ def _drive(runner: CellExecutor, claims: Claims, todo: Sequence[tuple[str, Cell,
                     claims.release(key)
                     _count(summary, cell, result)
                     acc = "n/a" if result.accuracy is None else f"{result.accuracy:.2f}"
-                    bar.set_postfix_str(f"{cell.model.name} {cell.variant} {cell.corruption}-{cell.severity} "
+                    bar.set_postfix_str(f"{cell.model.name} {cell.spec} {cell.corruption}-{cell.severity} "
                                         f"b{cell.batch_size}: {acc}", refresh=False)
                     bar.update(1)
             elif waiting:
@@ -211,7 +211,7 @@ def _count(summary: GridSummary, cell: Cell, result: CellResult) -> None:
     if result.status == "error":
         summary.errors += 1
         first = (result.message or "").splitlines()[0] if result.message else ""
-        summary.error_messages.append(f"{cell.model.name} {cell.variant} {cell.corruption}-{cell.severity} "
+        summary.error_messages.append(f"{cell.model.name} {cell.spec} {cell.corruption}-{cell.severity} "
                                       f"b{cell.batch_size} s{cell.seed}: {first}")
     elif result.status == "n/a":
         summary.not_applicable += 1
@@ -221,7 +221,7 @@ def describe_cells(grid: GridSpec) -> Iterable[str]:
     """One line per cell (for ``--dry-run``)."""
     for cell in grid.cells():
         protocol = cell.protocol + (f" C={cell.cost:g}" if cell.cost is not None else "")
-        yield (f"{cell.model.name}\t{cell.variant}\t{cell.corruption}\t{cell.severity}\t{cell.batch_size}\t"
+        yield (f"{cell.model.name}\t{cell.spec}\t{cell.corruption}\t{cell.severity}\t{cell.batch_size}\t"
                f"{cell.order or '-'}\t{cell.seed}\t{cell.n_images}\t{protocol}")
 
 

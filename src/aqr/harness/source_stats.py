@@ -35,20 +35,17 @@ def stats_options(cell: Cell) -> dict[str, Any]:
     if float(opts.get("balance", 1.0)) < 1:  # class-conditional knots (only then: other cells keep their files)
         out["groups"] = int(opts.get("groups", DEFAULT_GROUPS))
     point = stats_point(cell.method)
-    if point != OUTPUT:  # the values before the affine step (only then: other cells keep their files)
+    if point not in (None, OUTPUT):  # the values before the affine step (only then: other cells keep their files)
         out["point"] = point
     return out
 
 
-def stats_point(method: str) -> str:
-    """Where the method's statistics are read (:mod:`aqr.core.points`), as it declares (``needs.stats``);
-    ``KeyError`` for an unknown method, ``ValueError`` for one that needs no statistics."""
+def stats_point(method: str) -> str | None:
+    """Where the method's statistics are read (:mod:`aqr.core.points`), as it declares (``needs.stats``;
+    ``None`` for a method that reads none); ``KeyError`` for an unknown method."""
     from aqr.methods import declaration
 
-    point = declaration(method).needs.stats
-    if point is None:
-        raise ValueError(f"the {method!r} method needs no source statistics")
-    return point
+    return declaration(method).needs.stats
 
 
 def check_stats_options(options: Mapping[str, Any]) -> None:

@@ -23,7 +23,7 @@ benchmark code.
 (``plan(name).config``), and ``defaults="cifar10"`` or ``"imagenet"``, the reference's option sets, for the
 methods that have them (other options override them). The compositions ``aqr+tent``, ``aqr+eta``, ``aqr+roid`` and ``aqr+lame`` take AQR's options and their
 partner's side by side (:mod:`aqr.methods.compose`; the first three need statistics taken before the
-affine step, ``aqr.calibrate(..., point="pre-affine")``, their ``stats_point``).
+affine step, ``aqr.calibrate(..., point="pre-affine")``, the point they declare).
 Every method is declared once, in its own file, by ``@method(name, Config, defaults=..., needs=...)``
 (:mod:`aqr.methods.declaration`): :func:`declaration` reads it (what a caller must supply: ``needs.stats``,
 the point where its statistics are taken, for AQR, moments and the compositions; ``needs.batch_size`` for

@@ -18,7 +18,7 @@ EXTERNAL_PREFIXES: tuple[str, ...] = ("timm:", "torchvision:")
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class Architecture:
     """How to build one registered architecture.
 
     ``builder(num_classes=..., norm=..., **kwargs)`` returns the bare network (normalized input);
@@ -43,13 +43,13 @@ def _cifar_resnet(depth: int) -> Callable[..., nn.Module]:
 
 _CIFAR_NORMS = ("bn", "gn", "ln", "none")
 
-REGISTRY: dict[str, ModelSpec] = {
-    **{f"resnet{d}": ModelSpec(_cifar_resnet(d), f"CIFAR ResNet-{d} (16-32-64, option-A shortcuts; "
+REGISTRY: dict[str, Architecture] = {
+    **{f"resnet{d}": Architecture(_cifar_resnet(d), f"CIFAR ResNet-{d} (16-32-64, option-A shortcuts; "
                                "akamaster layout)", _CIFAR_NORMS, {"width": 16, "groups": 8, "shortcut": "A"})
        for d in (20, 26, 32, 44, 56)},
-    "resnet18": ModelSpec(ResNet18, "CIFAR ResNet-18 (64-512 channels, 1x1-conv shortcuts)", _CIFAR_NORMS,
+    "resnet18": Architecture(ResNet18, "CIFAR ResNet-18 (64-512 channels, 1x1-conv shortcuts)", _CIFAR_NORMS,
                           {"width": 64, "groups": 8}),
-    "vit": ModelSpec(ViT, "ViT for 32x32 inputs: patch 4, pre-norm LayerNorm blocks", ("ln",),
+    "vit": Architecture(ViT, "ViT for 32x32 inputs: patch 4, pre-norm LayerNorm blocks", ("ln",),
                      {"patch_size": 4, "dim": 128, "depth": 6, "heads": 4, "mlp_ratio": 2.0, "pool": "cls"},
                      mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)),
 }
