@@ -4,30 +4,98 @@
 ``AQRConfig.target`` is the string the user gives (``"batch"``, ``"stream"``, ``"robust"``; benchmark
 cells are keyed by it). The code asks the :class:`Target` it names instead of comparing strings:
 whether the recalibration keeps a state across batches, whether that state takes each image's
-predicted class, which tails and options it allows, which running state each layer keeps
-(:mod:`aqr.adapt.stream`) and how one batch weighs its own histogram against it.
+predicted class, which tails and options it allows. Which running state each layer keeps, and how one
+batch weighs its own histogram against it, the stream package works out from the config
+(:mod:`aqr.adapt.stream.build`): this module imports nothing of it.
+
+Each option is declared once, as a field of :class:`AQRConfig` whose metadata names its group; the
+group views (:class:`BatchOptions`, :class:`StreamOptions`, :class:`RobustOptions`), the lists of the
+options a target refuses and the stream's settings (:class:`aqr.adapt.stream.running.StreamSettings`,
+:class:`aqr.adapt.stream.robust.RobustSettings`, which check their values with the checks here) are
+derived from those fields.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, ClassVar
 
-import torch
-
-from aqr.adapt.stream.base import StreamKernels
-from aqr.adapt.stream.robust import RobustLayerStream, RobustSettings, own_batch_share
-from aqr.adapt.stream.running import BatchKnots, LayerStream, StreamSettings
 from aqr.backends.subsets import MAX_SAMPLES as MAX_TARGET_SAMPLES
 from aqr.core.qmap import DEFAULT_GAUSSIAN_P, check_tail
 from aqr.core.stats import SOURCE_MOMENTS
 
+# The groups of options, each named after the target whose view checks it (BatchOptions: every target's)
+BATCH, STREAM, ROBUST = "batch", "stream", "robust"
+GROUP = "group"  # the metadata key of an AQRConfig field that names its group
 
-# The options only target="robust" reads (passes=2 too: each target lists the passes it takes), and those
-# only the running targets ("stream", "robust") read
-ROBUST_OPTIONS = ("groups", "class_horizon", "own_batch", "balance", "recent_horizon")
-STREAM_OPTIONS = ("estimator", "horizon", "tail_window", "rebuild_every", "stream_grid")
+
+def option(default: Any, group: str) -> Any:
+    """An :class:`AQRConfig` field: its default and its group (the one place an option is declared)."""
+    return field(default=default, metadata={GROUP: group})
+
+
+def options_of(group: str) -> tuple[str, ...]:
+    """The names of the options of ``group``, in :class:`AQRConfig`'s order."""
+    return tuple(f.name for f in fields(AQRConfig) if f.metadata.get(GROUP) == group)
+
+
+def stream_options() -> tuple[str, ...]:
+    """The options only the running targets (``"stream"``, ``"robust"``) read."""
+    return options_of(STREAM)
+
+
+def robust_options() -> tuple[str, ...]:
+    """The options only ``target="robust"`` reads (``passes`` is left out: each target lists the passes it
+    takes)."""
+    return tuple(name for name in options_of(ROBUST) if name != "passes")
+
+
+# ---------------------------------------------------------------------- the running options' checks
+# Checked here for AQRConfig and by the stream's settings classes for their own values (the same
+# messages either way).
+
+ESTIMATORS = ("cdf-ema", "knot-ema")
+MAX_STREAM_COUNT = 1 << 20  # the most images (or cells) of a stream's window, group or table
+MAX_GROUPS = 4096
+
+
+def check_estimator(estimator: object) -> None:
+    """Raise ``ValueError`` unless ``estimator`` names a running estimator."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}; expected one of {', '.join(ESTIMATORS)}")
+
+
+def check_horizon(horizon: object) -> None:
+    """Raise ``ValueError`` unless ``horizon`` is a finite number of images >= 1."""
+    if not (isinstance(horizon, (int, float)) and math.isfinite(horizon) and horizon >= 1):
+        raise ValueError(f"horizon must be a number of images >= 1, got {horizon!r}")
+
+
+def check_stream_count(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` (the stream's setting ``name``) is an integer in
+    ``[1, MAX_STREAM_COUNT]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STREAM_COUNT:
+        raise ValueError(f"{name} must be an integer in [1, {MAX_STREAM_COUNT}], got {value!r}")
+
+
+def check_groups(groups: object) -> None:
+    """Raise ``ValueError`` unless ``groups`` is an integer in ``[1, MAX_GROUPS]``."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= MAX_GROUPS:
+        raise ValueError(f"groups must be an integer in [1, {MAX_GROUPS}], got {groups!r}")
+
+
+def check_images(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` (the horizon ``name``) is a finite number of images >= 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < float("inf"):
+        raise ValueError(f"{name} must be a number of images >= 1, got {value!r}")
+
+
+def check_balance(balance: object) -> None:
+    """Raise ``ValueError`` unless ``balance`` is a number in [0, 1]."""
+    if isinstance(balance, bool) or not isinstance(balance, (int, float)) or not 0 <= balance <= 1:
+        raise ValueError(f"balance must be a number in [0, 1], got {balance!r}")
 
 
 def refuse_ignored(config: AQRConfig, names: tuple[str, ...], owner: str, target: str) -> None:
@@ -62,12 +130,12 @@ class Target:
     def check_stream_options(self, config: AQRConfig) -> None:
         """Raise ``ValueError`` where ``config`` sets an option of the running targets to another value than
         its default: this target keeps no running estimate and would ignore it."""
-        refuse_ignored(config, STREAM_OPTIONS, "target='stream' and 'robust'", self.name)
+        refuse_ignored(config, stream_options(), "target='stream' and 'robust'", self.name)
 
     def check_robust_options(self, config: AQRConfig) -> None:
         """Raise ``ValueError`` where ``config`` sets an option of ``target="robust"`` alone to another value
         than its default: this target would ignore it."""
-        refuse_ignored(config, ROBUST_OPTIONS, "target='robust'", self.name)
+        refuse_ignored(config, robust_options(), "target='robust'", self.name)
 
     def describe(self, config: AQRConfig) -> str:
         """The target's part of :class:`aqr.AQR`'s ``repr``."""
@@ -76,7 +144,8 @@ class Target:
 
 class StreamTarget(Target):
     """Streaming AQR (``target="stream"``): each layer maps with a running estimate of its target
-    distribution across batches (:class:`aqr.adapt.stream.running.LayerStream`)."""
+    distribution across batches (:class:`aqr.adapt.stream.running.LayerStream`, which the stream package
+    builds for this target)."""
 
     name: ClassVar[str] = "stream"
     keeps_state: ClassVar[bool] = True
@@ -102,16 +171,6 @@ class StreamTarget(Target):
         """Whether each layer maps onto its groups' own source knots (statistics calibrated with groups)."""
         return False
 
-    def layer_stream(self, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
-                     batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> LayerStream:
-        """One layer's running state on ``source``'s device."""
-        return LayerStream(source, settings, kernels, batch_knots)
-
-    def batch_shares(self, recent: list[int], config: AQRConfig) -> tuple[float, float]:
-        """``(own, runs)`` for the next batch from the recent predicted classes: the share of its own
-        histogram a batch's target takes, and how clearly the recent classes come in runs."""
-        return 0.0, 1.0
-
     def describe(self, config: AQRConfig) -> str:
         return f", target={self.name!r}, estimator={config.estimator!r}, horizon={config.horizon:g}"
 
@@ -130,15 +189,6 @@ class RobustTarget(StreamTarget):
 
     def check_robust_options(self, config: AQRConfig) -> None:
         """Its own options: nothing to refuse."""
-
-    def layer_stream(self, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
-                     batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> LayerStream:
-        robust = RobustSettings(config.groups, config.class_horizon, config.balance, config.recent_horizon)
-        return RobustLayerStream(source, settings, robust, kernels, batch_knots, group_source)
-
-    def batch_shares(self, recent: list[int], config: AQRConfig) -> tuple[float, float]:
-        share = own_batch_share(recent)
-        return (share if config.own_batch else 0.0), 1.0 - share
 
     def describe(self, config: AQRConfig) -> str:
         text = f", target={self.name!r}, groups={config.groups}, class_horizon={config.class_horizon:g}"
@@ -231,31 +281,32 @@ class AQRConfig:
         recent_horizon: ``balance < 1``: the EMA horizon of the groups' shares, in images.
     """
 
-    tail: str | None = None
-    layers: str | Sequence[str] | None = None
-    source_moments: str = "affine"
-    gaussian_p: float = DEFAULT_GAUSSIAN_P
-    on_nonfinite: str = "raise"
-    mode: str = "fast"
-    target_samples: int = 8_192
-    samples_per_row: int = 64
-    grid: int = 1024
-    compile: bool = True
-    native: bool = True
-    triton: bool = False
-    target: str = "batch"
-    estimator: str = "cdf-ema"
-    horizon: float = 128.0
-    tail_window: int = 128
-    rebuild_every: int = 8
-    stream_grid: int = 512
-    match: str = "quantiles"
-    groups: int = 16
-    class_horizon: float = 32.0
-    passes: int = 1
-    own_batch: bool = True
-    balance: float = 1.0
-    recent_horizon: float = 64.0
+    # Each option once: its type, its default and its group (the group views are built from these)
+    tail: str | None = option(None, BATCH)
+    layers: str | Sequence[str] | None = option(None, BATCH)
+    source_moments: str = option("affine", BATCH)
+    gaussian_p: float = option(DEFAULT_GAUSSIAN_P, BATCH)
+    on_nonfinite: str = option("raise", BATCH)
+    mode: str = option("fast", BATCH)
+    target_samples: int = option(8_192, BATCH)
+    samples_per_row: int = option(64, BATCH)
+    grid: int = option(1024, BATCH)
+    compile: bool = option(True, BATCH)
+    native: bool = option(True, BATCH)
+    triton: bool = option(False, BATCH)
+    target: str = "batch"  # in no group: from_groups takes it on its own
+    estimator: str = option("cdf-ema", STREAM)
+    horizon: float = option(128.0, STREAM)
+    tail_window: int = option(128, STREAM)
+    rebuild_every: int = option(8, STREAM)
+    stream_grid: int = option(512, STREAM)
+    match: str = option("quantiles", BATCH)
+    groups: int = option(16, ROBUST)
+    class_horizon: float = option(32.0, ROBUST)
+    passes: int = option(1, ROBUST)
+    own_batch: bool = option(True, ROBUST)
+    balance: float = option(1.0, ROBUST)
+    recent_horizon: float = option(64.0, ROBUST)
 
     def __post_init__(self) -> None:
         if self.match not in MATCHES:
@@ -277,8 +328,15 @@ class AQRConfig:
             raise ValueError(f"gaussian_p must be in (0, 0.5), got {self.gaussian_p}")
         if self.target not in TARGET_KINDS:
             raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
-        StreamSettings(self.estimator, self.horizon, self.tail_window, 100, self.rebuild_every, self.stream_grid)  # checks
-        RobustSettings(self.groups, self.class_horizon, self.balance, self.recent_horizon)  # checks
+        check_estimator(self.estimator)
+        check_horizon(self.horizon)
+        check_stream_count("tail_window", self.tail_window)
+        check_stream_count("rebuild_every", self.rebuild_every)
+        check_stream_count("grid", self.stream_grid)  # the stream's table: its grid (the message as it always was)
+        check_groups(self.groups)
+        check_images("class_horizon", self.class_horizon)
+        check_images("recent_horizon", self.recent_horizon)
+        check_balance(self.balance)
         if self.passes not in (1, 2) or isinstance(self.passes, bool):
             raise ValueError(f"passes must be 1 or 2, got {self.passes!r}")
         if not isinstance(self.own_batch, bool):
@@ -320,58 +378,24 @@ class AQRConfig:
         return cls(target=target, **values)
 
 
-@dataclass(frozen=True)
-class BatchOptions:
-    """The options of the map itself, for every target: the fields of :class:`AQRConfig` of these names
-    (documented there). Building one checks it."""
+def _group_view(group: str, name: str, doc: str) -> type:
+    """The frozen dataclass of the options of ``group`` (the fields of :class:`AQRConfig` of that group, with
+    their types and defaults); building one checks it as ``AQRConfig(target=group, ...)`` does."""
+    def __post_init__(self: Any) -> None:
+        AQRConfig(target=group, **_group_values(self, type(self)))  # raises ValueError naming a bad option
 
-    tail: str | None = AQRConfig.tail
-    layers: str | Sequence[str] | None = AQRConfig.layers
-    source_moments: str = AQRConfig.source_moments
-    gaussian_p: float = AQRConfig.gaussian_p
-    on_nonfinite: str = AQRConfig.on_nonfinite
-    mode: str = AQRConfig.mode
-    target_samples: int = AQRConfig.target_samples
-    samples_per_row: int = AQRConfig.samples_per_row
-    grid: int = AQRConfig.grid
-    compile: bool = AQRConfig.compile
-    native: bool = AQRConfig.native
-    triton: bool = AQRConfig.triton
-    match: str = AQRConfig.match
-
-    def __post_init__(self) -> None:
-        AQRConfig(**_group_values(self, BatchOptions))  # raises ValueError naming a bad option
+    spec = [(f.name, f.type, field(default=f.default)) for f in fields(AQRConfig) if f.metadata.get(GROUP) == group]
+    return make_dataclass(name, spec, frozen=True, namespace={"__post_init__": __post_init__, "__doc__": doc,
+                                                              "__module__": __name__, "__qualname__": name})
 
 
-@dataclass(frozen=True)
-class StreamOptions:
-    """The running estimate's options (``target="stream"`` and ``"robust"``): the fields of
-    :class:`AQRConfig` of these names (documented there). Building one checks it."""
-
-    estimator: str = AQRConfig.estimator
-    horizon: float = AQRConfig.horizon
-    tail_window: int = AQRConfig.tail_window
-    rebuild_every: int = AQRConfig.rebuild_every
-    stream_grid: int = AQRConfig.stream_grid
-
-    def __post_init__(self) -> None:
-        AQRConfig(target="stream", **_group_values(self, StreamOptions))
-
-
-@dataclass(frozen=True)
-class RobustOptions:
-    """The class-balanced target's options (``target="robust"`` only): the fields of :class:`AQRConfig`
-    of these names (documented there). Building one checks it."""
-
-    groups: int = AQRConfig.groups
-    class_horizon: float = AQRConfig.class_horizon
-    passes: int = AQRConfig.passes
-    own_batch: bool = AQRConfig.own_batch
-    balance: float = AQRConfig.balance
-    recent_horizon: float = AQRConfig.recent_horizon
-
-    def __post_init__(self) -> None:
-        AQRConfig(target="robust", **_group_values(self, RobustOptions))  # passes=2 is robust's only
+BatchOptions = _group_view(BATCH, "BatchOptions", """The options of the map itself, for every target: the fields
+    of :class:`AQRConfig` of these names (documented there). Building one checks it.""")
+StreamOptions = _group_view(STREAM, "StreamOptions", """The running estimate's options (``target="stream"`` and
+    ``"robust"``): the fields of :class:`AQRConfig` of these names (documented there). Building one checks it.""")
+RobustOptions = _group_view(ROBUST, "RobustOptions", """The class-balanced target's options (``target="robust"``
+    only; ``passes=2`` is its alone): the fields of :class:`AQRConfig` of these names (documented there).
+    Building one checks it.""")
 
 
 OPTION_GROUPS: tuple[type, ...] = (BatchOptions, StreamOptions, RobustOptions)

@@ -31,7 +31,7 @@ from torch import nn
 from aqr.adapt.config import AQRConfig
 from aqr.adapt.layer_maps import MAP_CLASSES, LayerMap
 from aqr.adapt.stream.saved import load_running_state, load_stream_record, running_state, stream_record
-from aqr.adapt.stream.stream_maps import StreamBatch, StreamLayerMap
+from aqr.adapt.stream.stream_maps import SharedStream, StreamBatch, StreamLayerMap
 from aqr.backends import SubsetCache
 from aqr.core.hooks import instrumented
 from aqr.core.layers import LayerError, NonFiniteActivationError, check_named_layers, select_layers
@@ -43,7 +43,7 @@ STATE_KEY = "_extra_state"  # the running state's key in AQR.state_dict(), torch
 
 
 def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False,
-                batch: StreamBatch | None = None) -> dict[str, LayerMap]:
+                batch: SharedStream | None = None) -> dict[str, LayerMap]:
     """The maps of the selected layers; with ``batch``, streaming ones sharing it (:mod:`aqr.adapt.stream.stream_maps`)."""
     tail = config.tail or stats.tail
     infos = [layer.info for layer in stats.layers.values()]
@@ -189,9 +189,9 @@ class AQR(nn.Module):
         self.config = AQRConfig(**options)  # type: ignore[arg-type]
         check_named_layers(model, self.config.layers)
         self._target = self.config.target_kind
-        self._batch: StreamBatch | None = None
+        self._batch: SharedStream | None = None  # the stream the layer maps share (its batches, recent classes)
         if self._target.keeps_state:
-            self._batch = StreamBatch()
+            self._batch = SharedStream(self.config)
             self._lock = threading.Lock()  # one batch at a time
             self._state_lock = threading.Lock()  # held while the running state changes or is read whole
             self._owner: int | None = None
@@ -226,17 +226,15 @@ class AQR(nn.Module):
     def _stream_forward(self, x: torch.Tensor) -> torch.Tensor:
         """One batch of the stream: mapped with the running estimate, which it updates if all was finite."""
         with self._stream_batch(x, held=False) as batch:
-            batch.own, batch.runs = self._target.batch_shares(batch.recent, self.config)
             out, finite = self._mapped(x, batch)
             if finite:
                 labels = self._predicted(out, batch.images) if self._target.needs_classes else None
                 with self._state_lock:
-                    batch.commit(labels)
+                    self._batch.commit(labels)  # type: ignore[union-attr]
                 if self.config.passes == 2:  # the batch again, mapped with the state it just updated
-                    batch.begin(batch.images)
+                    self._batch.again()  # type: ignore[union-attr]
                     with torch.no_grad():
-                        out = self._twin(x)
-                    batch.staged = []
+                        out = self._twin(x)  # what this pass stages is dropped at the batch's end
             elif self.config.on_nonfinite == "raise":
                 raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
                                                "unchanged (on_nonfinite='skip' returns them)")
@@ -244,20 +242,16 @@ class AQR(nn.Module):
 
     @contextlib.contextmanager
     def _stream_batch(self, x: torch.Tensor, held: bool) -> Iterator[StreamBatch]:
-        """The stream's batch record, begun for ``x`` (``held``: mapped with the committed state, staging
-        nothing), under the stream lock, and cleared again on the way out."""
+        """The stream's batch, begun for ``x`` (``held``: mapped with the committed state, staging nothing),
+        under the stream lock, and ended again on the way out."""
         if self._owner == threading.get_ident():
             raise RuntimeError("a streaming AQR was called from inside its own forward pass")
         with self._lock:
             self._owner = threading.get_ident()
-            batch = self._batch
             try:
-                batch.begin(int(x.shape[0]) if x.ndim else 0)
-                batch.held = held
-                yield batch
+                with self._batch.running(int(x.shape[0]) if x.ndim else 0, held=held) as batch:  # type: ignore[union-attr]
+                    yield batch
             finally:
-                batch.held = False
-                batch.begin(0)
                 self._owner = None
 
     def _mapped(self, x: torch.Tensor, batch: StreamBatch) -> tuple[object, bool]:
@@ -266,7 +260,7 @@ class AQR(nn.Module):
             out = self._twin(x)
         if not self._reach_checked:
             self._check_every_layer_called()
-        finite = not batch.nonfinite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
+        finite = batch.finite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
         return out, finite
 
     def forward_held(self, x: torch.Tensor) -> torch.Tensor:
@@ -301,7 +295,7 @@ class AQR(nn.Module):
         with self._exclusive():
             for layer_map in self._maps.values():
                 layer_map.reset()  # type: ignore[attr-defined]
-            self._batch.recent = []
+            self._batch.reset()
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -364,7 +358,7 @@ class AQR(nn.Module):
             layer_map.subsets = shared
         if self._batch is not None:
             self._lock, self._state_lock = threading.Lock(), threading.Lock()
-            self._batch.begin(0)  # drop what a batch in flight had staged
+            self._batch.end()  # no batch in flight on the copy
             if running is not None:
                 load_running_state(running, self._maps, self._batch)  # type: ignore[arg-type]
 

@@ -38,7 +38,7 @@ from torch import nn
 from aqr.adapt.config import AQRConfig
 from aqr.adapt.layer_maps import LayerMap
 from aqr.adapt.model import _layer_maps
-from aqr.adapt.stream.stream_maps import StreamBatch, StreamLayerMap
+from aqr.adapt.stream.stream_maps import SharedStream, StreamLayerMap
 from aqr.core.layers import NonFiniteActivationError, as_acb, check_named_layers, layer_info
 from aqr.core.points import PRE_AFFINE, affine, normalized
 from aqr.core.qmap import PARAMETRIC_TAILS, channel_quantiles, tail_lines, to_channel_rows
@@ -118,7 +118,7 @@ class PreAffineAQR:
         check_named_layers(model, config.layers)
         self.config = config
         self.target = config.target_kind
-        self.batch = StreamBatch() if self.target.keeps_state else None
+        self.batch = SharedStream(config) if self.target.keeps_state else None
         # "raise" is checked at each layer (on a GPU too: the logits of a batch target are not checked);
         # "skip" leaves a non-finite channel unmapped without reading a flag back from a GPU
         self.maps = _layer_maps(stats, config, logits_checked=config.on_nonfinite == "skip", batch=self.batch)
@@ -160,30 +160,27 @@ class PreAffineAQR:
 
     def _begin(self, _model: nn.Module, args: tuple) -> None:
         x = args[0] if args else None
-        batch = self.batch
-        batch.begin(int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim else 0)  # type: ignore[union-attr]
-        batch.held = self.holding  # type: ignore[union-attr]
-        batch.own, batch.runs = self.target.batch_shares(batch.recent, self.config)  # type: ignore[union-attr]
+        images = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim else 0
+        self.batch.begin(images, held=self.holding)  # type: ignore[union-attr]
 
     def _commit(self, _model: nn.Module, _args: tuple, out: object) -> None:
-        batch = self.batch
+        batch = self.batch.current  # type: ignore[union-attr]
         try:
             logits = out.detach() if isinstance(out, torch.Tensor) else None
-            finite = not batch.nonfinite and (logits is None or bool(torch.isfinite(logits).all()))  # type: ignore[union-attr]
+            finite = batch.finite and (logits is None or bool(torch.isfinite(logits).all()))
             if finite and not self._frozen:
                 labels = None
                 if self.target.needs_classes:
-                    if logits is None or logits.ndim != 2 or logits.shape[0] != batch.images:  # type: ignore[union-attr]
+                    if logits is None or logits.ndim != 2 or logits.shape[0] != batch.images:
                         shape = tuple(logits.shape) if logits is not None else type(out).__name__
                         raise ValueError(f"target='robust' needs the model to return logits (N, classes), got {shape}")
                     labels = logits.argmax(dim=1)
-                batch.commit(labels)  # type: ignore[union-attr]
+                self.batch.commit(labels)  # type: ignore[union-attr]
             elif not finite and self.config.on_nonfinite == "raise":
                 raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
                                                "unchanged (on_nonfinite='skip' returns them)")
         finally:
-            batch.held = False  # type: ignore[union-attr]
-            batch.begin(0)  # type: ignore[union-attr]
+            self.batch.end()  # type: ignore[union-attr]
 
     def reset(self) -> None:
         """Every streaming layer back to its state before the first batch (nothing to do for batches)."""
@@ -191,4 +188,4 @@ class PreAffineAQR:
             return
         for layer_map in self.maps.values():
             layer_map.reset()  # type: ignore[attr-defined]
-        self.batch.recent = []
+        self.batch.reset()

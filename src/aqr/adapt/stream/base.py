@@ -156,6 +156,11 @@ class StreamKernels(abc.ABC):
 
     name = ""
 
+    def available(self) -> bool:
+        """Whether the kernels can run in this process (a copy of C kernels may be unpickled where they cannot
+        be built; its stream then runs on the torch kernels)."""
+        return True
+
     @abc.abstractmethod
     def takes(self, x: torch.Tensor) -> bool:
         """Whether :meth:`scan` can read ``x`` as it is."""

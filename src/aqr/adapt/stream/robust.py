@@ -66,34 +66,34 @@ from typing import ClassVar
 
 import torch
 
+from aqr.adapt.config import AQRConfig, check_balance, check_groups, check_images
+from aqr.adapt.stream.batch import BatchCommit, BatchValues
 from aqr.adapt.stream.base import EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, StreamKernels, StreamTable, TailWindow, copy_into
 from aqr.adapt.stream.running import (COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StagedFirst, StreamSettings,
                                       batch_weight)
 from aqr.backends import Affine
 
-MAX_GROUPS = 4096
-
-
 @dataclass(frozen=True)
 class RobustSettings:
     """The class groups of ``target="robust"``: at most ``groups`` groups of predicted classes, each an
-    EMA over ``class_horizon`` images of its own."""
+    EMA over ``class_horizon`` images of its own (the robust options of :class:`aqr.AQRConfig` a layer's
+    state reads; their defaults and checks are the config's)."""
 
-    groups: int = 16
-    class_horizon: float = 32.0
-    balance: float = 1.0
-    recent_horizon: float = 64.0
+    groups: int = AQRConfig.groups
+    class_horizon: float = AQRConfig.class_horizon
+    balance: float = AQRConfig.balance
+    recent_horizon: float = AQRConfig.recent_horizon
 
     def __post_init__(self) -> None:
-        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or not 1 <= self.groups <= MAX_GROUPS:
-            raise ValueError(f"groups must be an integer in [1, {MAX_GROUPS}], got {self.groups!r}")
+        check_groups(self.groups)
         for name in ("class_horizon", "recent_horizon"):
-            h = getattr(self, name)
-            if isinstance(h, bool) or not isinstance(h, (int, float)) or not 1 <= h < float("inf"):
-                raise ValueError(f"{name} must be a number of images >= 1, got {h!r}")
-        b = self.balance
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1:
-            raise ValueError(f"balance must be a number in [0, 1], got {b!r}")
+            check_images(name, getattr(self, name))
+        check_balance(self.balance)
+
+    @classmethod
+    def of(cls, config: AQRConfig) -> RobustSettings:
+        """The settings of ``config``'s robust options."""
+        return cls(config.groups, config.class_horizon, config.balance, config.recent_horizon)
 
 
 MIN_GROUP_WEIGHT = 1e-3  # balance < 1: groups below this share of the largest weight are left out of both mixtures
@@ -156,6 +156,8 @@ class RobustLayerStream(LayerStream):
     """One layer's class-balanced running target (see the module docs); the target knots, their table
     and the tail window are :class:`~aqr.adapt.stream.running.LayerStream`'s."""
 
+    target: ClassVar[str] = "robust"
+
     def __init__(self, source: torch.Tensor, settings: StreamSettings, robust: RobustSettings,
                  kernels: StreamKernels, batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> None:
         self.robust = robust
@@ -182,6 +184,36 @@ class RobustLayerStream(LayerStream):
         self.marginal = torch.zeros(1, c, k, device=source.device)
         self._groups_behind = False  # the seen groups are copies of the marginal not yet written (_idle_groups)
         super().__init__(source.clone() if group_source is not None else source, settings, kernels, batch_knots)
+
+    @classmethod
+    def from_config(cls, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
+                    batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> RobustLayerStream:
+        return cls(source, settings, RobustSettings.of(config), kernels, batch_knots, group_source)
+
+    @classmethod
+    def batch_shares(cls, recent: list[int], config: AQRConfig) -> tuple[float, float]:
+        """``own``: :func:`own_batch_share` where ``config.own_batch`` (else 0); ``runs``: 1 minus that share."""
+        share = own_batch_share(recent)
+        return (share if config.own_batch else 0.0), 1.0 - share
+
+    @property
+    def takes_small_steps(self) -> bool:
+        """Never: a class-balanced batch stages per-image histograms, which :meth:`small_step` does not."""
+        return False
+
+    def batch_step(self, x: torch.Tensor, batch: BatchValues,
+                   pre: Affine | None = None) -> tuple[torch.Tensor | None, RobustStaged | None]:
+        """:meth:`step` with the batch's ``own`` and ``runs``."""
+        return self.step(x, batch.images, pre, batch.own, batch.runs)
+
+    def commit_batch(self, staged: RobustStaged, commit: BatchCommit) -> None:  # type: ignore[override]
+        """:meth:`commit` with the batch's predicted classes and ``runs``; the classes as groups are worked out
+        once per device and group count for every layer of the commit."""
+        labels, grouped = commit.labels, None
+        if labels is not None:
+            device, groups = staged.counts.device, self.robust.groups
+            grouped = commit.once((BatchGroups, device, groups), lambda: BatchGroups.of_labels(labels, groups, device))
+        self.commit(staged, labels, commit.runs, grouped)
 
     def __setstate__(self, state: dict[str, object]) -> None:
         if "group_knots" in state:  # a copy made before the groups' copies of the marginal were written lazily

@@ -66,10 +66,12 @@ from typing import ClassVar, Union
 
 import torch
 
+from aqr.adapt.config import AQRConfig, check_estimator, check_horizon, check_stream_count
+from aqr.adapt.stream.batch import BatchCommit, BatchValues
 from aqr.adapt.stream.base import COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow, cloned, copy_into
 from aqr.backends import Affine, Targets
+from aqr.core.stats import SourceStats
 
-ESTIMATORS = ("cdf-ema", "knot-ema")
 COUNT_CELLS = 64  # inner cells of a group's histogram
 # Every COUNT_STRIDE-th value (flat position within a channel) enters the histogram. Odd, and prime
 # to common row widths: a stride sharing a factor with the width would sample whole columns.
@@ -78,24 +80,27 @@ COUNT_STRIDE = 5
 
 @dataclass(frozen=True)
 class StreamSettings:
-    """How a layer's running target estimate evolves (the stream fields of :class:`aqr.AQRConfig`)."""
+    """How a layer's running target estimate evolves: the stream options of :class:`aqr.AQRConfig` (their
+    defaults and checks are the config's; ``grid`` is its ``stream_grid``) and the statistics' ``tail_batch``."""
 
-    estimator: str = "cdf-ema"
-    horizon: float = 128.0
-    tail_window: int = 128
-    tail_batch: int = 100
-    rebuild_every: int = 8
-    grid: int = 512
+    estimator: str = AQRConfig.estimator
+    horizon: float = AQRConfig.horizon
+    tail_window: int = AQRConfig.tail_window
+    tail_batch: int = SourceStats.tail_batch
+    rebuild_every: int = AQRConfig.rebuild_every
+    grid: int = AQRConfig.stream_grid
 
     def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"unknown estimator {self.estimator!r}; expected one of {', '.join(ESTIMATORS)}")
-        if not (isinstance(self.horizon, (int, float)) and math.isfinite(self.horizon) and self.horizon >= 1):
-            raise ValueError(f"horizon must be a number of images >= 1, got {self.horizon!r}")
-        for name, low in (("tail_window", 1), ("tail_batch", 1), ("rebuild_every", 1), ("grid", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1 << 20:
-                raise ValueError(f"{name} must be an integer in [{low}, {1 << 20}], got {value!r}")
+        check_estimator(self.estimator)
+        check_horizon(self.horizon)
+        for name in ("tail_window", "tail_batch", "rebuild_every", "grid"):
+            check_stream_count(name, getattr(self, name))
+
+    @classmethod
+    def of(cls, config: AQRConfig, tail_batch: int) -> StreamSettings:
+        """The settings of ``config``'s stream options, with the statistics' ``tail_batch``."""
+        return cls(config.estimator, float(config.horizon), config.tail_window, tail_batch, config.rebuild_every,
+                   config.stream_grid)
 
 
 def batch_weight(images: int, seen: int, horizon: float) -> float:
@@ -190,6 +195,8 @@ class LayerStream:
     :class:`~aqr.adapt.stream.base.StreamKernels` of the device the state lives on.
     """
 
+    target: ClassVar[str] = "stream"  # the AQRConfig target whose layers keep this state (aqr.adapt.stream.build)
+
     def __init__(self, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
                  batch_knots: BatchKnots) -> None:
         self.source = source.float().contiguous()
@@ -204,6 +211,37 @@ class LayerStream:
         self.group = PendingGroup.empty(c, COUNT_CELLS, device)
         self._bound: object | None = None  # the state bound to its kernels (small_step), made on first use
         self.reset()
+
+    @classmethod
+    def from_config(cls, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
+                    batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> LayerStream:
+        """One layer's running state for ``config`` (of this class's :attr:`target`) on ``source``'s device;
+        ``group_source``: the groups' source knots, which only the class-balanced state takes."""
+        return cls(source, settings, kernels, batch_knots)
+
+    @classmethod
+    def batch_shares(cls, recent: list[int], config: AQRConfig) -> tuple[float, float]:
+        """``(own, runs)`` for the next batch from the recent predicted classes: the share of its own
+        histogram a batch's target takes, and how clearly the recent classes come in runs. This state
+        takes neither: ``(0, 1)``."""
+        return 0.0, 1.0
+
+    @property
+    def takes_small_steps(self) -> bool:
+        """Whether :meth:`small_step` may map this state's small batches (where its kernels bind it,
+        :meth:`bound`): a ``"cdf-ema"`` stream's."""
+        return self.settings.estimator == "cdf-ema"
+
+    def batch_step(self, x: torch.Tensor, batch: BatchValues,
+                   pre: Affine | None = None) -> tuple[torch.Tensor | None, Staged | None]:
+        """:meth:`step` of the layer output ``x`` (A, C, B) of the batch ``batch`` (what this state reads of
+        it: its images)."""
+        return self.step(x, batch.images, pre)
+
+    def commit_batch(self, staged: Staged, commit: BatchCommit) -> None:
+        """:meth:`commit` of what :meth:`batch_step` staged, for the finite batch ``commit`` (whose predicted
+        classes this state does not read)."""
+        self.commit(staged)
 
     def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()

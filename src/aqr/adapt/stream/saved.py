@@ -20,7 +20,7 @@ import torch
 from aqr.adapt.config import AQRConfig
 from aqr.adapt.stream.robust import MARGINAL_WINDOW
 from aqr.adapt.stream.running import LayerStream
-from aqr.adapt.stream.stream_maps import StreamBatch, StreamLayerMap
+from aqr.adapt.stream.stream_maps import SharedStream, StreamLayerMap
 
 FORMAT = "aqr.AQR running state"
 VERSION = 1
@@ -28,16 +28,16 @@ VERSION = 1
 RUN_OPTIONS = ("compile", "native", "triton", "on_nonfinite")
 
 
-def running_state(maps: Mapping[str, StreamLayerMap], batch: StreamBatch) -> dict[str, object]:
+def running_state(maps: Mapping[str, StreamLayerMap], shared: SharedStream) -> dict[str, object]:
     """Every layer's running state, one entry per device it ran on, and the recent predicted classes.
 
     The caller holds the lock that keeps the state from changing meanwhile."""
     layers = {name: [stream.export_state() for stream in list(layer_map.streams.values())]
               for name, layer_map in maps.items()}
-    return {"layers": layers, "recent": torch.tensor(batch.recent, dtype=torch.int64)}
+    return {"layers": layers, "recent": torch.tensor(shared.recent, dtype=torch.int64)}
 
 
-def load_running_state(state: Mapping[str, object], maps: Mapping[str, StreamLayerMap], batch: StreamBatch) -> None:
+def load_running_state(state: Mapping[str, object], maps: Mapping[str, StreamLayerMap], shared: SharedStream) -> None:
     """Take ``state`` (from :func:`running_state`): every part is checked before any is written; a layer's
     stream on a device the state does not name goes back to its initial state."""
     layers, recent = state.get("layers"), state.get("recent")
@@ -74,7 +74,7 @@ def load_running_state(state: Mapping[str, object], maps: Mapping[str, StreamLay
                 stream.reset()
     for stream, values in plan:
         stream.load_state(values)
-    batch.recent = recent.tolist()
+    shared.recent = recent.tolist()
 
 
 def config_record(config: AQRConfig) -> dict[str, object]:
@@ -100,14 +100,14 @@ def source_digest(maps: Mapping[str, StreamLayerMap]) -> str:
     return digest.hexdigest()
 
 
-def stream_record(config: AQRConfig, maps: Mapping[str, StreamLayerMap], batch: StreamBatch) -> dict[str, object]:
+def stream_record(config: AQRConfig, maps: Mapping[str, StreamLayerMap], shared: SharedStream) -> dict[str, object]:
     """:func:`running_state` with what identifies the stream: the entry of :meth:`aqr.AQR.state_dict`."""
     return {"format": FORMAT, "version": VERSION, "target": config.target, "config": config_record(config),
-            "source": source_digest(maps), **running_state(maps, batch)}
+            "source": source_digest(maps), **running_state(maps, shared)}
 
 
 def load_stream_record(record: object, config: AQRConfig, maps: Mapping[str, StreamLayerMap],
-                       batch: StreamBatch) -> None:
+                       shared: SharedStream) -> None:
     """Take a state :func:`stream_record` gave; ``ValueError`` (nothing changed) if it is not one, or is one
     of another target, configuration or set of statistics."""
     if not isinstance(record, Mapping) or record.get("format") != FORMAT:
@@ -128,4 +128,4 @@ def load_stream_record(record: object, config: AQRConfig, maps: Mapping[str, Str
     if record.get("source") != source_digest(maps):
         raise ValueError("the running state was saved for other source statistics (the layers' source knots "
                          "differ): build the AQR with the statistics it was saved with")
-    load_running_state(record, maps, batch)
+    load_running_state(record, maps, shared)

@@ -1,17 +1,18 @@
 """The layer maps of ``aqr.AQR(model, stats, target="stream")``: each layer maps with its running estimate.
 
 A :class:`StreamLayerMap` is a :class:`aqr.adapt.layer_maps.LayerMap` whose fast map steps the layer's
-:class:`aqr.adapt.stream.running.LayerStream` (the one its :class:`aqr.adapt.config.StreamTarget` builds)
-instead of reading the batch's own knots. Every map of one
-:class:`aqr.AQR` shares a :class:`StreamBatch`: the batch's image count, and the updates its layers
-stage while it runs, which :meth:`StreamBatch.commit` applies once the whole forward pass was
-finite (:class:`aqr.AQR` serializes forward passes, so one batch runs at a time).
+running state (:class:`aqr.adapt.stream.running.LayerStream`, or the class its target names, built by
+:mod:`aqr.adapt.stream.build`) instead of reading the batch's own knots. Every map of one
+:class:`aqr.AQR` shares a :class:`SharedStream`: the recent predicted classes across batches and the
+batch in flight (:class:`aqr.adapt.stream.batch.StreamBatch`), which the caller begins with its values
+(its images, whether it is held) and commits once the whole forward pass was finite
+(:class:`aqr.AQR` serializes forward passes, so one batch runs at a time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -19,70 +20,87 @@ from torch import nn
 from aqr.adapt.config import AQRConfig, StreamTarget
 from aqr.adapt.layer_maps import PLAIN_BATCH_NORMS, LayerMap, batch_norm_tensors
 from aqr.adapt.stream.base import StreamKernels
-from aqr.adapt.stream.native_kernels import NativeStreamKernels, native_stream_kernels
-from aqr.adapt.stream.robust import MARGINAL_WINDOW, BatchGroups, RobustLayerStream
-from aqr.adapt.stream.running import LayerStream, Staged, StreamSettings
+from aqr.adapt.stream.batch import BatchCommit, BatchValues, StreamBatch
+from aqr.adapt.stream.build import layer_stream, stream_class, stream_kernels, stream_settings
+from aqr.adapt.stream.native_kernels import NativeStreamKernels
+from aqr.adapt.stream.robust import MARGINAL_WINDOW
+from aqr.adapt.stream.running import LayerStream
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from aqr.backends import Affine, LayerBackend, SubsetCache, Targets
 from aqr.backends.native import NativeBackend, native_takes
 from aqr.core.layers import as_acb
 from aqr.core.stats import SourceStats
 
+__all__ = ["SharedStream", "StreamBatch", "StreamLayerMap", "stream_kernels", "stream_settings"]
 
-@dataclass
-class StreamBatch:
-    """The batch a streaming :class:`aqr.AQR` is running: its images and the layers' staged updates."""
 
-    images: int = 0
-    staged: list[tuple[LayerStream, Staged]] = field(default_factory=list)
-    nonfinite: bool = False
-    own: float = 0.0  # target="robust": the share of its own histogram a batch's target takes
-    runs: float = 1.0  # target="robust": how clearly the recent predicted classes come in runs (1 - own_batch_share)
-    recent: list[int] = field(default_factory=list)  # target="robust": the last MARGINAL_WINDOW predicted classes
-    held: bool = False  # the batch is mapped with the committed state and stages nothing (AQR.forward_held)
+class SharedStream:
+    """What the layer maps of one streaming :class:`aqr.AQR` share: the recent predicted classes (the last
+    :data:`~aqr.adapt.stream.robust.MARGINAL_WINDOW`, ``target="robust"``'s) and the batch in flight,
+    :attr:`current` (an empty batch of 0 images between two).
 
-    def begin(self, images: int) -> None:
-        self.images, self.staged, self.nonfinite = images, [], False
+    The caller runs each batch as :meth:`begin` (or :meth:`running`), the forward pass, :meth:`commit` where
+    it was finite, :meth:`end`; :meth:`again` starts a second pass over the same batch.
+    """
+
+    def __init__(self, config: AQRConfig) -> None:
+        self.config = config
+        self.kind = stream_class(config)  # the layers' state class: it gives each batch its shares
+        self.recent: list[int] = []
+        self.current = StreamBatch(BatchValues())
+
+    def begin(self, images: int, held: bool = False) -> StreamBatch:
+        """Start a batch of ``images`` images (``held``: mapped with the committed state, staging nothing),
+        with the shares the target gives it from the recent predicted classes."""
+        own, runs = (0.0, 1.0) if held else self.kind.batch_shares(self.recent, self.config)  # a held one steps nothing
+        self.current = StreamBatch(BatchValues(images, held, own, runs))
+        return self.current
+
+    def again(self) -> StreamBatch:
+        """The batch in flight once more, with the same values and nothing staged (a second pass)."""
+        self.current = self.current.again()
+        return self.current
+
+    def end(self) -> None:
+        """No batch in flight: what one had staged and not committed is dropped."""
+        self.current = StreamBatch(BatchValues())
+
+    @contextlib.contextmanager
+    def running(self, images: int, held: bool = False) -> Iterator[StreamBatch]:
+        """:meth:`begin` on the way in, :meth:`end` on the way out."""
+        try:
+            yield self.begin(images, held)
+        finally:
+            self.end()
 
     def commit(self, labels: torch.Tensor | None = None) -> None:
-        """Apply every staged update (the batch was finite everywhere); ``labels``: each image's predicted
-        class, which class-balanced layers (``target="robust"``) need."""
-        grouped: dict[tuple[torch.device, int], BatchGroups] = {}  # the labels as groups, once for every layer
-        for stream, staged in self.staged:
-            if isinstance(stream, RobustLayerStream):
-                key = (staged.counts.device, stream.robust.groups)
-                if labels is not None and key not in grouped:
-                    grouped[key] = BatchGroups.of_labels(labels, key[1], key[0])
-                stream.commit(staged, labels, self.runs, grouped.get(key))
-            else:
-                stream.commit(staged)
-        self.staged = []
+        """Apply every update the batch in flight staged (it was finite everywhere); ``labels``: each image's
+        predicted class, which class-balanced layers (``target="robust"``) need."""
+        commit = BatchCommit(labels, self.current.values.runs)
+        for stream, staged in self.current.take_staged():
+            stream.commit_batch(staged, commit)
         if labels is not None:
             self.recent = (self.recent + labels.tolist())[-MARGINAL_WINDOW:]
 
+    def reset(self) -> None:
+        """Forget the recent predicted classes."""
+        self.recent = []
 
-def stream_settings(config: AQRConfig, stats: SourceStats) -> StreamSettings:
-    """The running estimate's settings from an :class:`aqr.AQRConfig` (``tail_batch`` from the statistics)."""
-    return StreamSettings(config.estimator, float(config.horizon), config.tail_window, stats.tail_batch,
-                          config.rebuild_every, config.stream_grid)
-
-
-def stream_kernels(device: torch.device, native: bool) -> StreamKernels:
-    """aqr's C kernels on CPU when ``native`` and built, else the torch kernels."""
-    if native and device.type == "cpu":
-        lib = native_stream_kernels()
-        if lib is not None:
-            return NativeStreamKernels(lib)
-    return TorchStreamKernels()
+    def __getstate__(self) -> dict[str, object]:
+        # a copy holds the state between two batches: the batch in flight stays behind
+        state = self.__dict__.copy()
+        state["recent"] = list(self.recent)
+        state["current"] = StreamBatch(BatchValues())
+        return state
 
 
 class StreamLayerMap(LayerMap):
     """One layer of a streaming :class:`aqr.AQR`: its running state (per device, made on first use)."""
 
     def __init__(self, stats: SourceStats, name: str, config: AQRConfig, tail: str, subsets: SubsetCache,
-                 batch: StreamBatch) -> None:
+                 shared: SharedStream) -> None:
         target = config.target_kind
-        if not isinstance(target, StreamTarget):
+        if not isinstance(target, StreamTarget):  # a check of the caller's config, not a switch on the target
             raise ValueError(f"target={config.target!r} keeps no running state: its layers map each batch alone")
         target.check_tail(tail)
         super().__init__(stats, name, config, tail, subsets, logits_checked=True)
@@ -95,7 +113,7 @@ class StreamLayerMap(LayerMap):
                                  f"calibrated with groups={config.groups} (these have groups={stats.groups}; "
                                  f"aqr calibrate --groups {config.groups})")
             self.group_quantiles = stats.layers[name].group_quantiles
-        self.batch = batch
+        self.shared = shared
         self.streams: dict[torch.device, LayerStream] = {}
         # the CPU stream, once a folded batch showed it runs on the C kernels and small batches may take
         # LayerStream.small_step (see layer_forward)
@@ -117,7 +135,7 @@ class StreamLayerMap(LayerMap):
         """As :meth:`LayerMap.layer_forward`; an eval BatchNorm's batch of fewer than ``rebuild_every`` images
         on a started CPU stream of the C kernels goes straight to :meth:`LayerStream.small_step` (the same
         values as the general path, in one call instead of its chain of checks)."""
-        stream, batch = self._small, self.batch
+        stream, batch = self._small, self.shared.current
         if (stream is not None and stream.started and 0 < batch.images < stream.settings.rebuild_every
                 and not batch.held and type(module) in PLAIN_BATCH_NORMS and not module.training
                 and module.track_running_stats and native_takes(x) and x.ndim >= 2
@@ -128,18 +146,19 @@ class StreamLayerMap(LayerMap):
                 return super().layer_forward(module, forward, x)
             y, staged = stream.small_step(x, batch.images, self._affine_of(module, var, mean, weight, bias))
             if staged is None:
-                batch.nonfinite = True
+                batch.mark_nonfinite()
                 return self._nonfinite(forward(x))
-            batch.staged.append((stream, staged))
+            batch.stage(stream, staged)
             return y  # type: ignore[return-value]
         return super().layer_forward(module, forward, x)
 
     def _note_small(self, stream: LayerStream, device: torch.device, pre: Affine | None) -> None:
         """Remember ``stream`` for :meth:`layer_forward`'s direct path when it qualifies: a folded BatchNorm
-        (``pre``) on CPU whose per-batch backend folds natively, a ``"stream"`` target's ``"cdf-ema"`` state
-        on the C kernels, the channel on dim 1."""
-        if (pre is not None and device.type == "cpu" and type(stream) is LayerStream
-                and stream.settings.estimator == "cdf-ema" and isinstance(stream.kernels, NativeStreamKernels)
+        (``pre``) on CPU whose per-batch backend folds natively, a state that takes small steps
+        (:attr:`LayerStream.takes_small_steps`) on the C kernels, the channel on dim 1."""
+        # (the kernels' type is asked before bound(), which would build a stale table on kernels that bind nothing)
+        if (pre is not None and device.type == "cpu" and stream.takes_small_steps
+                and isinstance(stream.kernels, NativeStreamKernels)
                 and isinstance(self.backend(device), NativeBackend) and self.info.channel_dim == 1
                 and stream.bound() is not None):
             self._small, self._small_kernels = stream, stream.kernels
@@ -149,10 +168,10 @@ class StreamLayerMap(LayerMap):
         stream = self.streams.get(device)
         if stream is None:
             source, kernels = self.source_on(device).knots, stream_kernels(device, self.config.native)
-            stream = self.target.layer_stream(self.config, source, self.settings, kernels, self.batch_knots,
-                                              self._group_source(source))
+            stream = layer_stream(self.config, source, self.settings, kernels, self.batch_knots,
+                                  self._group_source(source))
             self.streams[device] = stream
-        elif isinstance(stream.kernels, NativeStreamKernels) and not stream.kernels.available():
+        elif not stream.kernels.available():
             stream.kernels = TorchStreamKernels()  # a copy unpickled where the C kernels cannot be built
         return stream
 
@@ -184,25 +203,24 @@ class StreamLayerMap(LayerMap):
               backend: LayerBackend | None = None) -> torch.Tensor:
         """The layer output ``x`` mapped with the running estimate; the batch's update is staged.
         (``backend``, the per-batch map's, is not used.)"""
-        if self.batch.held:
-            return self._held(x, pre, unmapped)
+        batch = self.shared.current
+        if batch.held:
+            return self._held(x, batch, pre, unmapped)
         state = stream = self.stream(x.device)
         acb = as_acb(x, self.info.channel_dim)
         if not stream.kernels.takes(acb):  # float64 or autograd on CPU: the torch kernels on the same state
             stream = _with_torch_kernels(stream)
         elif self._small is None:
             self._note_small(stream, x.device, pre)
-        if isinstance(stream, RobustLayerStream):
-            y, staged = stream.step(acb, self.batch.images, pre, self.batch.own, self.batch.runs)
-        else:
-            y, staged = stream.step(acb, self.batch.images, pre)
+        y, staged = stream.batch_step(acb, batch.values, pre)
         if staged is None:
-            self.batch.nonfinite = True
+            batch.mark_nonfinite()
             return self._nonfinite(x if unmapped is None else unmapped())
-        self.batch.staged.append((state, staged))
+        batch.stage(state, staged)
         return y.reshape(x.shape)
 
-    def _held(self, x: torch.Tensor, pre: Affine | None, unmapped: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+    def _held(self, x: torch.Tensor, batch: StreamBatch, pre: Affine | None,
+              unmapped: Callable[[], torch.Tensor] | None) -> torch.Tensor:
         """``x`` mapped with the committed running estimate, staging nothing; before the first batch (no
         estimate on this device yet) the layer's own output, unmapped."""
         if x.device not in self.streams or not self.streams[x.device].started:
@@ -211,9 +229,9 @@ class StreamLayerMap(LayerMap):
         acb = as_acb(x, self.info.channel_dim)
         if not stream.kernels.takes(acb):
             stream = _with_torch_kernels(stream)
-        y = stream.held(acb, self.batch.images, pre)
+        y = stream.held(acb, batch.images, pre)
         if y is None:
-            self.batch.nonfinite = True
+            batch.mark_nonfinite()
             return self._nonfinite(x if unmapped is None else unmapped())
         return y.reshape(x.shape)
 

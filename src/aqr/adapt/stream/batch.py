@@ -1,0 +1,107 @@
+"""One batch of a stream as its layers see it: fixed values, and what the layers leave for its commit.
+
+A streaming :class:`aqr.AQR` (and :class:`aqr.adapt.pre_affine.PreAffineAQR`) runs one batch at a time
+through layers that share a :class:`aqr.adapt.stream.stream_maps.SharedStream`. For each batch it begins,
+the shared stream makes a :class:`StreamBatch`: its :class:`BatchValues` are fixed for the whole batch
+(how many images, whether it is held, the shares the target gives it); the layers record on it only through
+:meth:`StreamBatch.stage` (an update to commit) and :meth:`StreamBatch.mark_nonfinite`. The commit hands
+every layer's stream one :class:`BatchCommit` (the predicted classes and what is worked out from them once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from aqr.adapt.stream.running import LayerStream
+
+
+@dataclass(frozen=True)
+class BatchValues:
+    """What every layer reads of the batch in flight, fixed when it begins.
+
+    ``images``: the batch's images; ``held``: mapped with the committed state, staging nothing
+    (:meth:`aqr.AQR.forward_held`); ``own``: the share of its own histogram a batch's target takes and
+    ``runs``: how clearly the recent predicted classes come in runs (``target="robust"``'s; see
+    :meth:`aqr.adapt.stream.running.LayerStream.batch_shares`).
+    """
+
+    images: int = 0
+    held: bool = False
+    own: float = 0.0
+    runs: float = 1.0
+
+
+class StreamBatch:
+    """The batch in flight: its :class:`BatchValues` (read-only) and the updates its layers stage."""
+
+    def __init__(self, values: BatchValues) -> None:
+        self._values = values
+        self._staged: list[tuple[LayerStream, object]] = []
+        self._nonfinite = False
+
+    @property
+    def values(self) -> BatchValues:
+        return self._values
+
+    @property
+    def images(self) -> int:
+        return self._values.images
+
+    @property
+    def held(self) -> bool:
+        return self._values.held
+
+    @property
+    def finite(self) -> bool:
+        """Whether every layer found the batch's values finite so far."""
+        return not self._nonfinite
+
+    @property
+    def staged(self) -> tuple[tuple[LayerStream, object], ...]:
+        """The ``(stream, update)`` pairs staged so far, in the order the layers staged them."""
+        return tuple(self._staged)
+
+    def stage(self, stream: LayerStream, update: object) -> None:
+        """Record ``stream``'s update for the commit. A held batch stages nothing: ``RuntimeError``."""
+        if self._values.held:
+            raise RuntimeError("a held batch stages nothing: it is mapped with the committed state")
+        self._staged.append((stream, update))
+
+    def mark_nonfinite(self) -> None:
+        """A layer found NaN or Inf: the batch will not be committed."""
+        self._nonfinite = True
+
+    def again(self) -> StreamBatch:
+        """The same batch once more (its values; nothing staged, finite): a second pass over it."""
+        return StreamBatch(self._values)
+
+    def take_staged(self) -> list[tuple[LayerStream, object]]:
+        """The staged updates, which this batch then no longer holds (a commit applies them once)."""
+        staged, self._staged = self._staged, []
+        return staged
+
+    def __getstate__(self) -> dict[str, object]:
+        # a copy made while the batch runs holds the state before it: nothing staged is copied
+        return {"_values": self._values, "_staged": [], "_nonfinite": False}
+
+
+class BatchCommit:
+    """What the commit of one finite batch gives every layer's stream: each image's predicted class
+    (``labels``, or ``None`` where the target takes none), the batch's ``runs``, and values worked out from
+    them once for every layer (:meth:`once`)."""
+
+    def __init__(self, labels: torch.Tensor | None, runs: float) -> None:
+        self.labels = labels
+        self.runs = runs
+        self._once: dict[object, Any] = {}
+
+    def once(self, key: object, make: Callable[[], Any]) -> Any:
+        """``make()``, called on the first use of ``key`` in this commit; the same value afterwards."""
+        if key not in self._once:
+            self._once[key] = make()
+        return self._once[key]
