@@ -13,11 +13,14 @@ from torch import nn
 
 from aqr.cli.bench import add_grid_arguments, grid_from_args
 from aqr.cli.common import UsageError
-from aqr.harness import continual, realtime
+from aqr.harness import continual
 from aqr.harness.cells import REALTIME, Cell, DataSpec, ModelSpec, severity_ramp, stream_schedule
 from aqr.harness.keys import cell_key
 from aqr.harness.presets import FIELD_METHODS, preset
-from aqr.harness.realtime import CostTable, adapted_batches, cost_key, measure_cost, resolve_costs, with_cost
+from aqr.harness.realtime import timing
+from aqr.harness.realtime.costs import CostTable, cost_key, with_cost
+from aqr.harness.realtime.rule import adapted_batches
+from aqr.harness.realtime.timing import measure_cost, resolve_costs
 from aqr.harness.settings import SETTINGS, apply_setting, setting_of
 from aqr.harness.specs import GridSpec, MethodSpec
 
@@ -224,7 +227,7 @@ def test_timing_round_charges_a_periodic_update_amortized(monkeypatch) -> None:
         fn()
         return spent[0]
 
-    monkeypatch.setattr(realtime, "_timed", fake_timed)
+    monkeypatch.setattr(timing, "_timed", fake_timed)
     batches = [torch.zeros(16, 8) for _ in range(10)]  # 2 warm-up calls, then 8 timed: two updates
     result = measure_cost(_Periodic(spent, period=4, update=9.0), _Periodic(spent), batches, warmup=2, clock="cpu")
     assert result["median_ratio"] == 1.0 and result["cost"] == 3.0 and result["total_ratio"] == 3.0

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     grid.check_methods()  # before the database is created or any data generated
     costs = args.costs or str(Path(args.db).with_suffix(".costs.json"))
     if args.dry_run:
-        from aqr.harness.realtime import CostTable
+        from aqr.harness.realtime.costs import CostTable
 
         grid = grid.override(costs=tuple(sorted(CostTable.load(costs).as_mapping().items())) or None)
         print("model\tmethod\tcorruption\tseverity\tbatch_size\torder\tseed\tn_images\tprotocol")

@@ -6,7 +6,8 @@
   presets, YAML/JSON files.
 - :mod:`~aqr.harness.inputs`, :mod:`~aqr.harness.source_stats`: what a cell reads (model, images,
   cached source statistics); :mod:`~aqr.harness.eval_loop`, :mod:`~aqr.harness.cell_run`,
-  :mod:`~aqr.harness.continual`: running one cell.
+  :mod:`~aqr.harness.continual`: running one cell; :mod:`~aqr.harness.realtime`: the realtime protocol
+  (its rule, its costs file, its timing rounds).
 - :mod:`~aqr.harness.grid_driver`: running a grid on an executor (:mod:`~aqr.harness.executors`,
   :mod:`~aqr.harness.ray_executor`), claiming cells (:mod:`~aqr.harness.claims`) and recording rows
   (:mod:`~aqr.harness.results`) with their :mod:`~aqr.harness.provenance`.

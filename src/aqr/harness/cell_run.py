@@ -145,7 +145,7 @@ def _realtime_batches(cell: Cell, n_batches: int) -> Any:
     if cell.cost is None:
         raise ValueError("a realtime cell needs its method's cost C (a timing round or a costs file; see "
                          "aqr.harness.realtime)")
-    from aqr.harness.realtime import adapted_batches
+    from aqr.harness.realtime.rule import adapted_batches
 
     return adapted_batches(n_batches, cell.cost)
 

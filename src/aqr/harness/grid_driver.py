@@ -100,7 +100,7 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
     after that many new cells (smoke tests). A method name or option no cell could run raises before
     anything is generated or recorded (:meth:`GridSpec.check_methods`). Realtime cells take their
     methods' costs from ``costs_file``, which a timing round completes first where it lacks one
-    (:func:`aqr.harness.realtime.resolve_costs`).
+    (:func:`aqr.harness.realtime.timing.resolve_costs`).
     """
     for name, value, least in (("workers", workers, 1), ("threads", threads, 1), ("limit", limit, 1),
                                ("loader_workers", loader_workers, 0)):
@@ -111,7 +111,7 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
     summary = GridSummary()
     ensure_data(grid.data, data_corruptions(grid.all_corruptions), progress=progress, severities=grid.all_severities)
     if any(cell.protocol == REALTIME and cell.cost is None for cell in grid.cells()):
-        from aqr.harness.realtime import resolve_costs
+        from aqr.harness.realtime.timing import resolve_costs
 
         costs = resolve_costs(list(grid.cells()), costs_file, cache_dir, device, threads, log=log)
         grid = grid.override(costs=tuple(sorted(costs.items())))

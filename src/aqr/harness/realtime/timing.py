@@ -1,128 +1,32 @@
-"""The realtime protocol: the stream runs at the speed of the plain model and charges each method its time.
+"""The realtime protocol's timing rounds: measuring a method's cost ``C`` on the running machine.
 
-After Alfarra et al., "Evaluation of Test-Time Adaptation Under Computational Time Constraints"
-(ICML 2024): a batch arrives every time unit (one plain forward pass). A method whose step costs ``C``
-units adapts on the batch in front of it when it is free and is busy for ``C`` units; batches that
-arrive meanwhile are not adapted on, and are predicted by the state the method holds from its last
-adapted batch (:meth:`aqr.methods.TTAMethod.forward_held`; the unadapted model for a method that keeps
-no state across batches). So ``C <= 1`` adapts on every batch, ``C = 1.5`` on batches 0, 2, 4, ...
-and ``C = 3`` on 0, 3, 6, ... (:func:`adapted_batches`).
-
-``C`` of a (model, method, batch size) comes from a timing round on the running machine
-(:func:`measure_cost`: the method and the plain model on the same batches of the cell's stream,
-round-robin, the ratio of their total times) or from a costs file (:class:`CostTable`), so a committed run can be
-repeated exactly: ``C`` is part of a realtime cell's key (``Cell.cost``, two decimals).
+:func:`measure_cost` runs the method and the plain model on the same batches, round-robin, and takes the
+ratio of their total times; :func:`measure_cell_cost` does so on a realtime cell's own stream (building
+both with :func:`aqr.harness.cell_run.build_method`); :func:`resolve_costs` completes a costs file
+(:mod:`aqr.harness.realtime.costs`) with the costs a grid's realtime cells lack. The rule that turns
+``C`` into adapted batches is :mod:`aqr.harness.realtime.rule`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from aqr._version import __version__
-from aqr.harness.cells import REALTIME, Cell
+from aqr.harness.cells import Cell
+from aqr.harness.realtime.costs import CostTable, cost_key, cost_needed, with_cost
 
-COSTS_FORMAT = "aqr-realtime-costs"
-COSTS_VERSION = 1
 # a timing round covers at least this many images: eight periods of the field's slowest periodic update
 # (RoTTA's and RBN's, every 64 images), so their share of the cost is not a matter of where the round ends
 MIN_TIMED_IMAGES = 512
-
-
-def adapted_batches(n_batches: int, cost: float) -> np.ndarray:
-    """Which of ``n_batches`` batches (arriving one per time unit) a method costing ``cost`` units per
-    adapted batch adapts on: it takes the batch in front of it whenever it is free (bool array)."""
-    if not math.isfinite(cost) or cost <= 0:
-        raise ValueError(f"a realtime cost must be a positive finite number, got {cost!r}")
-    adapted = np.zeros(n_batches, dtype=bool)
-    free_at = 0.0
-    for k in range(n_batches):
-        if k >= free_at - 1e-9:  # batch k arrives at time k; the tolerance keeps C = 1 (or 2.0) exact
-            adapted[k] = True
-            free_at = k + cost
-    return adapted
-
-
-def cost_key(model: str, variant: str, batch_size: int) -> str:
-    """The costs file's name for a method's cost on a model at a batch size."""
-    return f"{model}|{variant}|{int(batch_size)}"
-
-
-@dataclass
-class CostTable:
-    """Measured costs ``C`` by (model, method variant, batch size), as read from and written to a JSON file.
-
-    ``entries`` maps :func:`cost_key` to a record with at least ``"cost"`` (two decimals), and how it was
-    measured (clock, rounds' ratios, device, threads, host, versions); or, for a method that cannot run on
-    the model (TTN without BatchNorm), ``"not_applicable"`` with the reason, and no cost.
-    """
-
-    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, path: str | Path) -> "CostTable":
-        """The table in ``path`` (an empty one when the file does not exist); ``ValueError`` for a file
-        that is not a costs table or holds a cost that is not a positive number."""
-        path = Path(path)
-        if not path.is_file():
-            return cls()
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: not a realtime costs file ({err})") from None
-        if not isinstance(data, dict) or data.get("format") != COSTS_FORMAT or not isinstance(data.get("entries"), dict):
-            raise ValueError(f"{path}: not a realtime costs file (expected format {COSTS_FORMAT!r} with 'entries')")
-        for key, entry in data["entries"].items():
-            if isinstance(entry, dict) and isinstance(entry.get("not_applicable"), str) and "cost" not in entry:
-                continue  # the method cannot run on that model: its cells are n/a, they need no cost
-            cost = entry.get("cost") if isinstance(entry, dict) else None
-            if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost <= 0:
-                raise ValueError(f"{path}: entry {key!r} needs a positive 'cost', got {cost!r}")
-        return cls(dict(data["entries"]))
-
-    def save(self, path: str | Path) -> None:
-        """Write the table as JSON (atomically: a reader never sees half a file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"format": COSTS_FORMAT, "version": COSTS_VERSION,
-                                   "entries": dict(sorted(self.entries.items()))}, indent=1) + "\n")
-        tmp.replace(path)
-
-    def cost(self, model: str, variant: str, batch_size: int) -> float | None:
-        entry = self.entries.get(cost_key(model, variant, batch_size))
-        return None if entry is None or "cost" not in entry else float(entry["cost"])
-
-    def as_mapping(self) -> dict[str, float]:
-        """:func:`cost_key` -> cost, what a grid needs to key its realtime cells (not the n/a entries)."""
-        return {key: float(entry["cost"]) for key, entry in self.entries.items() if "cost" in entry}
-
-
-def with_cost(cell: Cell, costs: Mapping[str, float]) -> Cell:
-    """A realtime cell with its cost from ``costs`` (unchanged when absent, or when the cell is not realtime)."""
-    if cell.protocol != REALTIME or cell.cost is not None:
-        return cell
-    cost = costs.get(cost_key(cell.model.name, cell.variant, cell.batch_size))
-    return cell if cost is None else replace(cell, cost=round(float(cost), 2))
-
-
-def cost_needed(cells: Iterable[Cell]) -> list[Cell]:
-    """One cell per (model, method variant, batch size) among the realtime cells without a cost."""
-    found: dict[str, Cell] = {}
-    for cell in cells:
-        if cell.protocol == REALTIME and cell.cost is None:
-            found.setdefault(cost_key(cell.model.name, cell.variant, cell.batch_size), cell)
-    return list(found.values())
 
 
 def _timed(fn: Callable[[], Any], clock: str, device: torch.device) -> float:
