@@ -42,8 +42,8 @@ from aqr.core.twin import structural_twin
 STATE_KEY = "_extra_state"  # the running state's key in AQR.state_dict(), torch's name for a module's extra state
 
 
-def _layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False,
-                batch: SharedStream | None = None) -> dict[str, LayerMap]:
+def build_layer_maps(stats: SourceStats, config: AQRConfig, logits_checked: bool = False,
+                     batch: SharedStream | None = None) -> dict[str, LayerMap]:
     """The maps of the selected layers; with ``batch``, streaming ones sharing it (:mod:`aqr.adapt.stream.stream_maps`)."""
     tail = config.tail or stats.tail
     infos = [layer.info for layer in stats.layers.values()]
@@ -71,7 +71,7 @@ def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> It
         raise ValueError(f"target={config.target!r} keeps a state across batches, which a context manager cannot: "
                          f"use aqr.AQR(model, stats, target={config.target!r})")
     check_named_layers(model, config.layers)
-    maps = _layer_maps(stats, config)
+    maps = build_layer_maps(stats, config)
     with instrumented(model) as tools:
         for name, layer_map in maps.items():
             tools.hook(name, layer_map)
@@ -196,7 +196,7 @@ class AQR(nn.Module):
             self._state_lock = threading.Lock()  # held while the running state changes or is read whole
             self._owner: int | None = None
         # "skip" needs no check; "raise" is checked on the logits in forward
-        self._maps = _layer_maps(stats, self.config, logits_checked=True, batch=self._batch)
+        self._maps = build_layer_maps(stats, self.config, logits_checked=True, batch=self._batch)
         object.__setattr__(self, "_twin", recalibrated_twin(model, self._maps))  # not a submodule
         self._reach_checked = False
 

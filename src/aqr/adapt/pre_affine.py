@@ -37,7 +37,7 @@ from torch import nn
 
 from aqr.adapt.config import AQRConfig
 from aqr.adapt.layer_maps import LayerMap
-from aqr.adapt.model import _layer_maps
+from aqr.adapt.model import build_layer_maps
 from aqr.adapt.stream.stream_maps import SharedStream, StreamLayerMap
 from aqr.core.layers import NonFiniteActivationError, as_acb, check_named_layers, layer_info
 from aqr.core.points import PRE_AFFINE, affine, normalized
@@ -121,7 +121,7 @@ class PreAffineAQR:
         self.batch = SharedStream(config) if self.target.keeps_state else None
         # "raise" is checked at each layer (on a GPU too: the logits of a batch target are not checked);
         # "skip" leaves a non-finite channel unmapped without reading a flag back from a GPU
-        self.maps = _layer_maps(stats, config, logits_checked=config.on_nonfinite == "skip", batch=self.batch)
+        self.maps = build_layer_maps(stats, config, logits_checked=config.on_nonfinite == "skip", batch=self.batch)
         modules = dict(model.named_modules())
         for name, layer_map in self.maps.items():
             module = modules[name]
