@@ -147,7 +147,6 @@ def test_cli_on_a_running_cluster_resumes_after_a_sigkilled_driver(cluster: str,
 def test_an_unreachable_ray_address_is_one_line_and_quick(tiny: GridSpec, tmp_path: Path) -> None:
     """An address where nothing listens: exit 1 with one line well within a minute, no database cells run."""
     import subprocess
-    import sys
 
     command = _bench_command(tiny, tmp_path, "--executor", "ray", "--ray-address", "127.0.0.1:1")
     started = time.monotonic()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aqr.methods.rotta_memory import ClassBalancedMemory
-from aqr.methods import NotApplicable, create, method_class, plan
+from aqr.methods import NotApplicable, create, plan
 from aqr.methods.augment import (STRONG, AugmentParams, Generators, adjust_hue, affine, gaussian_blur, hsv_to_rgb,
                                  rgb_to_hsv, tta_augment)
 from aqr.methods.cotta import soft_cross_entropy, weight_and_bias

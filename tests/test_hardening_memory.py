@@ -3,7 +3,6 @@ the kept sample, image sides at most 4,096, and a calibration larger than the av
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-import aqr
 from aqr.backends import build
 from tests.native_fuzz import fuzz, has_wide_lookup, lookup
 from tests.sanitized import run_sanitized

@@ -172,6 +172,7 @@ def test_the_wrapper_never_touches_the_model_and_follows_its_changes():
     before = snapshot(model)
     x = images(16, seed=9)
     out = adapted(x)
+    assert_unchanged(model, before)  # the user's hook ran, nothing of the model changed
     kind, first = seen[-1]
     assert kind == "BatchNorm2d"  # the hook is handed a BatchNorm, as before
     with torch.no_grad():

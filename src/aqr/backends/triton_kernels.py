@@ -40,13 +40,11 @@ offsets inside a tile are int32. Under ``torch.compile`` the two host functions 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from aqr.backends.base import TAIL_CODES
 
 try:
     import triton
@@ -512,7 +510,6 @@ def _fine_value(cum, h, r, lo, span, NF: tl.constexpr):
     """The value of window rank ``r`` (int32 vector) read off the fine histogram: its bucket found
     exactly by the cumulative counts, then placed linearly among the bucket's values (ranks
     outside the window, possible only through rounding at its edges, take the edge)."""
-    j = tl.arange(0, NF)
     b = tl.sum((cum[None, :] <= r[:, None]).to(tl.int32), axis=1)
     b = tl.minimum(b, NF - 1)
     cnt = tl.gather(h, b, 0)

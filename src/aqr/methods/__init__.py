@@ -85,7 +85,8 @@ def plan(name: str, options: Mapping[str, Any] | None = None, *, batch_size: int
     return REGISTRY.plan(name, options, batch_size=batch_size)
 
 
-def create(name: str, model: nn.Module, *, stats: Any = None, source: Any = None, **options: Any) -> TTAMethod:
+def create(name: str, model: nn.Module, *, stats: Any = None, source: Any = None,  # noqa: F811 (not the module)
+           **options: Any) -> TTAMethod:
     """Build method ``name`` around a private copy of ``model``.
 
     ``stats``: the :class:`aqr.SourceStats` of a method that needs them; ``source``: EATA's clean source
