@@ -100,8 +100,8 @@ class GridSpec:
     """A grid of cells: the cross product of its lists, then the cells of its ``parts`` (further grids
     over the same data, e.g. another protocol on some of the settings).
 
-    ``costs``: :func:`aqr.harness.realtime.cost_key` -> ``C`` for the cells of the ``"realtime"``
-    protocol (see :func:`aqr.harness.realtime.resolve_costs`); a realtime cell without one has
+    ``costs``: :func:`aqr.harness.realtime.costs.cost_key` -> ``C`` for the cells of the ``"realtime"``
+    protocol (see :func:`aqr.harness.realtime.timing.resolve_costs`); a realtime cell without one has
     ``cost=None`` and cannot run.
     """
 
