@@ -359,11 +359,14 @@ def test_recalibrate_returns_how_many_channels_it_left_unmapped(tail):
 
     def call(outputs: tuple[torch.Tensor | None, ...]) -> tuple[int, torch.Tensor]:
         y = torch.full_like(x, 12345.0)
-        status = LIB.aqr_recalibrate(
-            x.data_ptr(), y.data_ptr(), 16, 6, 300, pos.data_ptr(), None, None, s, 101, rank_lo.data_ptr(),
-            frac.data_ptr(), *native._histogram(s), sq.data_ptr(), native.TAIL_CODES[tail], source.loc.data_ptr(),
-            source.scale.data_ptr(), None if zs is None else zs.data_ptr(), 128,
-            *(None if t is None else t.data_ptr() for t in outputs), 1)
+        nbins, crowded = native._histogram(s)
+        tq, moments, finite = (None if t is None else t.data_ptr() for t in outputs)
+        described = LIB.structs["aqr_recalibration"].of(
+            A=16, C=6, B=300, pos=pos.data_ptr(), S=s, K=101, rank_lo=rank_lo.data_ptr(), frac=frac.data_ptr(),
+            nbins=nbins, crowded=crowded, sq=sq.data_ptr(), tail=native.TAIL_CODES[tail], loc=source.loc.data_ptr(),
+            scale=source.scale.data_ptr(), z=None if zs is None else zs.data_ptr(), cells=128, tq=tq, moments=moments,
+            finite=finite)
+        status = LIB.aqr_recalibrate(described, x.data_ptr(), y.data_ptr(), None, None, 1)
         return status, y
 
     tq, moments, finite = torch.empty(6, 101), torch.empty(6, 2), torch.empty(6, dtype=torch.int32)

@@ -206,16 +206,24 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="tail weights"):
         native.tails(window, torch.ones(2, dtype=torch.float64))
     lib = native.lib
-    assert lib.aqr_stream_merge(c, k, knots.data_ptr(), None, 8, None, None, 1.5, knots[:, 0].contiguous().data_ptr(),
-                                knots[:, -1].contiguous().data_ptr(), 1) == -2  # a weight outside [0, 1]
-    assert lib.aqr_stream_tables(c, 2, knots.data_ptr(), knots.data_ptr(), 8, table.pairs.data_ptr(),
-                                 table.glo.data_ptr(), table.ginv.data_ptr(), 1) == -2  # K < 3
+    structs = lib.structs
+    assert lib.aqr_stream_merge(structs["aqr_stream_merge_args"].of(
+        C=c, K=k, kn=knots.data_ptr(), counts=None, GC=8, gmin=None, gmax=None, w=1.5,
+        p0=knots[:, 0].contiguous().data_ptr(), p100=knots[:, -1].contiguous().data_ptr()), 1) == -2  # a weight outside [0, 1]
+    assert lib.aqr_stream_tables(structs["aqr_stream_tables_args"].of(
+        C=c, K=2, kn=knots.data_ptr(), sq=knots.data_ptr(), G=8, pairs=table.pairs.data_ptr(), glo=table.glo.data_ptr(),
+        ginv=table.ginv.data_ptr()), 1) == -2  # K < 3
     x, counts, lo, hi = torch.zeros(2, c, 5), torch.zeros(2, c, 12, dtype=torch.int32), torch.zeros(2, c), torch.zeros(2, c)
+
+    def scan(y: torch.Tensor | None, mode: int) -> int:
+        return lib.aqr_stream_scan(structs["aqr_stream_scan_args"].of(
+            x=x.data_ptr(), y=None if y is None else y.data_ptr(), A=2, C=c, B=5, N=2, pre_scale=None, pre_shift=None,
+            K=k, kn=knots.data_ptr(), sq=knots.data_ptr(), pairs=table.pairs.data_ptr(), G=8, glo=table.glo.data_ptr(),
+            ginv=table.ginv.data_ptr(), stride=5, GC=8, counts=counts.data_ptr(), lo=lo.data_ptr(), hi=hi.data_ptr(),
+            mode=mode), 1)
+
     for mode in (COUNT | PAIRED, MAP | PAIRED, 16):  # PAIRED without IMAGE_COUNT, a mode out of range
-        assert lib.aqr_stream_scan(x.data_ptr(), x.data_ptr(), 2, c, 5, 2, None, None, k, knots.data_ptr(),
-                                   knots.data_ptr(), table.pairs.data_ptr(), 8, table.glo.data_ptr(),
-                                   table.ginv.data_ptr(), 5, 8, counts.data_ptr(), lo.data_ptr(), hi.data_ptr(), mode,
-                                   1) == -2, mode
+        assert scan(x, mode) == -2, mode
     groups = torch.zeros(2, c, k)
     assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), None, 1, knots.data_ptr(), 1) == -2  # a grid of one point
     assert lib.aqr_stream_mixture(0, c, k, groups.data_ptr(), None, 8, knots.data_ptr(), 1) == -2  # no group
@@ -227,9 +235,10 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
     assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), None, 8, knots.data_ptr(), 1) == -2  # a NaN knot
     rows = torch.zeros(c, k)
     weights = torch.tensor([0.5, 1.5, 0.5], dtype=torch.float64)  # a weight outside [0, 1]
-    assert lib.aqr_stream_group_merge(c, k, rows.data_ptr(), knots.data_ptr(), torch.zeros(c, 12, dtype=torch.int32).data_ptr(),
-                                      8, rows[:, 0].contiguous().data_ptr(), rows[:, 0].contiguous().data_ptr(),
-                                      weights.data_ptr(), 1) == -2
+    empty = torch.zeros(c, 12, dtype=torch.int32)
+    assert lib.aqr_stream_group_merge(structs["aqr_stream_group_merge_args"].of(
+        R=c, K=k, gk=rows.data_ptr(), bk=knots.data_ptr(), counts=empty.data_ptr(), GC=8,
+        gmin=rows[:, 0].contiguous().data_ptr(), gmax=rows[:, 0].contiguous().data_ptr(), w=weights.data_ptr()), 1) == -2
     out = torch.zeros(2, dtype=torch.float64)
     hist = torch.zeros(4, c, 12, dtype=torch.int32)
     shift = lib.aqr_stream_shift_distances
@@ -242,9 +251,7 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
     nan_knots[2, 5] = float("nan")
     assert shift(4, c, k, nan_knots.data_ptr(), hist.data_ptr(), 8, out.data_ptr()) == -2  # a NaN knot
     for mode in (COUNT | IMAGE_COUNT, 8, -1):  # both counts at once, or no such mode
-        assert lib.aqr_stream_scan(x.data_ptr(), None, 2, c, 5, 2, None, None, k, knots.data_ptr(), knots.data_ptr(),
-                                   table.pairs.data_ptr(), 8, table.glo.data_ptr(), table.ginv.data_ptr(), 5, 8,
-                                   counts.data_ptr(), lo.data_ptr(), hi.data_ptr(), mode, 1) == -2
+        assert scan(None, mode) == -2, mode
 
 
 @needs_kernels

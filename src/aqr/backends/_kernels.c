@@ -464,10 +464,10 @@ static void transpose_part(void *p, int part, int64_t i0, int64_t i1) {
    (mean, std) of the sample unless moments is NULL; finite[c] = whether every value of the channel
    is finite (else tq[c] is NaN). Returns 0, -1 when the scratch memory could not be allocated, or
    -2 when the sizes, positions or ranks are out of bounds. */
-int aqr_subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const int64_t *pos,
-                         const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
-                         const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
-                         float *tq, float *moments, int32_t *finite, int nthreads) {
+static int subset_quantiles(const float *x, int64_t A, int64_t C, int64_t B, const int64_t *pos,
+                            const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
+                            const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
+                            float *tq, float *moments, int32_t *finite, int nthreads) {
     int sample = sizes_ok(A, C, B, K, 1) ? sample_ok(A, C, B, pos, S, K, rank_lo, nbins) : 0;
     if (!sample) return AQR_BAD_ARGUMENT;
     /* Channels-last (rows): channel c's samples sit C * B apart. Its extremes come from one pass
@@ -1086,10 +1086,10 @@ static void rows_part(void *p, int part, int64_t r0, int64_t r1) {
    target knots tq and source knots sq (C, K), and the given tail strategy; mean, std, loc, scale
    (C) and z (2) are read by the parametric tails only. Returns 0, -1 when scratch memory failed, or
    -2 for sizes out of bounds or a missing array. */
-int aqr_table_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, const float *pre_scale,
-                  const float *pre_shift, const float *tq, const float *sq, int64_t K, int tail,
-                  const float *mean, const float *std, const float *loc, const float *scale,
-                  const double *z, int64_t cells, int nthreads) {
+static int table_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, const float *pre_scale,
+                     const float *pre_shift, const float *tq, const float *sq, int64_t K, int tail,
+                     const float *mean, const float *std, const float *loc, const float *scale,
+                     const double *z, int64_t cells, int nthreads) {
     if (!sizes_ok(A, C, B, K, cells) || !tail_ok(tail, mean, std, loc, scale, z)) return AQR_BAD_ARGUMENT;
     int parts = num_parts(C, nthreads);
     char *scratch = malloc((size_t)(parts * map_scratch_bytes(K, cells)));
@@ -1125,11 +1125,11 @@ int aqr_table_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, con
    reads them (the parametric tails). Returns the number of channels left unmapped (0: every value
    was finite), -1 when scratch memory failed, or -2 for a channels-last layout, sizes, positions
    or ranks out of bounds, or a missing array. */
-int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, const int64_t *pos,
-                    const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
-                    const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
-                    const float *sq, int tail, const float *loc, const float *scale, const double *z,
-                    int64_t cells, float *tq, float *moments, int32_t *finite, int nthreads) {
+static int recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, const int64_t *pos,
+                       const float *pre_scale, const float *pre_shift, int64_t S, int64_t K,
+                       const int64_t *rank_lo, const float *frac, int64_t nbins, int64_t crowded,
+                       const float *sq, int tail, const float *loc, const float *scale, const double *z,
+                       int64_t cells, float *tq, float *moments, int32_t *finite, int nthreads) {
     int sample = B >= ROWS_LAYOUT_BELOW && sizes_ok(A, C, B, K, cells) ? sample_ok(A, C, B, pos, S, K, rank_lo, nbins) : 0;
     /* the moments are given or made here: only the source's arrays are checked */
     if (!sample || !tail_ok(tail, &tail, &tail, loc, scale, z)) return AQR_BAD_ARGUMENT;
@@ -1160,4 +1160,66 @@ int aqr_recalibrate(const float *x, float *y, int64_t A, int64_t C, int64_t B, c
     free(ext_nan);
     free(own);
     return status;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The entry points: each takes its descriptor (what stays the same for a layer and batch shape, so
+ * threads may share one) and the batch's arrays. */
+
+/* Where a layer's sample is read and how its quantiles are interpolated: a layer output (A, C, B),
+   S flat positions pos of channel 0 (channel c at pos + c * B), type-7 ranks rank_lo / frac (K) of
+   the sorted sample, a histogram of nbins buckets, those holding more than crowded values sorted. */
+#define AQR_SAMPLE_FIELDS(F, ST)                                                                    \
+    F(ST, I, int64_t, A) F(ST, I, int64_t, C) F(ST, I, int64_t, B) F(ST, P, const int64_t *, pos)  \
+    F(ST, I, int64_t, S) F(ST, I, int64_t, K) F(ST, P, const int64_t *, rank_lo)                   \
+    F(ST, P, const float *, frac) F(ST, I, int64_t, nbins) F(ST, I, int64_t, crowded)
+/* The source side of a map: knots sq (C, K), the tail code and the parametric tails' loc, scale (C)
+   and z (2), and the cells of each channel's table. */
+#define AQR_SOURCE_FIELDS(F, ST)                                                                    \
+    F(ST, P, const float *, sq) F(ST, C, int, tail) F(ST, P, const float *, loc)                   \
+    F(ST, P, const float *, scale) F(ST, P, const double *, z) F(ST, I, int64_t, cells)
+#define AQR_MAP_FIELDS(F, ST)                                                                       \
+    F(ST, I, int64_t, A) F(ST, I, int64_t, C) F(ST, I, int64_t, B) F(ST, I, int64_t, K)           \
+    F(ST, P, const float *, tq) F(ST, P, const float *, mean) F(ST, P, const float *, std)        \
+    AQR_SOURCE_FIELDS(F, ST)
+/* The outputs tq (C, K), moments (C, 2) and finite (C), each NULL for scratch of the kernel's own (so
+   that threads can share one descriptor). */
+#define AQR_RECALIBRATE_FIELDS(F, ST)                                                               \
+    AQR_SAMPLE_FIELDS(F, ST) AQR_SOURCE_FIELDS(F, ST) F(ST, P, float *, tq) F(ST, P, float *, moments) \
+    F(ST, P, int32_t *, finite)
+
+AQR_DESCRIPTOR(aqr_sample, AQR_SAMPLE_FIELDS)
+AQR_DESCRIPTOR(aqr_map, AQR_MAP_FIELDS)
+AQR_DESCRIPTOR(aqr_recalibration, AQR_RECALIBRATE_FIELDS)
+
+static const aqr_layout LAYOUTS[] = {AQR_LAYOUT(aqr_sample), AQR_LAYOUT(aqr_map), AQR_LAYOUT(aqr_recalibration)};
+
+const aqr_layout *aqr_layouts(int64_t *count) {
+    *count = (int64_t)(sizeof LAYOUTS / sizeof LAYOUTS[0]);
+    return LAYOUTS;
+}
+
+/* subset_quantiles of x on the sample s. */
+int aqr_subset_quantiles(const aqr_sample *s, const float *x, const float *pre_scale, const float *pre_shift,
+                         float *tq, float *moments, int32_t *finite, int nthreads) {
+    if (!s) return AQR_BAD_ARGUMENT;
+    return subset_quantiles(x, s->A, s->C, s->B, s->pos, pre_scale, pre_shift, s->S, s->K, s->rank_lo, s->frac,
+                            s->nbins, s->crowded, tq, moments, finite, nthreads);
+}
+
+/* table_map of x into y with the targets and source of m. */
+int aqr_table_map(const aqr_map *m, const float *x, float *y, const float *pre_scale, const float *pre_shift,
+                  int nthreads) {
+    if (!m) return AQR_BAD_ARGUMENT;
+    return table_map(x, y, m->A, m->C, m->B, pre_scale, pre_shift, m->tq, m->sq, m->K, m->tail, m->mean, m->std,
+                     m->loc, m->scale, m->z, m->cells, nthreads);
+}
+
+/* recalibrate of x into y on the sample and source of r. */
+int aqr_recalibrate(const aqr_recalibration *r, const float *x, float *y, const float *pre_scale,
+                    const float *pre_shift, int nthreads) {
+    if (!r) return AQR_BAD_ARGUMENT;
+    return recalibrate(x, y, r->A, r->C, r->B, r->pos, pre_scale, pre_shift, r->S, r->K, r->rank_lo, r->frac,
+                       r->nbins, r->crowded, r->sq, r->tail, r->loc, r->scale, r->z, r->cells, r->tq, r->moments,
+                       r->finite, nthreads);
 }

@@ -8,6 +8,7 @@
 #ifndef AQR_SHARED_H
 #define AQR_SHARED_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __AVX2__
@@ -30,6 +31,33 @@ AQR_HIDDEN int num_parts(int64_t n, int nthreads);
 
 /* fn over [0, n) on torch's OpenMP team when aqr_use_openmp gave it, else on pthreads of our own. */
 AQR_HIDDEN void parallel_for(part_fn fn, void *arg, int64_t n, int nthreads);
+
+/* Descriptor structs. An entry point takes at most 8 arguments: the rest travel in a struct whose fields
+ * are listed once, as an X-macro of F(ST, kind, type, name) (ST the struct, kind P for a pointer, I for
+ * int64_t, D for double, C for int). AQR_DESCRIPTOR declares the struct from that list and AQR_LAYOUT
+ * lists each field's name, kind, offset and size, in the library's aqr_layouts table; the Python side
+ * (aqr/backends/layout.py) builds its ctypes structures from that table when the library loads and
+ * checks that its own offsets and sizes agree with it, so the two sides cannot drift apart. */
+typedef struct {
+    const char *name, *kind;
+    int64_t offset, size;
+} aqr_field;
+
+typedef struct {
+    const char *name;
+    int64_t size, nfields;
+    const aqr_field *fields;
+} aqr_layout;
+
+#define AQR_FIELD_MEMBER(ST, kind, type, name) type name;
+#define AQR_FIELD_ROW(ST, kind, type, name) {#name, #kind, (int64_t)offsetof(ST, name), (int64_t)sizeof(((ST *)0)->name)},
+#define AQR_DESCRIPTOR(ST, FIELDS)                \
+    typedef struct { FIELDS(AQR_FIELD_MEMBER, ST) } ST; \
+    static const aqr_field ST##_fields[] = {FIELDS(AQR_FIELD_ROW, ST)};
+#define AQR_LAYOUT(ST) {#ST, (int64_t)sizeof(ST), (int64_t)(sizeof ST##_fields / sizeof(aqr_field)), ST##_fields}
+
+/* Each library's table of its descriptors: *count of them (defined beside its kernels). */
+const aqr_layout *aqr_layouts(int64_t *count);
 
 /* Hands the kernels the OpenMP runtime's GOMP_parallel, omp_get_thread_num and omp_get_num_threads. */
 void aqr_use_openmp(void *parallel, void *thread_num, void *num_threads);

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from aqr.backends import layout
 from aqr.util.files import atomic_write, sha256_file
 
 HERE = Path(__file__).parent
@@ -37,7 +38,6 @@ SOURCE = HERE / "_kernels.c"  # the per-batch kernels
 PARALLEL = HERE / "_parallel.c"  # the thread team, linked into every library
 HEADER = HERE / "_shared.h"  # included by every source: part of each build's hash
 _P = ctypes.c_void_p
-_I = ctypes.c_int64
 
 
 def cache_dir() -> Path:
@@ -144,8 +144,13 @@ def load_kernels() -> tuple[ctypes.CDLL | None, str]:
 
 
 def load_library(command: list[str], name: str, sources: Sequence[Path]) -> ctypes.CDLL:
-    """Build ``sources`` with ``command`` (cached as ``name``) and load them, on torch's OpenMP team if found."""
+    """Build ``sources`` with ``command`` (cached as ``name``) and load them, on torch's OpenMP team if found.
+
+    ``lib.structs`` holds the library's descriptor structs (:func:`aqr.backends.layout.read_layouts`:
+    a library whose layout table disagrees with ctypes is refused with :class:`~aqr.backends.layout.LayoutError`).
+    """
     lib = ctypes.CDLL(str(build_library(command, name, sources)))
+    lib.structs = layout.read_layouts(lib)
     lib.aqr_use_openmp.argtypes = [_P, _P, _P]
     team = openmp_entry_points()
     if team is not None:
@@ -164,10 +169,10 @@ def wide_lookup(lib: ctypes.CDLL) -> bool:
 def load(command: list[str], name: str = "aqr_kernels") -> ctypes.CDLL:
     """Build the per-batch kernels with ``command`` (cached as ``name``), load them and declare their entry points."""
     lib = load_library(command, name, (SOURCE,))
-    lib.aqr_subset_quantiles.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
-    lib.aqr_table_map.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I, ctypes.c_int]
-    lib.aqr_recalibrate.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _P, _P, _P,
-                                    _I, _P, _P, _P, ctypes.c_int]
+    # the batch's arrays (x, then y where there is one), the folded affine step, then the outputs and the threads
+    layout.declare(lib, lib.structs, "aqr_subset_quantiles", "aqr_sample", _P, _P, _P, _P, _P, _P, ctypes.c_int)
+    layout.declare(lib, lib.structs, "aqr_table_map", "aqr_map", _P, _P, _P, _P, ctypes.c_int)
+    layout.declare(lib, lib.structs, "aqr_recalibrate", "aqr_recalibration", _P, _P, _P, _P, ctypes.c_int)
     return lib
 
 

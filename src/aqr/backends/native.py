@@ -115,10 +115,11 @@ def subset_quantiles(
     tq = torch.empty(c, num_quantiles)
     stats = torch.empty(c, 2) if moments else None
     finite = torch.empty(c, dtype=torch.int32)
-    status = lib.aqr_subset_quantiles(
-        _ptr(x), x.shape[0], c, x.shape[2], _ptr(positions), *_affine_ptrs(pre), s, num_quantiles, _ptr(rank_lo),
-        _ptr(frac), *_histogram(s), _ptr(tq), _ptr_or_null(stats), _ptr(finite), torch.get_num_threads(),
-    )
+    nbins, crowded = _histogram(s)
+    sample = lib.structs["aqr_sample"].of(A=x.shape[0], C=c, B=x.shape[2], pos=_ptr(positions), S=s, K=num_quantiles,
+                                          rank_lo=_ptr(rank_lo), frac=_ptr(frac), nbins=nbins, crowded=crowded)
+    status = lib.aqr_subset_quantiles(sample, _ptr(x), *_affine_ptrs(pre), _ptr(tq), _ptr_or_null(stats), _ptr(finite),
+                                      torch.get_num_threads())
     _check(status, "aqr_subset_quantiles", f"{c} x {s} values")
     mean, std = (None, None) if stats is None else (stats[:, :1], stats[:, 1:])
     return tq, mean, std, bool(finite.all())
@@ -137,11 +138,11 @@ def table_map(lib: ctypes.CDLL, x: torch.Tensor, targets: Targets, source: Layer
     tq, sq = targets.knots.contiguous().float(), source.knots.contiguous().float()
     moments = [None if t is None else t.reshape(-1).contiguous().float() for t in (targets.mean, targets.std)]
     zs = _probits(source)
-    status = lib.aqr_table_map(
-        _ptr(x), _ptr(y), a, c, b, *_affine_ptrs(pre), _ptr(tq), _ptr(sq), tq.shape[1], code,
-        *map(_ptr_or_null, (*moments, source.loc, source.scale)), _ptr_or_null(zs), source.cells,
-        torch.get_num_threads(),
-    )
+    mean, std = map(_ptr_or_null, moments)
+    described = lib.structs["aqr_map"].of(
+        A=a, C=c, B=b, K=tq.shape[1], tq=_ptr(tq), mean=mean, std=std, sq=_ptr(sq), tail=code,
+        loc=_ptr_or_null(source.loc), scale=_ptr_or_null(source.scale), z=_ptr_or_null(zs), cells=source.cells)
+    status = lib.aqr_table_map(described, _ptr(x), _ptr(y), *_affine_ptrs(pre), torch.get_num_threads())
     _check(status, "aqr_table_map", f"{c} channels, a {source.cells}-cell table")
     return y
 
@@ -169,10 +170,14 @@ class BoundRecalibrate:
         self.shape = shape
         self._fn = lib.aqr_recalibrate
         self._what = f"{c} x {s} values"
-        self._sizes = (a, c, b, positions.data_ptr())
-        self._sample = (s, k, _ptr(rank_lo), _ptr(frac), *_histogram(s), _ptr(sq), _tail_code(source, True),
-                        _ptr_or_null(source.loc), _ptr_or_null(source.scale), _ptr_or_null(zs), source.cells,
-                        None, None, None)  # the knots, moments and finite flags: kept by the C side
+        nbins, crowded = _histogram(s)
+        # read-only once made (the outputs NULL: the C side keeps the knots, moments and finite flags in scratch
+        # of its own), so threads share it
+        self._descriptor = lib.structs["aqr_recalibration"].of(
+            A=a, C=c, B=b, pos=positions.data_ptr(), S=s, K=k, rank_lo=_ptr(rank_lo), frac=_ptr(frac), nbins=nbins,
+            crowded=crowded, sq=_ptr(sq), tail=_tail_code(source, True), loc=_ptr_or_null(source.loc),
+            scale=_ptr_or_null(source.scale), z=_ptr_or_null(zs), cells=source.cells, tq=None, moments=None,
+            finite=None)
         self._keep = (positions, rank_lo, frac, sq, zs, source)  # the memory the pointers above read
 
     def __call__(self, x: torch.Tensor, pre: Affine | None = None) -> tuple[torch.Tensor, bool]:
@@ -185,8 +190,7 @@ class BoundRecalibrate:
                              f"{'' if x.is_contiguous() else ', not contiguous'}")
         y = torch.empty_like(x)
         scale, shift = (None, None) if pre is None else (pre[0].data_ptr(), pre[1].data_ptr())
-        status = self._fn(x.data_ptr(), y.data_ptr(), *self._sizes, scale, shift, *self._sample,
-                          torch.get_num_threads())
+        status = self._fn(self._descriptor, x.data_ptr(), y.data_ptr(), scale, shift, torch.get_num_threads())
         if status < 0:
             _check(status, "aqr_recalibrate", self._what)
         return y, status == 0

@@ -381,10 +381,10 @@ static void stream_scan_part(void *p, int part, int64_t c0, int64_t c1) {
     }
 }
 
-int aqr_stream_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N,
-                    const float *pre_scale, const float *pre_shift, int64_t K, const float *kn,
-                    const float *sq, const float *pairs, int64_t G, const float *glo, const float *ginv,
-                    int64_t stride, int64_t GC, int32_t *counts, float *lo, float *hi, int mode, int nthreads) {
+static int stream_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N,
+                       const float *pre_scale, const float *pre_shift, int64_t K, const float *kn,
+                       const float *sq, const float *pairs, int64_t G, const float *glo, const float *ginv,
+                       int64_t stride, int64_t GC, int32_t *counts, float *lo, float *hi, int mode, int nthreads) {
     if (!stream_sizes_ok(C, K, G, GC) || A < 1 || B < 1 || N < 1 || A % N || stride < 1 ||
         A > INT64_MAX / C / B || mode < 0 || mode > (STREAM_MAP | STREAM_COUNT | STREAM_IMAGE_COUNT | STREAM_PAIRED) ||
         ((mode & STREAM_COUNT) && (mode & STREAM_IMAGE_COUNT)) ||
@@ -593,9 +593,9 @@ static void stream_push_part(void *p, int part, int64_t c0, int64_t c1) {
 /* A finite batch into the state: pending (C, bins) += counts (unless NULL), the group's extremes
    gmin / gmax (C) (unless NULL) and the window take each image's extremes lo / hi (N, C), in order.
    filled and head describe the window before the batch; the caller advances them. */
-int aqr_stream_push(int64_t C, int64_t bins, int64_t W, int32_t *pending, const int32_t *counts, float *gmin,
-                    float *gmax, const float *lo, const float *hi, int64_t N, float *ring_lo, float *sorted_lo,
-                    float *ring_hi, float *sorted_hi, int64_t filled, int64_t head, int nthreads) {
+static int stream_push(int64_t C, int64_t bins, int64_t W, int32_t *pending, const int32_t *counts, float *gmin,
+                       float *gmax, const float *lo, const float *hi, int64_t N, float *ring_lo, float *sorted_lo,
+                       float *ring_hi, float *sorted_hi, int64_t filled, int64_t head, int nthreads) {
     if (C < 1 || W < 1 || N < 0 || filled < 0 || filled > W || head < 0 || head >= W || (filled < W && head != filled) ||
         bins < 0 || (counts && (!pending || bins < 1)) || !gmin != !gmax || (N > 0 && (!lo || !hi)) || !ring_lo || !sorted_lo ||
         !ring_hi || !sorted_hi || C > INT64_MAX / W / 8 || (bins && C > INT64_MAX / bins / 8))
@@ -883,8 +883,8 @@ static void stream_merge_part(void *p, int part, int64_t c0, int64_t c1) {
    aqr_stream_scan) spread linearly within each bin, its outer bins out to its extremes gmin /
    gmax (C); a channel without counts keeps its inner knots. The ends become p0 / p100 (C), kept
    outside the inner knots. */
-int aqr_stream_merge(int64_t C, int64_t K, float *kn, const int32_t *counts, int64_t GC, const float *gmin,
-                     const float *gmax, double w, const float *p0, const float *p100, int nthreads) {
+static int stream_merge(int64_t C, int64_t K, float *kn, const int32_t *counts, int64_t GC, const float *gmin,
+                        const float *gmax, double w, const float *p0, const float *p100, int nthreads) {
     if (!stream_sizes_ok(C, K, 1, GC) || !(w >= 0 && w <= 1) || (counts && (!gmin || !gmax))) return STREAM_BAD_ARGUMENT;
     const int parts = stream_parts(C, C * (K + GC) * 16, nthreads);
     char *scratch = malloc((size_t)(parts * stream_merge_scratch_bytes(K, GC)));
@@ -933,8 +933,8 @@ static void stream_group_merge_part(void *p, int part, int64_t r0, int64_t r1) {
    gk's own: a group's images are counted on the layer's knots), spread linearly within each bin
    out to its extremes gmin / gmax (R); a row without counts keeps its inner knots. The ends move
    to gmin / gmax by w[r] (each kept outside the inner knots); a row of weight 0 is left as it is. */
-int aqr_stream_group_merge(int64_t R, int64_t K, float *gk, const float *bk, const int32_t *counts, int64_t GC,
-                           const float *gmin, const float *gmax, const double *w, int nthreads) {
+static int stream_group_merge(int64_t R, int64_t K, float *gk, const float *bk, const int32_t *counts, int64_t GC,
+                              const float *gmin, const float *gmax, const double *w, int nthreads) {
     if (!stream_sizes_ok(R, K, 1, GC) || R > INT64_MAX / K / 8 || !gk || !bk || !counts || !gmin || !gmax || !w)
         return STREAM_BAD_ARGUMENT;
     for (int64_t r = 0; r < R; r++)
@@ -1261,8 +1261,8 @@ static void stream_tables_part(void *p, int part, int64_t c0, int64_t c1) {
     }
 }
 
-int aqr_stream_tables(int64_t C, int64_t K, const float *kn, const float *sq, int64_t G, float *pairs, float *glo,
-                      float *ginv, int nthreads) {
+static int stream_tables(int64_t C, int64_t K, const float *kn, const float *sq, int64_t G, float *pairs, float *glo,
+                         float *ginv, int nthreads) {
     if (!stream_sizes_ok(C, K, G, 1) || !kn || !sq || !pairs || !glo || !ginv) return STREAM_BAD_ARGUMENT;
     const int parts = stream_parts(C, C * G * 8, nthreads);
     double *scratch = malloc(sizeof(double) * (size_t)(stream_tables_scratch_doubles(K, G) * parts));
@@ -1292,13 +1292,13 @@ static int stream_commit(int64_t C, int64_t K, int64_t GC, int64_t W, int64_t G,
     if (rebuild && (!(weight >= 0 && weight <= 1) || !tail_w || ntail < 1 || ntail > after)) return STREAM_BAD_ARGUMENT;
     float *ends = rebuild ? malloc(sizeof(float) * (size_t)(2 * C)) : NULL;
     if (rebuild && !ends) return STREAM_NO_MEMORY;
-    int status = aqr_stream_push(C, GC + STREAM_EDGE_BINS, W, pending, counts, gmin, gmax, lo, hi, N, ring_lo,
-                                 sorted_lo, ring_hi, sorted_hi, filled, head, nthreads);
+    int status = stream_push(C, GC + STREAM_EDGE_BINS, W, pending, counts, gmin, gmax, lo, hi, N, ring_lo,
+                             sorted_lo, ring_hi, sorted_hi, filled, head, nthreads);
     if (status == STREAM_OK && rebuild) {
         status = aqr_stream_tails(C, W, sorted_lo, sorted_hi, tail_w, ntail, ends, ends + C);
         if (status == STREAM_OK)
-            status = aqr_stream_merge(C, K, kn, pending, GC, gmin, gmax, weight, ends, ends + C, nthreads);
-        if (status == STREAM_OK) status = aqr_stream_tables(C, K, kn, sq, G, pairs, glo, ginv, nthreads);
+            status = stream_merge(C, K, kn, pending, GC, gmin, gmax, weight, ends, ends + C, nthreads);
+        if (status == STREAM_OK) status = stream_tables(C, K, kn, sq, G, pairs, glo, ginv, nthreads);
         if (status == STREAM_OK) {
             memset(pending, 0, sizeof(int32_t) * (size_t)(C * (GC + STREAM_EDGE_BINS)));
             for (int64_t c = 0; c < C; c++) gmin[c] = INFINITY, gmax[c] = -INFINITY;
@@ -1306,48 +1306,6 @@ static int stream_commit(int64_t C, int64_t K, int64_t GC, int64_t W, int64_t G,
     }
     free(ends);
     return status;
-}
-
-/* One layer's stream bound once (aqr/adapt/stream/native_kernels.py's BoundStream): its sizes and the
-   addresses of its buffers, as int64 at these positions, so that a small batch's two calls pass only what
-   changes (each argument ctypes converts costs about 0.1 us, as much as a channel's work at batch 1). */
-enum {
-    BOUND_C, BOUND_K, BOUND_G, BOUND_GC, BOUND_W, BOUND_STRIDE, BOUND_KN, BOUND_SQ, BOUND_PAIRS, BOUND_GLO,
-    BOUND_GINV, BOUND_PENDING, BOUND_GMIN, BOUND_GMAX, BOUND_RING_LO, BOUND_SORTED_LO, BOUND_RING_HI,
-    BOUND_SORTED_HI, BOUND_FIELDS
-};
-#define BOUND_PTR(d, T, f) ((T *)(intptr_t)(d)[f])
-
-/* The fields of a bound stream, for its Python side to check its layout against. */
-int64_t aqr_stream_bound_fields(void) { return BOUND_FIELDS; }
-
-/* aqr_stream_scan with STREAM_MAP | STREAM_COUNT on the bound stream d: x (A, C, B) of N images read as
-   pre_scale * x + pre_shift, mapped into y; stage (2 N C + C (GC + 4) floats) takes lo (N, C), hi (N, C)
-   and the counts (C, GC + 4) as int32, in that order, for aqr_stream_bound_commit. */
-int aqr_stream_bound_scan(const int64_t *d, const float *x, float *y, int64_t A, int64_t B, int64_t N,
-                          const float *pre_scale, const float *pre_shift, float *stage, int nthreads) {
-    if (!d || !stage || N < 1 || d[BOUND_C] < 1 || d[BOUND_C] > INT64_MAX / 2 / N) return STREAM_BAD_ARGUMENT;
-    const int64_t C = d[BOUND_C];
-    return aqr_stream_scan(x, y, A, C, B, N, pre_scale, pre_shift, d[BOUND_K], BOUND_PTR(d, const float, BOUND_KN),
-                           BOUND_PTR(d, const float, BOUND_SQ), BOUND_PTR(d, const float, BOUND_PAIRS), d[BOUND_G],
-                           BOUND_PTR(d, const float, BOUND_GLO), BOUND_PTR(d, const float, BOUND_GINV), d[BOUND_STRIDE],
-                           d[BOUND_GC], (int32_t *)(stage + 2 * N * C), stage, stage + N * C,
-                           STREAM_MAP | STREAM_COUNT, nthreads);
-}
-
-/* stream_commit on the bound stream d of what aqr_stream_bound_scan left in stage for N images. */
-int aqr_stream_bound_commit(const int64_t *d, int64_t filled, int64_t head, const float *stage, int64_t N,
-                            int rebuild, double weight, const double *tail_w, int64_t ntail, int nthreads) {
-    if (!d || !stage || N < 1 || d[BOUND_C] < 1 || d[BOUND_C] > INT64_MAX / 2 / N) return STREAM_BAD_ARGUMENT;
-    const int64_t C = d[BOUND_C];
-    return stream_commit(C, d[BOUND_K], d[BOUND_GC], d[BOUND_W], d[BOUND_G], BOUND_PTR(d, float, BOUND_KN),
-                         BOUND_PTR(d, const float, BOUND_SQ), BOUND_PTR(d, float, BOUND_PAIRS),
-                         BOUND_PTR(d, float, BOUND_GLO), BOUND_PTR(d, float, BOUND_GINV),
-                         BOUND_PTR(d, int32_t, BOUND_PENDING), BOUND_PTR(d, float, BOUND_GMIN),
-                         BOUND_PTR(d, float, BOUND_GMAX), BOUND_PTR(d, float, BOUND_RING_LO),
-                         BOUND_PTR(d, float, BOUND_SORTED_LO), BOUND_PTR(d, float, BOUND_RING_HI),
-                         BOUND_PTR(d, float, BOUND_SORTED_HI), filled, head, (const int32_t *)(stage + 2 * N * C),
-                         stage, stage + N * C, N, rebuild, weight, tail_w, ntail, nthreads);
 }
 
 /* target="robust"'s shift test. Over the channels c whose even and whose odd images both counted
@@ -1358,8 +1316,8 @@ int aqr_stream_bound_commit(const int64_t *d, int64_t filled, int64_t head, cons
    there into out[1] (0 when no channel counted). Returns the number of channels counted; refuses
    non-finite knots. aqr_stream_shift_test also sums the images' counts into total (C, GC + 4), and
    copies them as int16 into small (N, C, GC + 4) (the caller's to know they fit), each unless NULL. */
-int aqr_stream_shift_test(int64_t N, int64_t C, int64_t K, const float *kn, const int32_t *counts, int64_t GC,
-                          double *out, int32_t *total, int16_t *small) {
+static int stream_shift_test(int64_t N, int64_t C, int64_t K, const float *kn, const int32_t *counts, int64_t GC,
+                             double *out, int32_t *total, int16_t *small) {
     if (N < 1 || N >= (1 << 30) || !stream_sizes_ok(C, K, 1, GC) || C > INT64_MAX / N / (GC + STREAM_EDGE_BINS) / 8 ||
         !kn || !counts || !out)
         return STREAM_BAD_ARGUMENT;
@@ -1457,7 +1415,7 @@ int aqr_stream_shift_test(int64_t N, int64_t C, int64_t K, const float *kn, cons
 
 int aqr_stream_shift_distances(int64_t N, int64_t C, int64_t K, const float *kn, const int32_t *counts, int64_t GC,
                                double *out) {
-    return aqr_stream_shift_test(N, C, K, kn, counts, GC, out, NULL, NULL);
+    return stream_shift_test(N, C, K, kn, counts, GC, out, NULL, NULL);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -1476,13 +1434,13 @@ int aqr_stream_shift_distances(int64_t N, int64_t C, int64_t K, const float *kn,
  *
  * aqr_stream_large: x counted on the bins of the knots kn first (aqr_stream_scan, STREAM_COUNT; pairs /
  * glo / ginv the committed table, not read), then aqr_stream_merge_map with those counts. */
-int aqr_stream_merge_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N, const float *pre_scale,
-                         const float *pre_shift, int64_t K, const float *kn, const float *sq, int64_t G, int64_t stride,
-                         int64_t GC, const int32_t *counts, const float *lo, const float *hi, const int32_t *pending,
-                         const float *gmin, const float *gmax, int64_t W, const float *ring_lo, const float *sorted_lo,
-                         const float *ring_hi, const float *sorted_hi, int64_t filled, int64_t head, const double *w,
-                         int64_t nw, double weight, float *kn_out, float *ring_lo_out, float *sorted_lo_out,
-                         float *ring_hi_out, float *sorted_hi_out, int nthreads) {
+static int stream_merge_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N, const float *pre_scale,
+                            const float *pre_shift, int64_t K, const float *kn, const float *sq, int64_t G, int64_t stride,
+                            int64_t GC, const int32_t *counts, const float *lo, const float *hi, const int32_t *pending,
+                            const float *gmin, const float *gmax, int64_t W, const float *ring_lo, const float *sorted_lo,
+                            const float *ring_hi, const float *sorted_hi, int64_t filled, int64_t head, const double *w,
+                            int64_t nw, double weight, float *kn_out, float *ring_lo_out, float *sorted_lo_out,
+                            float *ring_hi_out, float *sorted_hi_out, int nthreads) {
     if (!stream_sizes_ok(C, K, G, GC) || N < 1 || W < 1 || W > (1 << 24) || filled < 0 || filled > W ||
         nw < 1 || nw > (filled + N < W ? filled + N : W) || !counts || !lo || !hi || !pending != !gmin ||
         !gmin != !gmax || !w || !kn || !kn_out || !y || !ring_lo || !sorted_lo || !ring_hi || !sorted_hi ||
@@ -1509,39 +1467,39 @@ int aqr_stream_merge_map(const float *x, float *y, int64_t A, int64_t C, int64_t
     memcpy(ring_hi_out, ring_hi, sizeof(float) * (size_t)(W * C));
     memcpy(sorted_hi_out, sorted_hi, sizeof(float) * (size_t)(W * C));
     memcpy(kn_out, kn, sizeof(float) * (size_t)(C * K));
-    int status = aqr_stream_push(C, bins, W, group, counts, group_min, group_max, lo, hi, N, ring_lo_out, sorted_lo_out,
-                                 ring_hi_out, sorted_hi_out, filled, head, nthreads);
+    int status = stream_push(C, bins, W, group, counts, group_min, group_max, lo, hi, N, ring_lo_out, sorted_lo_out,
+                             ring_hi_out, sorted_hi_out, filled, head, nthreads);
     if (status == STREAM_OK) status = aqr_stream_tails(C, W, sorted_lo_out, sorted_hi_out, w, nw, p0, p100);
     if (status == STREAM_OK)
-        status = aqr_stream_merge(C, K, kn_out, group, GC, group_min, group_max, weight, p0, p100, nthreads);
-    if (status == STREAM_OK) status = aqr_stream_tables(C, K, kn_out, sq, G, table, table_lo, table_inv, nthreads);
+        status = stream_merge(C, K, kn_out, group, GC, group_min, group_max, weight, p0, p100, nthreads);
+    if (status == STREAM_OK) status = stream_tables(C, K, kn_out, sq, G, table, table_lo, table_inv, nthreads);
     if (status == STREAM_OK)
-        status = aqr_stream_scan(x, y, A, C, B, N, pre_scale, pre_shift, K, kn_out, sq, table, G, table_lo, table_inv,
-                                 stride, GC, NULL, map_lo, map_hi, STREAM_MAP, nthreads);
+        status = stream_scan(x, y, A, C, B, N, pre_scale, pre_shift, K, kn_out, sq, table, G, table_lo, table_inv,
+                             stride, GC, NULL, map_lo, map_hi, STREAM_MAP, nthreads);
     free(mem);
     return status;
 }
 
-int aqr_stream_large(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N, const float *pre_scale,
-                     const float *pre_shift, int64_t K, const float *kn, const float *sq, const float *pairs, int64_t G,
-                     const float *glo, const float *ginv, int64_t stride, int64_t GC, const int32_t *pending,
-                     const float *gmin, const float *gmax, int64_t W, const float *ring_lo, const float *sorted_lo,
-                     const float *ring_hi, const float *sorted_hi, int64_t filled, int64_t head, const double *w,
-                     int64_t nw, double weight, float *kn_out, float *ring_lo_out, float *sorted_lo_out,
-                     float *ring_hi_out, float *sorted_hi_out, int nthreads) {
+static int stream_large(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N, const float *pre_scale,
+                        const float *pre_shift, int64_t K, const float *kn, const float *sq, const float *pairs, int64_t G,
+                        const float *glo, const float *ginv, int64_t stride, int64_t GC, const int32_t *pending,
+                        const float *gmin, const float *gmax, int64_t W, const float *ring_lo, const float *sorted_lo,
+                        const float *ring_hi, const float *sorted_hi, int64_t filled, int64_t head, const double *w,
+                        int64_t nw, double weight, float *kn_out, float *ring_lo_out, float *sorted_lo_out,
+                        float *ring_hi_out, float *sorted_hi_out, int nthreads) {
     if (!stream_sizes_ok(C, K, G, GC) || N < 1 || N > INT64_MAX / C / 8) return STREAM_BAD_ARGUMENT;
     const int64_t bins = GC + STREAM_EDGE_BINS;
     float *mem = malloc(sizeof(float) * (size_t)(C * bins + 2 * N * C)); /* counts (C, bins) int32, lo / hi (N, C) */
     if (!mem) return STREAM_NO_MEMORY;
     int32_t *counts = (int32_t *)mem;
     float *lo = mem + C * bins, *hi = lo + N * C;
-    int status = aqr_stream_scan(x, NULL, A, C, B, N, pre_scale, pre_shift, K, kn, sq, pairs, G, glo, ginv, stride, GC,
-                                 counts, lo, hi, STREAM_COUNT, nthreads);
+    int status = stream_scan(x, NULL, A, C, B, N, pre_scale, pre_shift, K, kn, sq, pairs, G, glo, ginv, stride, GC,
+                             counts, lo, hi, STREAM_COUNT, nthreads);
     if (status == STREAM_OK)
-        status = aqr_stream_merge_map(x, y, A, C, B, N, pre_scale, pre_shift, K, kn, sq, G, stride, GC, counts, lo, hi,
-                                      pending, gmin, gmax, W, ring_lo, sorted_lo, ring_hi, sorted_hi, filled, head, w,
-                                      nw, weight, kn_out, ring_lo_out, sorted_lo_out, ring_hi_out, sorted_hi_out,
-                                      nthreads);
+        status = stream_merge_map(x, y, A, C, B, N, pre_scale, pre_shift, K, kn, sq, G, stride, GC, counts, lo, hi,
+                                  pending, gmin, gmax, W, ring_lo, sorted_lo, ring_hi, sorted_hi, filled, head, w,
+                                  nw, weight, kn_out, ring_lo_out, sorted_lo_out, ring_hi_out, sorted_hi_out,
+                                  nthreads);
     free(mem);
     return status;
 }
@@ -1552,9 +1510,9 @@ int aqr_stream_large(const float *x, float *y, int64_t A, int64_t C, int64_t B, 
  * spread to gmin / gmax (C) at weight (aqr_stream_group_merge); kn's inner knots become mg's; kn's ends
  * become the tails of the window's sorted_lo / sorted_hi (C, W) weighted by w (nw of them), kept outside
  * the inner knots. Returns STREAM_OK, STREAM_NO_MEMORY or STREAM_BAD_ARGUMENT. */
-int aqr_stream_idle_rebuild(int64_t C, int64_t K, float *mg, float *kn, const int32_t *counts, int64_t GC,
-                            const float *gmin, const float *gmax, double weight, int64_t W, const float *sorted_lo,
-                            const float *sorted_hi, const double *w, int64_t nw, int nthreads) {
+static int stream_idle_rebuild(int64_t C, int64_t K, float *mg, float *kn, const int32_t *counts, int64_t GC,
+                               const float *gmin, const float *gmax, double weight, int64_t W, const float *sorted_lo,
+                               const float *sorted_hi, const double *w, int64_t nw, int nthreads) {
     if (!stream_sizes_ok(C, K, 1, GC) || W < 1 || nw < 1 || nw > W || C > INT64_MAX / W / 8 || !mg || !kn || !counts ||
         !gmin || !gmax || !sorted_lo || !sorted_hi || !w)
         return STREAM_BAD_ARGUMENT;
@@ -1562,12 +1520,191 @@ int aqr_stream_idle_rebuild(int64_t C, int64_t K, float *mg, float *kn, const in
     if (!weights) return STREAM_NO_MEMORY;
     float *p0 = (float *)(weights + C), *p100 = p0 + C;
     for (int64_t c = 0; c < C; c++) weights[c] = weight;
-    int status = aqr_stream_group_merge(C, K, mg, kn, counts, GC, gmin, gmax, weights, nthreads);
+    int status = stream_group_merge(C, K, mg, kn, counts, GC, gmin, gmax, weights, nthreads);
     if (status == STREAM_OK) {
         for (int64_t c = 0; c < C; c++) memcpy(kn + c * K + 1, mg + c * K + 1, sizeof(float) * (size_t)(K - 2));
         status = aqr_stream_tails(C, W, sorted_lo, sorted_hi, w, nw, p0, p100);
     }
-    if (status == STREAM_OK) status = aqr_stream_merge(C, K, kn, NULL, 1, NULL, NULL, 0.0, p0, p100, nthreads);
+    if (status == STREAM_OK) status = stream_merge(C, K, kn, NULL, 1, NULL, NULL, 0.0, p0, p100, nthreads);
     free(weights);
     return status;
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * The entry points. Each takes a descriptor (its fields listed once below; aqr/backends/layout.py builds
+ * the Python side from the table aqr_layouts returns) and the thread count. */
+
+/* A layer output x (A, C, B) of N images, read as pre_scale * x + pre_shift (per channel; NULL: x). */
+#define STREAM_BATCH_FIELDS(F, ST)                                                                      \
+    F(ST, P, const float *, x) F(ST, P, float *, y) F(ST, I, int64_t, A) F(ST, I, int64_t, C)          \
+    F(ST, I, int64_t, B) F(ST, I, int64_t, N) F(ST, P, const float *, pre_scale)                       \
+    F(ST, P, const float *, pre_shift)
+/* The knots kn and the source knots sq (C, K), and the lookup table of the map between them: pairs
+   (C, G + 2, 2), glo and ginv (C). */
+#define STREAM_TABLE_FIELDS(F, ST)                                                                      \
+    F(ST, I, int64_t, K) F(ST, P, float *, kn) F(ST, P, const float *, sq) F(ST, P, float *, pairs)    \
+    F(ST, I, int64_t, G) F(ST, P, float *, glo) F(ST, P, float *, ginv)
+/* The pending group: its histogram counts (C, GC + 4) and its extremes (C). */
+#define STREAM_GROUP_FIELDS(F, ST) F(ST, P, int32_t *, pending) F(ST, P, float *, gmin) F(ST, P, float *, gmax)
+/* The tail window's buffers: the images' minima and maxima as a ring (W, C) and sorted (C, W). */
+#define STREAM_WINDOW_FIELDS(F, ST)                                                                     \
+    F(ST, I, int64_t, W) F(ST, P, float *, ring_lo) F(ST, P, float *, sorted_lo) F(ST, P, float *, ring_hi) \
+    F(ST, P, float *, sorted_hi)
+/* A rebuild into copies: the tails' weights w (nw), the group's weight, and the buffers the knots and
+   the window are copied into. */
+#define STREAM_COPIES_FIELDS(F, ST)                                                                     \
+    F(ST, P, const double *, w) F(ST, I, int64_t, nw) F(ST, D, double, weight) F(ST, P, float *, kn_out) \
+    F(ST, P, float *, ring_lo_out) F(ST, P, float *, sorted_lo_out) F(ST, P, float *, ring_hi_out)      \
+    F(ST, P, float *, sorted_hi_out)
+
+#define STREAM_SCAN_FIELDS(F, ST)                                                                       \
+    STREAM_BATCH_FIELDS(F, ST) STREAM_TABLE_FIELDS(F, ST) F(ST, I, int64_t, stride) F(ST, I, int64_t, GC) \
+    F(ST, P, int32_t *, counts) F(ST, P, float *, lo) F(ST, P, float *, hi) F(ST, C, int, mode)
+#define STREAM_PUSH_FIELDS(F, ST)                                                                       \
+    F(ST, I, int64_t, C) F(ST, I, int64_t, bins) F(ST, P, const int32_t *, counts) F(ST, P, const float *, lo) \
+    F(ST, P, const float *, hi) F(ST, I, int64_t, N) STREAM_GROUP_FIELDS(F, ST) STREAM_WINDOW_FIELDS(F, ST) \
+    F(ST, I, int64_t, filled) F(ST, I, int64_t, head)
+#define STREAM_MERGE_FIELDS(F, ST)                                                                      \
+    F(ST, I, int64_t, C) F(ST, I, int64_t, K) F(ST, P, float *, kn) F(ST, P, const int32_t *, counts)  \
+    F(ST, I, int64_t, GC) F(ST, P, const float *, gmin) F(ST, P, const float *, gmax) F(ST, D, double, w) \
+    F(ST, P, const float *, p0) F(ST, P, const float *, p100)
+#define STREAM_TABLES_FIELDS(F, ST) F(ST, I, int64_t, C) STREAM_TABLE_FIELDS(F, ST)
+#define STREAM_GROUP_MERGE_FIELDS(F, ST)                                                                \
+    F(ST, I, int64_t, R) F(ST, I, int64_t, K) F(ST, P, float *, gk) F(ST, P, const float *, bk)        \
+    F(ST, P, const int32_t *, counts) F(ST, I, int64_t, GC) F(ST, P, const float *, gmin)              \
+    F(ST, P, const float *, gmax) F(ST, P, const double *, w)
+#define STREAM_SHIFT_TEST_FIELDS(F, ST)                                                                 \
+    F(ST, I, int64_t, N) F(ST, I, int64_t, C) F(ST, I, int64_t, K) F(ST, P, const float *, kn)         \
+    F(ST, P, const int32_t *, counts) F(ST, I, int64_t, GC) F(ST, P, double *, out) F(ST, P, int32_t *, total) \
+    F(ST, P, int16_t *, small)
+#define STREAM_MERGE_MAP_FIELDS(F, ST)                                                                  \
+    STREAM_BATCH_FIELDS(F, ST) F(ST, I, int64_t, K) F(ST, P, const float *, kn) F(ST, P, const float *, sq) \
+    F(ST, I, int64_t, G) F(ST, I, int64_t, stride) F(ST, I, int64_t, GC) F(ST, P, const int32_t *, counts) \
+    F(ST, P, const float *, lo) F(ST, P, const float *, hi) STREAM_GROUP_FIELDS(F, ST)                 \
+    STREAM_WINDOW_FIELDS(F, ST) F(ST, I, int64_t, filled) F(ST, I, int64_t, head) STREAM_COPIES_FIELDS(F, ST)
+#define STREAM_LARGE_FIELDS(F, ST)                                                                      \
+    STREAM_BATCH_FIELDS(F, ST) STREAM_TABLE_FIELDS(F, ST) F(ST, I, int64_t, stride) F(ST, I, int64_t, GC) \
+    STREAM_GROUP_FIELDS(F, ST) STREAM_WINDOW_FIELDS(F, ST) F(ST, I, int64_t, filled) F(ST, I, int64_t, head) \
+    STREAM_COPIES_FIELDS(F, ST)
+#define STREAM_IDLE_REBUILD_FIELDS(F, ST)                                                               \
+    F(ST, I, int64_t, C) F(ST, I, int64_t, K) F(ST, P, float *, mg) F(ST, P, float *, kn)              \
+    F(ST, P, const int32_t *, counts) F(ST, I, int64_t, GC) F(ST, P, const float *, gmin)              \
+    F(ST, P, const float *, gmax) F(ST, D, double, weight) F(ST, I, int64_t, W) F(ST, P, const float *, sorted_lo) \
+    F(ST, P, const float *, sorted_hi) F(ST, P, const double *, w) F(ST, I, int64_t, nw)
+/* One layer's stream bound once (aqr/adapt/stream/native_kernels.py's BoundStream): its sizes and its
+   buffers, so that a small batch's two calls pass only what changes. */
+#define STREAM_LAYER_FIELDS(F, ST)                                                                      \
+    F(ST, I, int64_t, C) F(ST, I, int64_t, stride) F(ST, I, int64_t, GC) STREAM_TABLE_FIELDS(F, ST)    \
+    STREAM_GROUP_FIELDS(F, ST) STREAM_WINDOW_FIELDS(F, ST)
+/* A batch of N images on a bound layer: x (A, C, B) read as pre_scale * x + pre_shift, mapped into y;
+   stage (2 N C + C (GC + 4) floats) takes lo (N, C), hi (N, C) and the counts (C, GC + 4) as int32, in
+   that order, for aqr_stream_bound_commit. */
+#define STREAM_BOUND_BATCH_FIELDS(F, ST)                                                                \
+    F(ST, P, const float *, x) F(ST, P, float *, y) F(ST, I, int64_t, A) F(ST, I, int64_t, B)          \
+    F(ST, I, int64_t, N) F(ST, P, const float *, pre_scale) F(ST, P, const float *, pre_shift)        \
+    F(ST, P, float *, stage)
+/* Its commit: the window's counters before it, the stage of N images, and, where rebuild, the group's
+   weight and the tails' weights tail_w (ntail). */
+#define STREAM_BOUND_COMMIT_FIELDS(F, ST)                                                               \
+    F(ST, I, int64_t, filled) F(ST, I, int64_t, head) F(ST, P, const float *, stage) F(ST, I, int64_t, N) \
+    F(ST, C, int, rebuild) F(ST, D, double, weight) F(ST, P, const double *, tail_w) F(ST, I, int64_t, ntail)
+
+AQR_DESCRIPTOR(aqr_stream_scan_args, STREAM_SCAN_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_push_args, STREAM_PUSH_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_merge_args, STREAM_MERGE_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_tables_args, STREAM_TABLES_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_group_merge_args, STREAM_GROUP_MERGE_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_shift_test_args, STREAM_SHIFT_TEST_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_merge_map_args, STREAM_MERGE_MAP_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_large_args, STREAM_LARGE_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_idle_rebuild_args, STREAM_IDLE_REBUILD_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_layer, STREAM_LAYER_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_bound_batch, STREAM_BOUND_BATCH_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_bound_commit_args, STREAM_BOUND_COMMIT_FIELDS)
+
+static const aqr_layout LAYOUTS[] = {
+    AQR_LAYOUT(aqr_stream_scan_args),     AQR_LAYOUT(aqr_stream_push_args),   AQR_LAYOUT(aqr_stream_merge_args),
+    AQR_LAYOUT(aqr_stream_tables_args),   AQR_LAYOUT(aqr_stream_group_merge_args),
+    AQR_LAYOUT(aqr_stream_shift_test_args), AQR_LAYOUT(aqr_stream_merge_map_args),
+    AQR_LAYOUT(aqr_stream_large_args),    AQR_LAYOUT(aqr_stream_idle_rebuild_args), AQR_LAYOUT(aqr_stream_layer),
+    AQR_LAYOUT(aqr_stream_bound_batch),   AQR_LAYOUT(aqr_stream_bound_commit_args),
+};
+
+const aqr_layout *aqr_layouts(int64_t *count) {
+    *count = (int64_t)(sizeof LAYOUTS / sizeof LAYOUTS[0]);
+    return LAYOUTS;
+}
+
+int aqr_stream_scan(const aqr_stream_scan_args *d, int nthreads) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_scan(d->x, d->y, d->A, d->C, d->B, d->N, d->pre_scale, d->pre_shift, d->K, d->kn, d->sq, d->pairs,
+                       d->G, d->glo, d->ginv, d->stride, d->GC, d->counts, d->lo, d->hi, d->mode, nthreads);
+}
+
+int aqr_stream_push(const aqr_stream_push_args *d, int nthreads) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_push(d->C, d->bins, d->W, d->pending, d->counts, d->gmin, d->gmax, d->lo, d->hi, d->N, d->ring_lo,
+                       d->sorted_lo, d->ring_hi, d->sorted_hi, d->filled, d->head, nthreads);
+}
+
+int aqr_stream_merge(const aqr_stream_merge_args *d, int nthreads) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_merge(d->C, d->K, d->kn, d->counts, d->GC, d->gmin, d->gmax, d->w, d->p0, d->p100, nthreads);
+}
+
+int aqr_stream_tables(const aqr_stream_tables_args *d, int nthreads) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_tables(d->C, d->K, d->kn, d->sq, d->G, d->pairs, d->glo, d->ginv, nthreads);
+}
+
+int aqr_stream_group_merge(const aqr_stream_group_merge_args *d, int nthreads) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_group_merge(d->R, d->K, d->gk, d->bk, d->counts, d->GC, d->gmin, d->gmax, d->w, nthreads);
+}
+
+int aqr_stream_shift_test(const aqr_stream_shift_test_args *d) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_shift_test(d->N, d->C, d->K, d->kn, d->counts, d->GC, d->out, d->total, d->small);
+}
+
+int aqr_stream_merge_map(const aqr_stream_merge_map_args *d, int nthreads) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_merge_map(d->x, d->y, d->A, d->C, d->B, d->N, d->pre_scale, d->pre_shift, d->K, d->kn, d->sq, d->G,
+                            d->stride, d->GC, d->counts, d->lo, d->hi, d->pending, d->gmin, d->gmax, d->W, d->ring_lo,
+                            d->sorted_lo, d->ring_hi, d->sorted_hi, d->filled, d->head, d->w, d->nw, d->weight,
+                            d->kn_out, d->ring_lo_out, d->sorted_lo_out, d->ring_hi_out, d->sorted_hi_out, nthreads);
+}
+
+int aqr_stream_large(const aqr_stream_large_args *d, int nthreads) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_large(d->x, d->y, d->A, d->C, d->B, d->N, d->pre_scale, d->pre_shift, d->K, d->kn, d->sq, d->pairs,
+                        d->G, d->glo, d->ginv, d->stride, d->GC, d->pending, d->gmin, d->gmax, d->W, d->ring_lo,
+                        d->sorted_lo, d->ring_hi, d->sorted_hi, d->filled, d->head, d->w, d->nw, d->weight, d->kn_out,
+                        d->ring_lo_out, d->sorted_lo_out, d->ring_hi_out, d->sorted_hi_out, nthreads);
+}
+
+int aqr_stream_idle_rebuild(const aqr_stream_idle_rebuild_args *d, int nthreads) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_idle_rebuild(d->C, d->K, d->mg, d->kn, d->counts, d->GC, d->gmin, d->gmax, d->weight, d->W,
+                               d->sorted_lo, d->sorted_hi, d->w, d->nw, nthreads);
+}
+
+/* stream_scan with STREAM_MAP | STREAM_COUNT of the batch b on the bound layer d. */
+int aqr_stream_bound_scan(const aqr_stream_layer *d, const aqr_stream_bound_batch *b, int nthreads) {
+    if (!d || !b || !b->stage || b->N < 1 || d->C < 1 || d->C > INT64_MAX / 2 / b->N) return STREAM_BAD_ARGUMENT;
+    const int64_t C = d->C, N = b->N;
+    return stream_scan(b->x, b->y, b->A, C, b->B, N, b->pre_scale, b->pre_shift, d->K, d->kn, d->sq, d->pairs, d->G,
+                       d->glo, d->ginv, d->stride, d->GC, (int32_t *)(b->stage + 2 * N * C), b->stage,
+                       b->stage + N * C, STREAM_MAP | STREAM_COUNT, nthreads);
+}
+
+/* stream_commit on the bound layer d of what aqr_stream_bound_scan left in b's stage. */
+int aqr_stream_bound_commit(const aqr_stream_layer *d, const aqr_stream_bound_commit_args *b, int nthreads) {
+    if (!d || !b || !b->stage || b->N < 1 || d->C < 1 || d->C > INT64_MAX / 2 / b->N) return STREAM_BAD_ARGUMENT;
+    const int64_t C = d->C, N = b->N;
+    return stream_commit(C, d->K, d->GC, d->W, d->G, d->kn, d->sq, d->pairs, d->glo, d->ginv, d->pending, d->gmin,
+                         d->gmax, d->ring_lo, d->sorted_lo, d->ring_hi, d->sorted_hi, b->filled, b->head,
+                         (const int32_t *)(b->stage + 2 * N * C), b->stage, b->stage + N * C, N, b->rebuild,
+                         b->weight, b->tail_w, b->ntail, nthreads);
+}
+

@@ -17,40 +17,31 @@ import torch
 
 from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, PendingGroup, ScanResult,
                                    StreamKernels, StreamTable, TailWindow, check_mixture_weights, check_scan)
-from aqr.backends import build
+from aqr.backends import build, layout
 from aqr.backends.base import Affine
 from aqr.backends.native import NativeKernelError, native_takes
 
 SOURCE = Path(__file__).with_name("_stream_kernels.c")
 
-_P, _I, _D, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
+_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 STATUS = {-1: "could not allocate its scratch memory", -2: "was given sizes or counters out of bounds"}
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Set the stream entry points' argument types on the loaded kernels (idempotent)."""
-    lib.aqr_stream_scan.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P,
-                                    _P, _C, _C]
-    lib.aqr_stream_push.argtypes = [_I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _C]
+    """Set the stream entry points' argument types on the loaded kernels (idempotent): a descriptor
+    (:mod:`aqr.backends.layout`) and the thread count, or, for the three of few arguments, those."""
+    structs = lib.structs
+    for name in ("scan", "push", "merge", "tables", "group_merge", "merge_map", "large", "idle_rebuild"):
+        layout.declare(lib, structs, f"aqr_stream_{name}", f"aqr_stream_{name}_args", _C)
+    layout.declare(lib, structs, "aqr_stream_shift_test", "aqr_stream_shift_test_args")
+    layout.declare(lib, structs, "aqr_stream_bound_scan", "aqr_stream_layer",
+                   ctypes.POINTER(structs["aqr_stream_bound_batch"]), _C)
+    layout.declare(lib, structs, "aqr_stream_bound_commit", "aqr_stream_layer",
+                   ctypes.POINTER(structs["aqr_stream_bound_commit_args"]), _C)
     lib.aqr_stream_tails.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P]
-    lib.aqr_stream_merge.argtypes = [_I, _I, _P, _P, _I, _P, _P, _D, _P, _P, _C]
-    lib.aqr_stream_tables.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _C]
-    lib.aqr_stream_group_merge.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P, _P, _C]
     lib.aqr_stream_mixture.argtypes = [_I, _I, _I, _P, _P, _I, _P, _C]
     lib.aqr_stream_shift_distances.argtypes = [_I, _I, _I, _P, _P, _I, _P]
-    window = [_I, _P, _P, _P, _P, _I, _I, _P, _I, _D, _P, _P, _P, _P, _P, _C]  # the window .. the copies, threads
-    lib.aqr_stream_large.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P,
-                                     *window]
-    lib.aqr_stream_merge_map.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P,
-                                         *window]
-    lib.aqr_stream_shift_test.argtypes = [_I, _I, _I, _P, _P, _I, _P, _P, _P]
-    lib.aqr_stream_idle_rebuild.argtypes = [_I, _I, _P, _P, _P, _I, _P, _P, _D, _I, _P, _P, _P, _I, _C]
-    lib.aqr_stream_bound_fields.restype = _I
-    lib.aqr_stream_bound_fields.argtypes = []
-    lib.aqr_stream_bound_scan.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _P, _C]
-    lib.aqr_stream_bound_commit.argtypes = [_P, _I, _I, _P, _I, _C, _D, _P, _I, _C]
-    for name in ("scan", "push", "tails", "merge", "tables", "group_merge", "mixture", "shift_distances", "large",
-                 "merge_map", "idle_rebuild", "shift_test"):
+    for name in ("tails", "mixture", "shift_distances"):
         getattr(lib, f"aqr_stream_{name}").restype = _C
     return lib
 
@@ -87,6 +78,13 @@ def _cpu_float(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     if t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous():
         return t
     return t.to("cpu", dtype).contiguous()
+
+
+def _group_fields(group: PendingGroup | None) -> dict[str, int | None]:
+    """A descriptor's fields for the pending group (its counts, its extremes), NULL without one."""
+    if group is None:
+        return {"pending": None, "gmin": None, "gmax": None}
+    return {"pending": group.counts.data_ptr(), "gmin": group.gmin.data_ptr(), "gmax": group.gmax.data_ptr()}
 
 
 class NativeStreamKernels(StreamKernels):
@@ -133,11 +131,12 @@ class NativeStreamKernels(StreamKernels):
             counts = torch.empty(2 if mode & PAIRED else images, c, cells + EDGE_BINS, dtype=torch.int32)
         lo, hi = torch.empty(images, c), torch.empty(images, c)
         scale, shift = (None, None) if pre is None else pre
-        status = _check(self.lib.aqr_stream_scan(
-            x.data_ptr(), _ptr(y), a, c, b, images, _ptr(scale), _ptr(shift), knots.shape[1], knots.data_ptr(),
-            source.data_ptr(), table.pairs.data_ptr(), table.grid, table.glo.data_ptr(), table.ginv.data_ptr(),
-            stride, cells, _ptr(counts), lo.data_ptr(), hi.data_ptr(), mode,
-            torch.get_num_threads()), "scan")
+        lib = self.lib
+        status = _check(lib.aqr_stream_scan(lib.structs["aqr_stream_scan_args"].of(
+            x=x.data_ptr(), y=_ptr(y), A=a, C=c, B=b, N=images, pre_scale=_ptr(scale), pre_shift=_ptr(shift),
+            K=knots.shape[1], kn=knots.data_ptr(), sq=source.data_ptr(), pairs=table.pairs.data_ptr(), G=table.grid,
+            glo=table.glo.data_ptr(), ginv=table.ginv.data_ptr(), stride=stride, GC=cells, counts=_ptr(counts),
+            lo=lo.data_ptr(), hi=hi.data_ptr(), mode=mode), torch.get_num_threads()), "scan")
         return ScanResult(y, lo, hi, counts, status == 0)
 
     def large(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
@@ -147,9 +146,9 @@ class NativeStreamKernels(StreamKernels):
         # six calls' arguments and the state's copies made in torch
         x = x.contiguous()
         check_scan(x, images, knots, source, table, COUNT)
-        middle = (table.pairs.data_ptr(), table.grid, table.glo.data_ptr(), table.ginv.data_ptr(), stride, cells)
-        return self._merged(self.lib.aqr_stream_large, "large", x, images, pre, knots, source, middle, window, group,
-                            weight, tail_weights)
+        middle = dict(pairs=table.pairs.data_ptr(), G=table.grid, glo=table.glo.data_ptr(),
+                      ginv=table.ginv.data_ptr(), stride=stride, GC=cells)
+        return self._merged("large", x, images, pre, knots, source, middle, window, group, weight, tail_weights)
 
     def merge_map(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
                   grid: int, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor, lo: torch.Tensor,
@@ -165,17 +164,15 @@ class NativeStreamKernels(StreamKernels):
         if counts.shape != (c, cells + EDGE_BINS) or lo.shape != (images, c) or hi.shape != (images, c):
             raise ValueError(f"merge_map: counts {tuple(counts.shape)} and extremes {tuple(lo.shape)}, "
                              f"{tuple(hi.shape)} for {images} images of {c} channels and {cells} cells")
-        middle = (grid, stride, cells, counts.data_ptr(), lo.data_ptr(), hi.data_ptr())
-        return self._merged(self.lib.aqr_stream_merge_map, "merge_map", x, images, pre, knots, source, middle, window,
-                            group, weight, tail_weights)
+        middle = dict(G=grid, stride=stride, GC=cells, counts=counts.data_ptr(), lo=lo.data_ptr(), hi=hi.data_ptr())
+        return self._merged("merge_map", x, images, pre, knots, source, middle, window, group, weight, tail_weights)
 
-    def _merged(self, function: object, name: str, x: torch.Tensor, images: int, pre: Affine | None,
-                knots: torch.Tensor, source: torch.Tensor, middle: tuple[int, ...], window: TailWindow,
+    def _merged(self, name: str, x: torch.Tensor, images: int, pre: Affine | None,
+                knots: torch.Tensor, source: torch.Tensor, middle: dict[str, int], window: TailWindow,
                 group: PendingGroup | None, weight: float,
                 tail_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, TailWindow] | None:
-        """Call ``aqr_stream_large`` or ``aqr_stream_merge_map`` (``function``; ``middle``: their arguments between
-        the source knots and the group, which differ) with new buffers for the map and the knots' and the
-        window's copies."""
+        """Call ``aqr_stream_large`` or ``aqr_stream_merge_map`` (``name``; ``middle``: the fields of their
+        descriptors that differ) with new buffers for the map and the knots' and the window's copies."""
         a, c, b = x.shape
         size = window.size
         filled = min(window.filled + images, size)
@@ -187,16 +184,15 @@ class NativeStreamKernels(StreamKernels):
                          torch.empty_like(window.ring_hi), torch.empty_like(window.sorted_hi), filled,
                          (window.head + images) % size)
         scale, shift = (None, None) if pre is None else pre
-        pending = (None, None, None)
-        if group is not None:
-            pending = (group.counts.data_ptr(), group.gmin.data_ptr(), group.gmax.data_ptr())
-        status = _check(function(  # type: ignore[operator]
-            x.data_ptr(), y.data_ptr(), a, c, b, images, _ptr(scale), _ptr(shift), knots.shape[1], knots.data_ptr(),
-            source.data_ptr(), *middle, *pending, size, window.ring_lo.data_ptr(),
-            window.sorted_lo.data_ptr(), window.ring_hi.data_ptr(), window.sorted_hi.data_ptr(), window.filled,
-            window.head, tail_weights.data_ptr(), len(tail_weights), float(weight), knots_out.data_ptr(),
-            out.ring_lo.data_ptr(), out.sorted_lo.data_ptr(), out.ring_hi.data_ptr(), out.sorted_hi.data_ptr(),
-            torch.get_num_threads()), name)
+        lib = self.lib
+        status = _check(getattr(lib, f"aqr_stream_{name}")(lib.structs[f"aqr_stream_{name}_args"].of(
+            x=x.data_ptr(), y=y.data_ptr(), A=a, C=c, B=b, N=images, pre_scale=_ptr(scale), pre_shift=_ptr(shift),
+            K=knots.shape[1], kn=knots.data_ptr(), sq=source.data_ptr(), **middle, **_group_fields(group), W=size,
+            ring_lo=window.ring_lo.data_ptr(), sorted_lo=window.sorted_lo.data_ptr(),
+            ring_hi=window.ring_hi.data_ptr(), sorted_hi=window.sorted_hi.data_ptr(), filled=window.filled,
+            head=window.head, w=tail_weights.data_ptr(), nw=len(tail_weights), weight=float(weight),
+            kn_out=knots_out.data_ptr(), ring_lo_out=out.ring_lo.data_ptr(), sorted_lo_out=out.sorted_lo.data_ptr(),
+            ring_hi_out=out.ring_hi.data_ptr(), sorted_hi_out=out.sorted_hi.data_ptr()), torch.get_num_threads()), name)
         return (y, knots_out, out) if status == 0 else None
 
     def idle_rebuild(self, marginal: torch.Tensor, knots: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
@@ -211,11 +207,12 @@ class NativeStreamKernels(StreamKernels):
         tail_weights = _cpu_float(tail_weights, torch.float64)
         if not 1 <= len(tail_weights) <= window.filled:
             raise ValueError(f"{len(tail_weights)} tail weights for a window holding {window.filled} images")
-        _check(self.lib.aqr_stream_idle_rebuild(
-            c, k, marginal.data_ptr(), knots.data_ptr(), counts.data_ptr(), counts.shape[1] - EDGE_BINS,
-            gmin.data_ptr(), gmax.data_ptr(), float(weight), window.size, window.sorted_lo.data_ptr(),
-            window.sorted_hi.data_ptr(), tail_weights.data_ptr(), len(tail_weights), torch.get_num_threads()),
-            "idle_rebuild")
+        lib = self.lib
+        _check(lib.aqr_stream_idle_rebuild(lib.structs["aqr_stream_idle_rebuild_args"].of(
+            C=c, K=k, mg=marginal.data_ptr(), kn=knots.data_ptr(), counts=counts.data_ptr(),
+            GC=counts.shape[1] - EDGE_BINS, gmin=gmin.data_ptr(), gmax=gmax.data_ptr(), weight=float(weight),
+            W=window.size, sorted_lo=window.sorted_lo.data_ptr(), sorted_hi=window.sorted_hi.data_ptr(),
+            w=tail_weights.data_ptr(), nw=len(tail_weights)), torch.get_num_threads()), "idle_rebuild")
 
     def bind(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable, window: TailWindow,
              group: PendingGroup, stride: int, cells: int) -> BoundStream:
@@ -227,12 +224,12 @@ class NativeStreamKernels(StreamKernels):
         lo, hi = _cpu_float(lo), _cpu_float(hi)
         counts = None if counts is None else _cpu_float(counts, torch.int32)
         bins = 0 if group is None else group.counts.shape[1]
-        _check(self.lib.aqr_stream_push(
-            c, bins, window.size, None if group is None else group.counts.data_ptr(), _ptr(counts),
-            None if group is None else group.gmin.data_ptr(), None if group is None else group.gmax.data_ptr(),
-            lo.data_ptr(), hi.data_ptr(), n, window.ring_lo.data_ptr(), window.sorted_lo.data_ptr(),
-            window.ring_hi.data_ptr(), window.sorted_hi.data_ptr(), window.filled, window.head,
-            torch.get_num_threads()), "push")
+        lib = self.lib
+        _check(lib.aqr_stream_push(lib.structs["aqr_stream_push_args"].of(
+            C=c, bins=bins, counts=_ptr(counts), lo=lo.data_ptr(), hi=hi.data_ptr(), N=n, **_group_fields(group),
+            W=window.size, ring_lo=window.ring_lo.data_ptr(), sorted_lo=window.sorted_lo.data_ptr(),
+            ring_hi=window.ring_hi.data_ptr(), sorted_hi=window.sorted_hi.data_ptr(), filled=window.filled,
+            head=window.head), torch.get_num_threads()), "push")
         window.filled = min(window.filled + n, window.size)
         window.head = (window.head + n) % window.size
 
@@ -251,16 +248,19 @@ class NativeStreamKernels(StreamKernels):
         c, k = knots.shape
         p0, p100 = _cpu_float(p0), _cpu_float(p100)
         cells = 1 if group is None else group.cells
-        _check(self.lib.aqr_stream_merge(
-            c, k, knots.data_ptr(), None if group is None else group.counts.data_ptr(), cells,
-            None if group is None else group.gmin.data_ptr(), None if group is None else group.gmax.data_ptr(),
-            float(weight), p0.data_ptr(), p100.data_ptr(), torch.get_num_threads()), "merge")
+        lib = self.lib
+        pending = _group_fields(group)
+        _check(lib.aqr_stream_merge(lib.structs["aqr_stream_merge_args"].of(
+            C=c, K=k, kn=knots.data_ptr(), counts=pending["pending"], GC=cells, gmin=pending["gmin"],
+            gmax=pending["gmax"], w=float(weight), p0=p0.data_ptr(), p100=p100.data_ptr()), torch.get_num_threads()),
+            "merge")
 
     def tables(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable) -> None:
         c, k = knots.shape
-        _check(self.lib.aqr_stream_tables(c, k, knots.data_ptr(), source.data_ptr(), table.grid,
-                                          table.pairs.data_ptr(), table.glo.data_ptr(), table.ginv.data_ptr(),
-                                          torch.get_num_threads()), "tables")
+        lib = self.lib
+        _check(lib.aqr_stream_tables(lib.structs["aqr_stream_tables_args"].of(
+            C=c, K=k, kn=knots.data_ptr(), sq=source.data_ptr(), G=table.grid, pairs=table.pairs.data_ptr(),
+            glo=table.glo.data_ptr(), ginv=table.ginv.data_ptr()), torch.get_num_threads()), "tables")
 
     def group_merge(self, knots: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
                     gmax: torch.Tensor, weights: torch.Tensor) -> None:
@@ -271,9 +271,10 @@ class NativeStreamKernels(StreamKernels):
                              f"{tuple(counts.shape)}, extremes {tuple(gmin.shape)}, weights {tuple(weights.shape)}")
         bins, counts = _cpu_float(bins), _cpu_float(counts, torch.int32)
         gmin, gmax, weights = _cpu_float(gmin), _cpu_float(gmax), _cpu_float(weights, torch.float64)
-        _check(self.lib.aqr_stream_group_merge(r, k, knots.data_ptr(), bins.data_ptr(), counts.data_ptr(),
-                                               counts.shape[1] - EDGE_BINS, gmin.data_ptr(), gmax.data_ptr(),
-                                               weights.data_ptr(), torch.get_num_threads()), "group_merge")
+        lib = self.lib
+        _check(lib.aqr_stream_group_merge(lib.structs["aqr_stream_group_merge_args"].of(
+            R=r, K=k, gk=knots.data_ptr(), bk=bins.data_ptr(), counts=counts.data_ptr(), GC=counts.shape[1] - EDGE_BINS,
+            gmin=gmin.data_ptr(), gmax=gmax.data_ptr(), w=weights.data_ptr()), torch.get_num_threads()), "group_merge")
 
     def mixture(self, groups: torch.Tensor, knots: torch.Tensor, grid: int,
                 weights: torch.Tensor | None = None) -> None:
@@ -297,9 +298,11 @@ class NativeStreamKernels(StreamKernels):
         total = torch.empty(c, bins, dtype=torch.int32)
         compact = torch.empty(n, c, bins, dtype=torch.int16) if small else counts
         out = (ctypes.c_double * 2)()
-        _check(self.lib.aqr_stream_shift_test(n, c, knots.shape[1], knots.data_ptr(), counts.data_ptr(),
-                                              bins - EDGE_BINS, ctypes.addressof(out), total.data_ptr(),
-                                              compact.data_ptr() if small else None), "shift_test")
+        lib = self.lib
+        _check(lib.aqr_stream_shift_test(lib.structs["aqr_stream_shift_test_args"].of(
+            N=n, C=c, K=knots.shape[1], kn=knots.data_ptr(), counts=counts.data_ptr(), GC=bins - EDGE_BINS,
+            out=ctypes.addressof(out), total=total.data_ptr(), small=compact.data_ptr() if small else None)),
+            "shift_test")
         return (out[0], out[1]), total, compact
 
     def shift_distances(self, counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
@@ -337,27 +340,25 @@ class BoundStream:
         self.kernels = kernels
         lib = kernels.lib
         self._scan_fn, self._commit_fn = lib.aqr_stream_bound_scan, lib.aqr_stream_bound_commit
+        self._batch, self._commit = lib.structs["aqr_stream_bound_batch"], lib.structs["aqr_stream_bound_commit_args"]
         self.channels, self.bins = c, bins
         self._tensors = (knots, source, table, window, group)  # the buffers whose addresses are used below
         self._window = window
         # a committed stage, which the next scan of as many images reuses (allocating and freeing one stage
         # per layer and image cost about 1.5 us each)
         self._spare: torch.Tensor | None = None
-        fields = (c, k, g, cells, w, stride,
-                  _state_buffer(knots, f32, (c, k), "knots"), _state_buffer(source, f32, (c, k), "source"),
-                  _state_buffer(table.pairs, f32, (c, g + 2, 2), "table.pairs"),
-                  _state_buffer(table.glo, f32, (c,), "table.glo"), _state_buffer(table.ginv, f32, (c,), "table.ginv"),
-                  _state_buffer(group.counts, torch.int32, (c, bins), "group.counts"),
-                  _state_buffer(group.gmin, f32, (c,), "group.gmin"), _state_buffer(group.gmax, f32, (c,), "group.gmax"),
-                  _state_buffer(window.ring_lo, f32, (w, c), "window.ring_lo"),
-                  _state_buffer(window.sorted_lo, f32, (c, w), "window.sorted_lo"),
-                  _state_buffer(window.ring_hi, f32, (w, c), "window.ring_hi"),
-                  _state_buffer(window.sorted_hi, f32, (c, w), "window.sorted_hi"))
-        if len(fields) != lib.aqr_stream_bound_fields():
-            raise NativeKernelError(f"aqr_stream_bound_fields: the C kernels read {lib.aqr_stream_bound_fields()} "
-                                    f"fields of a bound stream, this module writes {len(fields)}")
-        self._fields = (ctypes.c_int64 * len(fields))(*fields)
-        self._descriptor = _P(ctypes.addressof(self._fields))  # passed as it is, not converted on every call
+        # read-only once made: the running state changes its buffers in place only, so the addresses stay valid
+        self._descriptor = lib.structs["aqr_stream_layer"].of(
+            C=c, K=k, G=g, GC=cells, W=w, stride=stride, kn=_state_buffer(knots, f32, (c, k), "knots"),
+            sq=_state_buffer(source, f32, (c, k), "source"),
+            pairs=_state_buffer(table.pairs, f32, (c, g + 2, 2), "table.pairs"),
+            glo=_state_buffer(table.glo, f32, (c,), "table.glo"), ginv=_state_buffer(table.ginv, f32, (c,), "table.ginv"),
+            pending=_state_buffer(group.counts, torch.int32, (c, bins), "group.counts"),
+            gmin=_state_buffer(group.gmin, f32, (c,), "group.gmin"), gmax=_state_buffer(group.gmax, f32, (c,), "group.gmax"),
+            ring_lo=_state_buffer(window.ring_lo, f32, (w, c), "window.ring_lo"),
+            sorted_lo=_state_buffer(window.sorted_lo, f32, (c, w), "window.sorted_lo"),
+            ring_hi=_state_buffer(window.ring_hi, f32, (w, c), "window.ring_hi"),
+            sorted_hi=_state_buffer(window.sorted_hi, f32, (c, w), "window.sorted_hi"))
 
     def stage_floats(self, images: int) -> int:
         """The floats a batch of ``images`` images stages: its extremes ``(2, images, C)``, then its counts
@@ -381,8 +382,9 @@ class BoundStream:
             self._spare = None  # this batch's now (a second scan before its commit allocates its own)
         else:
             stage = torch.empty(floats)
-        status = self._scan_fn(self._descriptor, x.data_ptr(), y.data_ptr(), a, x.numel() // (a * c), images,
-                               pre[0].data_ptr(), pre[1].data_ptr(), stage.data_ptr(), torch.get_num_threads())
+        batch = self._batch.of(x=x.data_ptr(), y=y.data_ptr(), A=a, B=x.numel() // (a * c), N=images,
+                               pre_scale=pre[0].data_ptr(), pre_shift=pre[1].data_ptr(), stage=stage.data_ptr())
+        status = self._scan_fn(self._descriptor, batch, torch.get_num_threads())
         if status < 0:
             _check(status, "bound_scan")
         return y, stage, status == 0
@@ -406,12 +408,13 @@ class BoundStream:
                              f"{stage.is_contiguous()}) for {images} images of {self.channels} channels: "
                              f"map_count's stage is one contiguous float32 CPU block")
         if rebuild is None:
-            status = self._commit_fn(self._descriptor, window.filled, window.head, stage.data_ptr(), images, 0, 0.0,
-                                     None, 0, torch.get_num_threads())
+            commit = self._commit.of(filled=window.filled, head=window.head, stage=stage.data_ptr(), N=images,
+                                     rebuild=0, weight=0.0, tail_w=None, ntail=0)
         else:
             tail = _cpu_float(rebuild[1], torch.float64)
-            status = self._commit_fn(self._descriptor, window.filled, window.head, stage.data_ptr(), images, 1,
-                                     float(rebuild[0]), tail.data_ptr(), len(tail), torch.get_num_threads())
+            commit = self._commit.of(filled=window.filled, head=window.head, stage=stage.data_ptr(), N=images,
+                                     rebuild=1, weight=float(rebuild[0]), tail_w=tail.data_ptr(), ntail=len(tail))
+        status = self._commit_fn(self._descriptor, commit, torch.get_num_threads())
         _check(status, "bound_commit")
         window.filled = min(window.filled + images, size)
         window.head = (window.head + images) % size
