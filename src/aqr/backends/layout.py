@@ -12,6 +12,7 @@ that does not build), so the two sides cannot silently drift apart.
 from __future__ import annotations
 
 import ctypes
+import keyword
 from collections.abc import Mapping
 
 KINDS: dict[str, type] = {"P": ctypes.c_void_p, "I": ctypes.c_int64, "D": ctypes.c_double, "C": ctypes.c_int}
@@ -33,18 +34,24 @@ class _Layout(ctypes.Structure):
 
 
 class Descriptor(ctypes.Structure):
-    """A descriptor struct; :meth:`of` fills one, every field named once."""
+    """A descriptor struct. ``of(**fields)`` fills one: every field by name, each exactly once (Python's
+    own keyword checks refuse a missing or an unknown one, so a field added or renamed on the C side
+    cannot be left at zero); ``of`` is generated for each struct from its fields."""
 
-    _names: frozenset[str] = frozenset()
+    @staticmethod
+    def of(**fields: object) -> Descriptor:  # replaced on each struct read_layouts builds
+        raise TypeError("a descriptor struct is built by read_layouts")
 
-    @classmethod
-    def of(cls, **fields: object) -> Descriptor:
-        """The descriptor with these fields (pointers as addresses or ``None``); every field must be given,
-        none unknown, so a field added or renamed on the C side cannot be left at zero."""
-        if fields.keys() != cls._names:
-            missing, unknown = sorted(cls._names - fields.keys()), sorted(fields.keys() - cls._names)
-            raise TypeError(f"{cls.__name__}: missing fields {missing}, unknown fields {unknown}")
-        return cls(**fields)
+
+def _filler(struct: type[Descriptor], names: list[str]) -> object:
+    """``struct``'s ``of``: keyword-only parameters named after its fields, passed on in the struct's order."""
+    bad = [n for n in names if not n.isidentifier() or keyword.iskeyword(n) or n == "struct"]
+    if bad:
+        raise LayoutError(f"aqr_layouts: {struct.__name__} has fields that are not names: {bad}")
+    listed = ", ".join(names)
+    namespace: dict[str, object] = {"struct": struct}
+    exec(f"def {struct.__name__}(*, {listed}):\n    return struct({listed})\n", namespace)  # as dataclasses do
+    return staticmethod(namespace[struct.__name__])
 
 
 def read_layouts(lib: ctypes.CDLL) -> Mapping[str, type[Descriptor]]:
@@ -64,7 +71,10 @@ def read_layouts(lib: ctypes.CDLL) -> Mapping[str, type[Descriptor]]:
         if unknown:
             raise LayoutError(f"aqr_layouts: {name} has fields of unknown kinds {unknown}")
         fields = [(row.name.decode(), KINDS[row.kind.decode()]) for row in rows]
-        struct = type(name, (Descriptor,), {"_fields_": fields, "_names": frozenset(f for f, _ in fields)})
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise LayoutError(f"aqr_layouts: a descriptor named {name!r}")
+        struct = type(name, (Descriptor,), {"_fields_": fields})
+        struct.of = _filler(struct, [f for f, _ in fields])
         for row, (field, _) in zip(rows, fields):
             placed = getattr(struct, field)
             if (placed.offset, placed.size) != (row.offset, row.size):
