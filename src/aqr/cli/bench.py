@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from aqr.cli.common import UsageError, add_image_arguments, add_threads, amount, count, counts, method_specs
+from aqr.util.files import check_writable_target
 
 DEFAULT_DB = "runs/results.db"
 DEFAULT_CACHE = "cache"
@@ -148,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
     from aqr.harness.results import ResultsDB
 
     grid = grid_from_args(args)
+    check_writable_target(args.db, label="--db")
+    check_writable_target(args.cache, folder=True, label="--cache")
+    if args.costs is not None:
+        check_writable_target(args.costs, label="--costs")
     grid.check_methods()  # before the database is created or any data generated
     costs = args.costs or str(Path(args.db).with_suffix(".costs.json"))
     if args.dry_run:

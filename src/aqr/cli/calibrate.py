@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, check_writable_file, count, model_from_args,
-                            torch_threads)
+from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, count, model_from_args, torch_threads)
 from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
+from aqr.util.files import check_writable_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_quantiles > args.max_samples:
         raise UsageError(f"--num-quantiles {args.num_quantiles} must be at most --max-samples {args.max_samples}, "
                          "the values kept per channel that the knots are read from")
-    check_writable_file(args.out, "--out")
+    check_writable_target(args.out, label="--out")
     if not (args.indices or "").strip().startswith("balanced~"):
         index_count(args.indices)  # the form of --indices, before the model is loaded
     with torch_threads(args.threads):

@@ -92,19 +92,6 @@ def amount(minimum: float = 0.0, *, above: bool = False) -> Callable[[str], floa
     return parse
 
 
-def check_writable_file(path: str, option: str) -> None:
-    """Raise :class:`UsageError` before any work when ``path`` cannot be written as a file: it is a folder,
-    or one of its parents is a file (missing parent folders are made when it is written)."""
-    from pathlib import Path
-
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"{option} {path} is a folder; give a file name")
-    blocking = next((parent for parent in target.parents if parent.exists() and not parent.is_dir()), None)
-    if blocking is not None:
-        raise UsageError(f"{option} {path}: {blocking} is a file, not a folder")
-
-
 def names(text: str) -> tuple[str, ...]:
     """``"a, b,c"`` -> ``("a", "b", "c")``."""
     return tuple(v.strip() for v in text.split(",") if v.strip())

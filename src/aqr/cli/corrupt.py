@@ -7,6 +7,7 @@ import sys
 
 from aqr.cli.common import UsageError, add_image_arguments, count
 from aqr.data.corruption_params import CORRUPTIONS, PARAM_SETS
+from aqr.util.files import check_writable_target
 
 
 DESCRIPTION = """\
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     """Execute the command; returns the exit code."""
     from aqr.data.images import is_image_source
 
+    check_writable_target(args.out, folder=True, label="--out")
     if is_image_source(args.data):
         return _run_folder(args)
     if args.image_size or args.resize or args.n_images:

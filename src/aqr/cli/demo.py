@@ -44,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo, print its table; exit code 1 if any cell failed, 2 on bad input."""
     from aqr.experiments.demo import DemoConfig, run_demo
+    from aqr.util.files import check_writable_target
 
+    check_writable_target(args.out, folder=True, label="--out")
     config = DemoConfig(out=args.out, seed=args.seed, quick=args.quick, threads=args.threads,
                         figure=not args.no_figure, progress=not args.no_progress, data=args.data,
                         cifar_c=args.cifar_c, checkpoint=args.checkpoint, model_name=args.model_name,

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from aqr.cli.common import count
+from aqr.util.files import check_writable_target
 
 DEFAULT_DB = "runs/results.db"
 
@@ -46,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Dispatch to the database report or the Fig. 3 computation."""
+    if args.out is not None:
+        check_writable_target(args.out, folder=True, label="--out")
     return _tail_deviation(args) if args.tail_deviation else _db_report(args)
 
 

@@ -45,7 +45,9 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     from aqr.experiments import mlp, rates, shapes
     from aqr.experiments.synthetic_tools import jsonable
+    from aqr.util.files import check_writable_target
 
+    check_writable_target(args.out, folder=True, label="--out")
     experiments = {
         "shapes": (shapes.ShapesConfig, shapes.run_shapes, shapes.plot_shapes, _summary_shapes),
         "mlp": (mlp.MLPConfig, mlp.run_mlp, mlp.plot_mlp, _summary_mlp),

@@ -8,6 +8,7 @@ import shlex
 import sys
 
 from aqr.cli.common import UsageError, add_threads, count
+from aqr.util.files import check_writable_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     """Build a TrainConfig from ``args`` and train; returns 0."""
     from aqr.models.train import TrainConfig, export_state, train
 
+    if args.out is not None:
+        check_writable_target(args.out, label="--out")
+    if args.work_dir is not None:
+        check_writable_target(args.work_dir, folder=True, label="--work-dir")
     if args.export:
         if not (args.work_dir and args.out):
             raise UsageError("--export needs --work-dir and --out")

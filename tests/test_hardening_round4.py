@@ -1,0 +1,113 @@
+"""Hardening, round 4: output paths that are not files, costs files written by several processes, NaN in
+``quantile_map``, tracing, non-finite hyperparameters, unchecked labels and sizes, grid values checked up
+front, the user's model left alone, and small raw errors.
+
+Each test reproduces an attack that used to replace a device, give a wrong number or fail late."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from aqr.cli import main
+
+N_IMAGES = 40
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """A small aqr checkpoint, 40 CIFAR-shaped images with labels 0..9, a grid file over them."""
+    from aqr.models import create, save_checkpoint
+
+    root = tmp_path_factory.mktemp("round4")
+    torch.manual_seed(0)
+    model = create("resnet20", num_classes=10, width=4)
+    ckpt = save_checkpoint(root / "tiny.pt", model, {"name": "resnet20", "num_classes": 10, "kwargs": {"width": 4}})
+    rng = np.random.default_rng(0)
+    npz = root / "clean.npz"
+    np.savez(npz, x=rng.integers(0, 256, (N_IMAGES, 32, 32, 3), dtype=np.uint8), y=np.arange(N_IMAGES) % 10)
+    grid = {"name": "round4", "models": [{"name": "tiny", "model": str(ckpt), "source_data": str(npz),
+                                         "source_indices": f"0:{N_IMAGES}"}],
+            "data": {"root": str(root / "generated"), "clean": str(npz), "eval_indices": f"20:{N_IMAGES}"},
+            "corruptions": ["fog"], "severities": [1], "batch_sizes": [10], "seeds": [0], "n_images": 10,
+            "methods": ["source"]}
+    (root / "grid.json").write_text(json.dumps(grid))
+    return {"ckpt": str(ckpt), "npz": str(npz), "grid": str(root / "grid.json"), "root": str(root),
+            "generated": str(root / "generated")}
+
+
+def _one_line(capsys, argv: list[str], status: int, *words: str) -> str:
+    """Run the CLI; check its exit status and that it printed one error line holding ``words``."""
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's own refusals
+        code = stop.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("usage:", " "))]
+    assert code == status and len(lines) == 1, (code, lines)
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+# ---- 1. output paths that are not regular files (folders) ----------------------------------------
+
+def _fifo(tmp_path: Path) -> Path:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    return fifo
+
+
+def _commands(files: dict[str, str], tmp_path: Path, fifo: Path, a_file: Path) -> list[tuple[list[str], str]]:
+    """Every command that writes, given a FIFO where it writes a file and a file where it fills a folder."""
+    bench = ["bench", "--config", files["grid"], "--no-progress"]
+    return [
+        (["calibrate", files["ckpt"], "--data", files["npz"], "--out", str(fifo), "--no-progress"], "a FIFO"),
+        (["train", "--model", "resnet20", "--data", files["npz"], "--out", str(fifo), "--epochs", "1"], "a FIFO"),
+        (["train", "--model", "resnet20", "--data", files["npz"], "--work-dir", str(a_file), "--epochs", "1"],
+         "not a folder"),
+        (["train", "--export", "--work-dir", str(tmp_path), "--out", str(fifo)], "a FIFO"),
+        (["corrupt", "--data", files["npz"], "--out", str(a_file), "--no-progress"], "not a folder"),
+        (["report", "--db", str(tmp_path / "r.db"), "--out", str(a_file)], "not a folder"),
+        ([*bench, "--db", str(fifo), "--cache", str(tmp_path / "cache")], "a FIFO"),
+        ([*bench, "--db", str(tmp_path / "r.db"), "--cache", str(a_file)], "not a folder"),
+        ([*bench, "--db", str(tmp_path / "r.db"), "--cache", str(tmp_path / "c"), "--costs", str(fifo)], "a FIFO"),
+        (["demo", "--out", str(a_file), "--quick", "--no-progress"], "not a folder"),
+        (["synth", "shapes", "--out", str(a_file), "--quick"], "not a folder"),
+    ]
+
+
+def test_every_command_refuses_a_target_that_is_not_a_regular_file_or_folder(capsys, files, tmp_path):
+    fifo = _fifo(tmp_path)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("keep me\n")
+    for argv, words in _commands(files, tmp_path, fifo, a_file):
+        _one_line(capsys, argv, 2, words)  # calibrate used to replace the FIFO with its statistics, exit 0
+        assert stat.S_ISFIFO(fifo.stat().st_mode) and a_file.read_text() == "keep me\n", argv
+    assert not (tmp_path / "r.db").exists() and not Path(files["generated"]).exists()
+
+
+def test_atomic_write_and_the_savers_refuse_a_fifo_and_a_path_under_a_file(tmp_path):
+    from aqr.models import create, save_checkpoint
+    from aqr.util.files import WriteTargetError, atomic_write, check_writable_target
+
+    fifo = _fifo(tmp_path)
+    with pytest.raises(WriteTargetError, match="is a FIFO, not a regular file"):
+        atomic_write(fifo, lambda tmp: tmp.write_text("x"))
+    with pytest.raises(WriteTargetError, match="is a FIFO"):
+        save_checkpoint(fifo, create("resnet20", num_classes=10, width=4), {"name": "resnet20"})
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and os.listdir(tmp_path) == ["fifo"]  # no temporary left
+    (tmp_path / "f").write_text("")
+    with pytest.raises(WriteTargetError, match="is a regular file, not a folder"):
+        check_writable_target(tmp_path / "f" / "deeper" / "out.pt")
+    with pytest.raises(WriteTargetError, match="is a folder; give a file name"):
+        check_writable_target(tmp_path)
+    assert check_writable_target(tmp_path / "new" / "out.pt") == tmp_path / "new" / "out.pt"
+    assert check_writable_target(tmp_path, folder=True) == tmp_path
