@@ -111,3 +111,42 @@ def test_atomic_write_and_the_savers_refuse_a_fifo_and_a_path_under_a_file(tmp_p
         check_writable_target(tmp_path)
     assert check_writable_target(tmp_path / "new" / "out.pt") == tmp_path / "new" / "out.pt"
     assert check_writable_target(tmp_path, folder=True) == tmp_path
+
+
+# ---- 6. a costs file saved by several writers at once ----------------------------------------------
+
+def test_costs_saved_by_several_writers_at_once_never_fail_or_tear(tmp_path):
+    import threading
+
+    from aqr.harness.realtime.costs import CostTable
+
+    path = tmp_path / "costs.json"
+    table = CostTable({f"m|v{i}|64": {"cost": 1.5} for i in range(200)})
+    table.save(path)
+    errors: list[str] = []
+    done = threading.Event()
+
+    def write() -> None:
+        for _ in range(100):
+            try:
+                table.save(path)  # one fixed <file>.tmp: FileNotFoundError when another writer renamed it first
+            except Exception as err:  # noqa: BLE001 - counted
+                errors.append(repr(err))
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                assert len(CostTable.load(path).entries) == 200
+            except Exception as err:  # noqa: BLE001 - a torn file
+                errors.append(repr(err))
+
+    writers = [threading.Thread(target=write) for _ in range(4)]
+    reader = threading.Thread(target=read)
+    for t in (*writers, reader):
+        t.start()
+    for t in writers:
+        t.join()
+    done.set()
+    reader.join()
+    assert errors == []
+    assert sorted(os.listdir(tmp_path)) == ["costs.json"]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from aqr.harness.cells import REALTIME, Cell
+from aqr.util.files import atomic_write
 
 COSTS_FORMAT = "aqr-realtime-costs"
 COSTS_VERSION = 1
@@ -59,13 +60,11 @@ class CostTable:
         return cls(dict(data["entries"]))
 
     def save(self, path: str | Path) -> None:
-        """Write the table as JSON (atomically: a reader never sees half a file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"format": COSTS_FORMAT, "version": COSTS_VERSION,
-                                   "entries": dict(sorted(self.entries.items()))}, indent=1) + "\n")
-        tmp.replace(path)
+        """Write the table as JSON, atomically through a temporary file of this writer's own: a reader never
+        sees half a file and processes saving at once never take each other's temporary file."""
+        text = json.dumps({"format": COSTS_FORMAT, "version": COSTS_VERSION,
+                           "entries": dict(sorted(self.entries.items()))}, indent=1) + "\n"
+        atomic_write(path, lambda tmp: tmp.write_text(text))
 
     def cost(self, model: str, variant: str, batch_size: int) -> float | None:
         """The cost of ``variant`` on ``model`` at ``batch_size``; ``None`` when absent or not applicable."""
