@@ -150,3 +150,59 @@ def test_costs_saved_by_several_writers_at_once_never_fail_or_tear(tmp_path):
     reader.join()
     assert errors == []
     assert sorted(os.listdir(tmp_path)) == ["costs.json"]
+
+
+# ---- 7. NaN and Inf in aqr.quantile_map ---------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["one", "channel", "inf", "given-knots"])
+def test_quantile_map_refuses_nan_and_inf_naming_the_channel(where):
+    import aqr
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 1000)
+    source = aqr.channel_quantiles(torch.randn(4, 5000) * 2 + 1, 101)
+    target = aqr.channel_quantiles(x, 101) if where == "given-knots" else None
+    if where == "channel":
+        x[2] = float("nan")  # used to become a constant channel
+    else:
+        x[2, 17] = float("inf") if where == "inf" else float("nan")  # used to move the other 999 by up to 2.2
+    count = 1000 if where == "channel" else 1
+    with pytest.raises(ValueError, match=rf"NaN or Inf: {count} of the 1000 values of channel 2"):
+        aqr.quantile_map(x, source, target)
+    with pytest.raises(ValueError, match=r"source_q holds NaN"):
+        aqr.quantile_map(torch.randn(4, 10), torch.full((4, 101), float("nan")))
+    assert torch.isfinite(aqr.quantile_map(torch.randn(4, 1000), source)).all()
+
+
+# ---- 13. small raw errors -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k, error", [(3.5, TypeError), ("101", TypeError), (True, TypeError), (2, ValueError)])
+def test_a_non_integer_num_quantiles_is_named(k, error):
+    import aqr
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).eval()
+    with pytest.raises(error, match=rf"num_quantiles must be.*{k!r}" if error is TypeError else "num_quantiles"):
+        aqr.calibrate(net, [torch.randn(8, 3)], num_quantiles=k, progress=False)
+    with pytest.raises(error, match="num_quantiles"):
+        aqr.channel_quantiles(torch.randn(4, 10), k)
+
+
+def test_absurd_knot_counts_and_sample_sizes_are_refused_before_allocating():
+    import aqr
+    from aqr.util import memory
+
+    with pytest.raises(MemoryError, match="num_quantiles=100000000 for 512 channels needs about"):
+        aqr.channel_quantiles(torch.randn(512, 10), 10**8)  # used to try about 400 GB
+    assert memory.available_bytes() is None or aqr.channel_quantiles(torch.randn(2, 10), 11).shape == (2, 11)
+    for n, delta in ((0, 0.05), (-3, 0.05), (2.5, 0.05), (100, 0.0), (100, 1.5), (100, float("nan"))):
+        with pytest.raises(ValueError, match="dkw_epsilon needs"):
+            aqr.dkw_epsilon(n, delta)  # (0, .05) was a ZeroDivisionError
+    assert 0 < aqr.dkw_epsilon(100, 0.05) < 1
+
+
+def test_a_channel_mismatch_on_the_last_dim_names_what_it_found():
+    from aqr.core.layers import LayerError, LayerInfo, check_output
+
+    info = LayerInfo("norm", "LayerNorm", 8, -1)
+    with pytest.raises(LayerError, match=r"expected 8 channels on the last dim \(-1\), it has 5"):
+        check_output(info, torch.zeros(4, 8, 5))  # read "expected 8 channels on dim -1" beside a shape with an 8
