@@ -206,3 +206,59 @@ def test_a_channel_mismatch_on_the_last_dim_names_what_it_found():
     info = LayerInfo("norm", "LayerNorm", 8, -1)
     with pytest.raises(LayerError, match=r"expected 8 channels on the last dim \(-1\), it has 5"):
         check_output(info, torch.zeros(4, 8, 5))  # read "expected 8 channels on dim -1" beside a shape with an 8
+
+
+# ---- 8 and 12. aqr.AQR: tracing, and the user's model left alone ---------------------------------------
+
+def _bn_net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3)).eval()
+
+
+@pytest.fixture()
+def net_stats():
+    import aqr
+
+    torch.manual_seed(0)
+    net = _bn_net()
+    return net, aqr.calibrate(net, [torch.rand(16, 3, 12, 12) for _ in range(2)], progress=False)
+
+
+@pytest.mark.parametrize("target", ["batch", "stream"])
+@pytest.mark.parametrize("check_trace", [True, False])
+def test_tracing_aqr_is_refused_in_one_line(net_stats, target, check_trace):
+    import aqr
+
+    net, stats = net_stats
+    adapted = aqr.AQR(net, stats, target=target)
+    x = torch.rand(8, 3, 12, 12)
+    with pytest.raises(RuntimeError, match=r"^aqr.AQR cannot be recorded by torch.jit.trace") as caught:
+        torch.jit.trace(adapted, x, check_trace=check_trace)  # check_trace=False: a trace off by 7.7e31 on its batch
+    assert "\n" not in str(caught.value)
+    with torch.no_grad():
+        assert torch.isfinite(adapted(x)).all()  # eager use goes on
+
+
+def test_the_wrappers_train_flag_and_conversions_leave_the_users_model_alone(net_stats):
+    import aqr
+
+    net, stats = net_stats
+    adapted = aqr.AQR(net, stats)
+    running = net[1].running_mean.clone()
+    assert adapted.train() is adapted and adapted.training
+    assert not net.training and not any(m.training for m in net.modules())  # was: the user's model in train mode
+    with torch.no_grad():
+        net(torch.rand(8, 3, 12, 12) * 3)
+    assert torch.equal(net[1].running_mean, running)  # a plain m(x) did not update its running statistics
+    net.train()
+    adapted.eval()
+    assert net.training and not adapted.training  # nor does eval() change it the other way
+    net.eval()
+    weight = net[0].weight
+    for convert in (lambda a: a.half(), lambda a: a.to(torch.float64), lambda a: a.double(), lambda a: a.bfloat16()):
+        with pytest.raises(ValueError, match="never converts the user's model in place"):
+            convert(adapted)
+        assert net[0].weight is weight and weight.dtype == torch.float32 and net[1].running_var.dtype == torch.float32
+    assert adapted.to("cpu") is adapted and adapted.float() is adapted  # conversions that change nothing pass
+    with torch.no_grad():
+        assert adapted(torch.rand(8, 3, 12, 12)).dtype == torch.float32
