@@ -262,3 +262,132 @@ def test_the_wrappers_train_flag_and_conversions_leave_the_users_model_alone(net
     assert adapted.to("cpu") is adapted and adapted.float() is adapted  # conversions that change nothing pass
     with torch.no_grad():
         assert adapted(torch.rand(8, 3, 12, 12)).dtype == torch.float32
+
+
+# ---- 9. non-finite hyperparameters ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, options", [("sar", {"rho": float("nan")}), ("sar", {"e0_factor": float("inf")}),
+                                           ("tent", {"lr": float("nan")}), ("eata", {"lr": float("inf")}),
+                                           ("aqr", {"gaussian_p": float("nan")}), ("cotta", {"ema": float("nan")})])
+def test_every_method_refuses_a_non_finite_option(name, options):
+    from aqr.methods import create
+    from aqr.models import create as architecture
+
+    (key, value), = options.items()
+    with pytest.raises(ValueError, match=rf"{key}={value!r}.*finite"):
+        create(name, architecture("resnet20", num_classes=10, width=4), **options)  # sar's rho=nan was accepted
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--lr", "nan"], ["--lr", "finite", "'nan'"]),  # was exit 0 and a checkpoint of 59 NaN parameters
+    (["--lr", "-1"], ["--lr"]), (["--momentum", "inf"], ["--momentum"]), (["--weight-decay", "-1"], ["--weight-decay"]),
+    (["--label-smoothing", "nan"], ["--label-smoothing"]), (["--warmup-epochs", "inf"], ["--warmup-epochs"]),
+])
+def test_train_refuses_non_finite_hyperparameters(capsys, files, tmp_path, argv, words):
+    out = tmp_path / "m.pt"
+    _one_line(capsys, ["train", "--model", "resnet20", "--data", files["npz"], "--epochs", "1", "--out", str(out),
+                       *argv], 2, *words)
+    assert not out.exists()
+
+
+def test_train_config_checks_its_hyperparameters():
+    from aqr.models.train import TrainConfig
+
+    for field, value in (("lr", float("nan")), ("min_lr", float("inf")), ("momentum", 1.5), ("label_smoothing", -0.1)):
+        with pytest.raises(ValueError, match=rf"{field} must be a finite number"):
+            TrainConfig(model="resnet20", data="d.npz", **{field: value})
+
+
+# ---- 10. labels and sizes ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def label_files(files) -> dict[str, str]:
+    """The fixture's images with labels -1, 10 (past the checkpoint's 10 classes) and 10**12."""
+    root = Path(files["root"])
+    x = np.random.default_rng(1).integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
+    made = {}
+    for name, label in (("negative", -1), ("ten", 10), ("huge", 10**12)):
+        np.savez(root / f"{name}.npz", x=x, y=np.full(12, label))
+        made[name] = str(root / f"{name}.npz")
+    return made
+
+
+def test_labels_outside_the_classes_are_refused(capsys, files, label_files, tmp_path):
+    for name, words in (("negative", ["holds the label -1"]), ("ten", ["the label 10", "10 classes"])):
+        _one_line(capsys, ["evaluate", files["ckpt"], "--data", label_files[name], "--methods", "source"], 2,
+                  *words)  # was "0.00 %", exit 0
+    _one_line(capsys, ["corrupt", "--data", label_files["negative"], "--out", str(tmp_path / "c"),
+                       "--corruptions", "fog", "--severities", "1", "--no-progress"], 2, "label -1")  # was copied
+    assert not (tmp_path / "c").exists()
+    _one_line(capsys, ["train", "--model", "resnet20", "--data", label_files["huge"], "--epochs", "1"], 2,
+              "label 1000000000000")  # was an attempt at 256 TB
+
+
+def test_train_refuses_absurd_sizes_before_building(capsys, files):
+    _one_line(capsys, ["train", "--model", "resnet20", "--data", files["npz"], "--epochs", "1",
+                       "--model-kwargs", '{"width": 100000}'], 2, "model_kwargs['width']", "4096")  # was 360 GB
+    _one_line(capsys, ["train", "--model", "resnet20", "--data", files["npz"], "--epochs", "1",
+                       "--threads", "100000"], 2, "--threads", "1024")  # was a segmentation fault in libgomp
+    from aqr.util.threads import torch_threads
+
+    with pytest.raises(ValueError, match="1024"):
+        with torch_threads(100_000):
+            pass
+
+
+# ---- 11. grid values checked up front ----------------------------------------------------------------
+
+@pytest.mark.parametrize("change, words", [
+    ({"seeds": [-1]}, ["seeds", "-1"]), ({"seeds": [10**20]}, ["seeds", "2**63 - 1"]),
+    ({"severities": [2.7]}, ["severities", "2.7"]),  # was run as severity 2
+    ({"severities": [True]}, ["severities", "True"]),  # was run as severity 1
+    ({"n_images": 2.5}, ["n_images", "2.5"]),  # was 2
+    ({"batch_sizes": ["8"]}, ["batch_sizes", "'8'"]),
+])
+def test_grid_file_values_are_refused_as_written(capsys, files, tmp_path, change, words):
+    grid = {**json.loads(Path(files["grid"]).read_text()), **change}
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps(grid))
+    _one_line(capsys, ["bench", "--config", str(path), "--db", str(tmp_path / "r.db"), "--dry-run"], 2, *words)
+
+
+def test_seeds_past_what_torch_holds_are_refused_by_the_parser(capsys, files, tmp_path):
+    big = "99999999999999999999"  # passed --dry-run, then an OverflowError in every cell
+    _one_line(capsys, ["bench", "--config", files["grid"], "--db", str(tmp_path / "r.db"), "--dry-run",
+                       "--seeds", big], 2, "--seeds")
+    _one_line(capsys, ["evaluate", files["ckpt"], "--data", files["npz"], "--methods", "source", "--seed", big], 2,
+              "--seed")
+    from aqr.methods.base import ProtocolConfig
+
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        ProtocolConfig(seed=10**20)
+
+
+def test_a_cost_that_rounds_to_zero_is_refused_on_load(tmp_path):
+    from aqr.harness.realtime.costs import COSTS_FORMAT, CostTable
+
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"format": COSTS_FORMAT, "version": 1, "entries": {"m|v|64": {"cost": 0.001}}}))
+    with pytest.raises(ValueError, match="rounds to 0.00"):
+        CostTable.load(path)  # was loaded, and its cells written as error rows
+
+
+# ---- CI: the real-data tests run where the data folder lies beside the checkout -------------------------
+
+@pytest.mark.parametrize("preset", [None, "/elsewhere"])
+def test_ci_points_aqr_data_dir_at_the_shared_folder_beside_the_checkout(tmp_path, preset):
+    import subprocess
+
+    script = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    head = script.split("python3 -m venv", 1)[0]  # up to the install: the environment it sets
+    checkout = tmp_path / "checkout"
+    (checkout / ".ci").mkdir(parents=True)
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    (checkout / ".ci" / "run").write_text(head + 'echo "AQR_DATA_DIR=${AQR_DATA_DIR:-}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "AQR_DATA_DIR"}
+    if preset:
+        env["AQR_DATA_DIR"] = preset
+    done = subprocess.run(["bash", str(checkout / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    want = preset or str((tmp_path / "shared" / "data").resolve())
+    assert done.stdout.strip().splitlines()[-1] == f"AQR_DATA_DIR={want}"  # was unset: the data tests skipped

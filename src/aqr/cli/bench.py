@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from aqr.cli.common import UsageError, add_image_arguments, add_threads, amount, count, counts, method_specs
+from aqr.cli.common import UsageError, add_image_arguments, add_threads, amount, count, counts, method_specs, seeds
 from aqr.util.files import check_writable_target
 
 DEFAULT_DB = "runs/results.db"
@@ -34,7 +34,7 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corruptions", default=None, help="'all' or a comma list")
     p.add_argument("--severities", type=counts(1, 5), default=None)
     p.add_argument("--batch-sizes", type=counts(1), default=None)
-    p.add_argument("--seeds", type=counts(0), default=None)
+    p.add_argument("--seeds", type=seeds, default=None)
     p.add_argument("--n-images", type=count(1), default=None,
                    help="evaluated images per cell (per corruption block in a continual cell)")
     p.add_argument("--order", default=None,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, count, model_from_args, torch_threads)
+from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, count, model_from_args, seed,
+                            torch_threads)
 from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
 from aqr.util.files import check_writable_target
 
@@ -38,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="where the values are read: each layer's output (for aqr, aqr+lame; default) or before its "
                         "affine step (for aqr+tent, aqr+eta, aqr+roid)")
     p.add_argument("--batch-size", type=count(1), default=500)
-    p.add_argument("--seed", type=count(0), default=0, help="seeds the image draw and the statistics' sampling")
+    p.add_argument("--seed", type=seed, default=0, help="seeds the image draw and the statistics' sampling")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 

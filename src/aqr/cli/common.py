@@ -8,7 +8,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from aqr.util.threads import torch_threads  # noqa: F401  (the commands import it from here)
+from aqr.util.seeds import MAX_SEED
+from aqr.util.threads import MAX_THREADS, torch_threads  # noqa: F401  (the commands import it from here)
 
 MAX_IMAGE_SIDE = 4096  # --image-size / --resize: larger sides only exhaust memory (aqr.data.images checks it too)
 
@@ -92,6 +93,11 @@ def amount(minimum: float = 0.0, *, above: bool = False) -> Callable[[str], floa
     return parse
 
 
+#: argparse ``type``s of a seed and a comma list of seeds: integers in ``[0, MAX_SEED]`` (what torch's generator holds)
+seed = count(0, MAX_SEED)
+seeds = counts(0, MAX_SEED)
+
+
 def names(text: str) -> tuple[str, ...]:
     """``"a, b,c"`` -> ``("a", "b", "c")``."""
     return tuple(v.strip() for v in text.split(",") if v.strip())
@@ -100,7 +106,7 @@ def names(text: str) -> tuple[str, ...]:
 def add_threads(p: argparse.ArgumentParser, default: int | None = None,
                 help: str = "torch CPU threads (torch.set_num_threads; default: torch's)", minimum: int = 1) -> None:
     """``--threads N`` (at least ``minimum``)."""
-    p.add_argument("--threads", type=count(minimum), default=default, help=help)
+    p.add_argument("--threads", type=count(minimum, MAX_THREADS), default=default, help=help)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import add_threads, count, counts, names
+from aqr.cli.common import add_threads, count, counts, names, seed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "--data/--cifar-c/--checkpoint: the same comparison for an existing CIFAR model. "
                     "Resumable: rerunning reuses the models, data and finished cells in --out.")
     p.add_argument("--out", default="runs/demo", help="work folder (default runs/demo)")
-    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--quick", action="store_true",
                    help="fewer epochs, corruptions and images (about half a minute; for tests)")
     add_threads(p, default=1, help="torch threads (default 1: tiny models; 0: torch's default)", minimum=0)

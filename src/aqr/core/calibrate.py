@@ -41,6 +41,7 @@ from aqr.core.stats import MAX_TAIL_DRAW, LayerStats, SourceStats, weights_summa
 from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
 from aqr.util.compiled import run_compiled
 from aqr.util.memory import check_memory
+from aqr.util.seeds import check_seed
 
 TAIL_INPUTS_KEPT = 10_000  # inputs whose per-channel extremes are kept (a uniform sample beyond)
 
@@ -53,6 +54,15 @@ def dkw_epsilon(n: int, delta: float = 0.05) -> float:
     if not 0.0 < delta < 1.0:
         raise ValueError(f"dkw_epsilon needs a probability 0 < delta < 1, got {delta!r}")
     return math.sqrt(math.log(2.0 / delta) / (2.0 * n))
+
+
+_SEED_SPACE = 2**64 - 8  # torch generators take seeds below 2**64; room for the +7 a collector adds
+
+
+def _layer_seed(seed: int, layer: int, group: int = 0) -> int:
+    """The generator seed of a layer's (and group's) collector: ``seed * 1_000_003 + layer + 7919 * group``,
+    wrapped into what a torch generator takes (unchanged below 2**64 - 8, i.e. for every seed up to 1.8e13)."""
+    return (seed * 1_000_003 + layer + 7919 * group) % _SEED_SPACE
 
 
 def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -305,6 +315,7 @@ def calibrate(
     check_tail(tail)
     check_point(point)
     num_quantiles = check_num_quantiles(num_quantiles)
+    seed = check_seed(seed)
     if isinstance(max_samples, bool) or not isinstance(max_samples, numbers.Integral) or max_samples < 2:
         raise ValueError(f"max_samples must be an integer >= 2, got {max_samples!r}")
     if num_quantiles > max_samples:
@@ -353,12 +364,12 @@ def calibrate(
                 order = execution_order(model, all_infos, x)
                 chosen = select_layers(all_infos, layers, order)
                 for i, info in enumerate(chosen):
-                    collectors[info.name] = LayerCollector(info, max_samples, seed * 1_000_003 + i, compile,
+                    collectors[info.name] = LayerCollector(info, max_samples, _layer_seed(seed, i), compile,
                                                            per_input=tail_unit == "images")
 
                     if groups is not None:
                         by_group[info.name] = [LayerCollector(info, max(2, max_samples // groups),
-                                                              seed * 1_000_003 + i + 7919 * (g + 1))
+                                                              _layer_seed(seed, i, g + 1))
                                                for g in range(groups)]
 
                     def hook(m: nn.Module, inputs: object, out: object, c: LayerCollector = collectors[info.name]) -> None:

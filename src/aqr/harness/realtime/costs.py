@@ -57,6 +57,9 @@ class CostTable:
             cost = entry.get("cost") if isinstance(entry, dict) else None
             if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost <= 0:
                 raise ValueError(f"{path}: entry {key!r} needs a positive 'cost', got {cost!r}")
+            if round(cost, 2) <= 0:  # a cell keeps its cost to two decimals: 0.001 would become a cost of 0
+                raise ValueError(f"{path}: entry {key!r} has the cost {cost!r}, which rounds to 0.00 (cells keep "
+                                 "costs to two decimals); give at least 0.01")
         return cls(dict(data["entries"]))
 
     def save(self, path: str | Path) -> None:
