@@ -141,7 +141,12 @@ def _check_reachable(model: nn.Module, maps: Mapping[str, LayerMap]) -> None:
 
 
 def _check_input(x: object) -> None:
-    """Refuse images stored as integers (token ids, 2-D, pass): torch would only say the dtypes differ."""
+    """Refuse images stored as integers (token ids, 2-D, pass): torch would only say the dtypes differ;
+    and refuse being recorded by ``torch.jit.trace`` (or an exporter built on it), whose graph would be wrong."""
+    if torch.jit.is_tracing():
+        raise RuntimeError("aqr.AQR cannot be recorded by torch.jit.trace (nor torch.onnx's tracing export): its map is "
+                           "computed from each batch's values, partly in C kernels, so the trace would replay the traced "
+                           "batch's map on every input; call the wrapper in eager PyTorch")
     if isinstance(x, torch.Tensor) and not x.is_floating_point() and (x.dtype in (torch.uint8, torch.bool) or x.ndim >= 3):
         raise TypeError(f"aqr.AQR got a {x.dtype} batch {tuple(x.shape)}; models take float images, e.g. x.float() / 255")
 
@@ -204,6 +209,24 @@ class AQR(nn.Module):
     def layer_names(self) -> list[str]:
         """The layers recalibrated, in forward execution order."""
         return list(self._maps)
+
+    def train(self, mode: bool = True) -> "AQR":
+        """Set the wrapper's own ``training`` flag only: the user's model keeps its mode (the twin maps in
+        eval mode either way), so a plain ``model(x)`` afterwards behaves as before."""
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
+        self.training = mode
+        return self
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]  # nn.Module's signature
+        """Refuse a conversion (``.half()``, ``.double()``, ``.to(dtype or device)``, ``.cuda()``) that would change
+        the user's model in place; one that changes none of its tensors (``.to`` where it already is) passes."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        if any(fn(t) is not t for t in tensors):
+            raise ValueError("aqr.AQR never converts the user's model in place: this conversion would change its "
+                             "parameters' dtype or device; convert the model itself and wrap it again, e.g. "
+                             "aqr.AQR(model.double(), stats)")
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x)

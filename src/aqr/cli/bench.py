@@ -7,7 +7,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from aqr.cli.common import UsageError, add_image_arguments, add_threads, amount, count, counts, method_specs
+from aqr.cli.common import UsageError, add_image_arguments, add_threads, amount, count, counts, method_specs, seeds
+from aqr.util.files import check_writable_target
 
 DEFAULT_DB = "runs/results.db"
 DEFAULT_CACHE = "cache"
@@ -33,7 +34,7 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corruptions", default=None, help="'all' or a comma list")
     p.add_argument("--severities", type=counts(1, 5), default=None)
     p.add_argument("--batch-sizes", type=counts(1), default=None)
-    p.add_argument("--seeds", type=counts(0), default=None)
+    p.add_argument("--seeds", type=seeds, default=None)
     p.add_argument("--n-images", type=count(1), default=None,
                    help="evaluated images per cell (per corruption block in a continual cell)")
     p.add_argument("--order", default=None,
@@ -148,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
     from aqr.harness.results import ResultsDB
 
     grid = grid_from_args(args)
+    check_writable_target(args.db, label="--db")
+    check_writable_target(args.cache, folder=True, label="--cache")
+    if args.costs is not None:
+        check_writable_target(args.costs, label="--costs")
     grid.check_methods()  # before the database is created or any data generated
     costs = args.costs or str(Path(args.db).with_suffix(".costs.json"))
     if args.dry_run:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, check_writable_file, count, model_from_args,
+from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, count, model_from_args, seed,
                             torch_threads)
 from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
+from aqr.util.files import check_writable_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="where the values are read: each layer's output (for aqr, aqr+lame; default) or before its "
                         "affine step (for aqr+tent, aqr+eta, aqr+roid)")
     p.add_argument("--batch-size", type=count(1), default=500)
-    p.add_argument("--seed", type=count(0), default=0, help="seeds the image draw and the statistics' sampling")
+    p.add_argument("--seed", type=seed, default=0, help="seeds the image draw and the statistics' sampling")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_quantiles > args.max_samples:
         raise UsageError(f"--num-quantiles {args.num_quantiles} must be at most --max-samples {args.max_samples}, "
                          "the values kept per channel that the knots are read from")
-    check_writable_file(args.out, "--out")
+    check_writable_target(args.out, label="--out")
     if not (args.indices or "").strip().startswith("balanced~"):
         index_count(args.indices)  # the form of --indices, before the model is loaded
     with torch_threads(args.threads):

@@ -8,7 +8,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from aqr.util.threads import torch_threads  # noqa: F401  (the commands import it from here)
+from aqr.util.seeds import MAX_SEED
+from aqr.util.threads import MAX_THREADS, torch_threads  # noqa: F401  (the commands import it from here)
 
 MAX_IMAGE_SIDE = 4096  # --image-size / --resize: larger sides only exhaust memory (aqr.data.images checks it too)
 
@@ -92,17 +93,9 @@ def amount(minimum: float = 0.0, *, above: bool = False) -> Callable[[str], floa
     return parse
 
 
-def check_writable_file(path: str, option: str) -> None:
-    """Raise :class:`UsageError` before any work when ``path`` cannot be written as a file: it is a folder,
-    or one of its parents is a file (missing parent folders are made when it is written)."""
-    from pathlib import Path
-
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"{option} {path} is a folder; give a file name")
-    blocking = next((parent for parent in target.parents if parent.exists() and not parent.is_dir()), None)
-    if blocking is not None:
-        raise UsageError(f"{option} {path}: {blocking} is a file, not a folder")
+#: argparse ``type``s of a seed and a comma list of seeds: integers in ``[0, MAX_SEED]`` (what torch's generator holds)
+seed = count(0, MAX_SEED)
+seeds = counts(0, MAX_SEED)
 
 
 def names(text: str) -> tuple[str, ...]:
@@ -113,7 +106,7 @@ def names(text: str) -> tuple[str, ...]:
 def add_threads(p: argparse.ArgumentParser, default: int | None = None,
                 help: str = "torch CPU threads (torch.set_num_threads; default: torch's)", minimum: int = 1) -> None:
     """``--threads N`` (at least ``minimum``)."""
-    p.add_argument("--threads", type=count(minimum), default=default, help=help)
+    p.add_argument("--threads", type=count(minimum, MAX_THREADS), default=default, help=help)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

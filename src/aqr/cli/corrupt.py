@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import UsageError, add_image_arguments, count
+from aqr.cli.common import UsageError, add_image_arguments, count, seed
 from aqr.data.corruption_params import CORRUPTIONS, PARAM_SETS
+from aqr.util.files import check_writable_target
 
 
 DESCRIPTION = """\
@@ -38,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--corruptions", default="all", help="'all' or a comma-separated list of: " + ", ".join(CORRUPTIONS))
     p.add_argument("--severities", default="1,2,3,4,5", help="comma-separated severities in 1..5 (block order)")
     p.add_argument("--frost-dir", default=None, help="folder with frost1.png .. frost5.jpg (needed for frost)")
-    p.add_argument("--seed", type=count(0), default=0, help="base seed; each image uses (seed, corruption, severity, index)")
+    p.add_argument("--seed", type=seed, default=0, help="base seed; each image uses (seed, corruption, severity, index)")
     p.add_argument("--limit", type=count(1), default=None, help="use only the first N images")
     p.add_argument("--n-images", type=count(1), default=None,
                    help="image folders: N images drawn class-balanced at random (--seed) instead of all")
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     """Execute the command; returns the exit code."""
     from aqr.data.images import is_image_source
 
+    check_writable_target(args.out, folder=True, label="--out")
     if is_image_source(args.data):
         return _run_folder(args)
     if args.image_size or args.resize or args.n_images:

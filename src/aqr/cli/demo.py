@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aqr.cli.common import add_threads, count, counts, names
+from aqr.cli.common import add_threads, count, counts, names, seed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "--data/--cifar-c/--checkpoint: the same comparison for an existing CIFAR model. "
                     "Resumable: rerunning reuses the models, data and finished cells in --out.")
     p.add_argument("--out", default="runs/demo", help="work folder (default runs/demo)")
-    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--quick", action="store_true",
                    help="fewer epochs, corruptions and images (about half a minute; for tests)")
     add_threads(p, default=1, help="torch threads (default 1: tiny models; 0: torch's default)", minimum=0)
@@ -44,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo, print its table; exit code 1 if any cell failed, 2 on bad input."""
     from aqr.experiments.demo import DemoConfig, run_demo
+    from aqr.util.files import check_writable_target
 
+    check_writable_target(args.out, folder=True, label="--out")
     config = DemoConfig(out=args.out, seed=args.seed, quick=args.quick, threads=args.threads,
                         figure=not args.no_figure, progress=not args.no_progress, data=args.data,
                         cifar_c=args.cifar_c, checkpoint=args.checkpoint, model_name=args.model_name,

@@ -7,7 +7,7 @@ import json
 import sys
 
 from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, count, model_from_args, method_specs,
-                            torch_threads)
+                            seed, torch_threads)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--protocol", default="episodic", choices=("episodic", "online"),
                    help="episodic: every batch adapts from the model as given; online: the state carries over "
                         "batches (needed by aqr:target=stream / robust)")
-    p.add_argument("--seed", type=count(0), default=0, help="seeds the methods' randomness")
+    p.add_argument("--seed", type=seed, default=0, help="seeds the methods' randomness")
     p.add_argument("--json", action="store_true", help="print {method: accuracy} as JSON")
     p.set_defaults(func=run)
 

@@ -13,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from aqr.cli.common import count
+from aqr.cli.common import count, seed
+from aqr.util.files import check_writable_target
 
 DEFAULT_DB = "runs/results.db"
 
@@ -40,12 +41,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tail.add_argument("--reference", type=count(1), default=None, help="reference images (default: all selected)")
     tail.add_argument("--batches", type=count(1), default=20, help="small batches drawn (default 20)")
     tail.add_argument("--batch-size", type=count(1), default=128, help="their size (default 128)")
-    tail.add_argument("--seed", type=count(0), default=0)
+    tail.add_argument("--seed", type=seed, default=0)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Dispatch to the database report or the Fig. 3 computation."""
+    if args.out is not None:
+        check_writable_target(args.out, folder=True, label="--out")
     return _tail_deviation(args) if args.tail_deviation else _db_report(args)
 
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aqr.cli.common import add_threads, count, torch_threads
+from aqr.cli.common import add_threads, seed, torch_threads
 
 if TYPE_CHECKING:
     from aqr.experiments.mlp import MLPResult
@@ -37,7 +37,7 @@ def register(subparsers) -> None:
         p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
         p.add_argument("--json", action="store_true", help="print the numbers as JSON")
         p.add_argument("--quick", action="store_true", help="reduced run (seconds), files get a _quick suffix")
-        p.add_argument("--seed", type=count(0), default=0, help="seed of every random draw (default 0)")
+        p.add_argument("--seed", type=seed, default=0, help="seed of every random draw (default 0)")
         add_threads(p, default=1, help="torch CPU threads while running (default 1)")
         p.set_defaults(func=_run, experiment=name)
 
@@ -45,7 +45,9 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     from aqr.experiments import mlp, rates, shapes
     from aqr.experiments.synthetic_tools import jsonable
+    from aqr.util.files import check_writable_target
 
+    check_writable_target(args.out, folder=True, label="--out")
     experiments = {
         "shapes": (shapes.ShapesConfig, shapes.run_shapes, shapes.plot_shapes, _summary_shapes),
         "mlp": (mlp.MLPConfig, mlp.run_mlp, mlp.plot_mlp, _summary_mlp),

@@ -7,7 +7,8 @@ import json
 import shlex
 import sys
 
-from aqr.cli.common import UsageError, add_threads, count
+from aqr.cli.common import UsageError, add_threads, amount, count, seed
+from aqr.util.files import check_writable_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,16 +24,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=count(1), default=30, help="epochs of the learning-rate schedule")
     p.add_argument("--batch-size", type=count(1), default=128, help="training images per step")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="optimizer")
-    p.add_argument("--lr", type=float, default=0.1, help="peak learning rate (after the warm-up; cosine decay to --min-lr)")
-    p.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the cosine schedule")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (AdamW ignores it)")
+    p.add_argument("--lr", type=amount(0), default=0.1, help="peak learning rate (after the warm-up; cosine decay to --min-lr)")
+    p.add_argument("--min-lr", type=amount(0), default=0.0, help="learning rate at the end of the cosine schedule")
+    p.add_argument("--momentum", type=amount(0), default=0.9, help="SGD momentum (AdamW ignores it)")
     p.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD)")
-    p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay (on weights, not biases or norm parameters)")
-    p.add_argument("--warmup-epochs", type=float, default=1.0, help="linear warm-up, in epochs (may be fractional)")
-    p.add_argument("--label-smoothing", type=float, default=0.0, help="label smoothing of the cross-entropy")
+    p.add_argument("--weight-decay", type=amount(0), default=5e-4, help="weight decay (on weights, not biases or norm parameters)")
+    p.add_argument("--warmup-epochs", type=amount(0), default=1.0, help="linear warm-up, in epochs (may be fractional)")
+    p.add_argument("--label-smoothing", type=amount(0), default=0.0, help="label smoothing of the cross-entropy")
     p.add_argument("--no-augment", action="store_true", help="disable random crop + flip")
     add_threads(p)
-    p.add_argument("--seed", type=count(0), default=0, help="seeds the initialisation, the data order and the augmentation")
+    p.add_argument("--seed", type=seed, default=0, help="seeds the initialisation, the data order and the augmentation")
     p.add_argument("--channels-last", action="store_true", help="train in the channels_last memory format (faster on some GPUs)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the data, augmentation and model live")
     p.add_argument("--limit-train", type=count(1), default=None, help="use only the first N training images")
@@ -53,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     """Build a TrainConfig from ``args`` and train; returns 0."""
     from aqr.models.train import TrainConfig, export_state, train
 
+    if args.out is not None:
+        check_writable_target(args.out, label="--out")
+    if args.work_dir is not None:
+        check_writable_target(args.work_dir, folder=True, label="--work-dir")
     if args.export:
         if not (args.work_dir and args.out):
             raise UsageError("--export needs --work-dir and --out")

@@ -15,6 +15,7 @@ default ``n = 100_000`` gives ``eps = 0.0043`` at ``delta = 0.05``: every stored
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -35,18 +36,33 @@ from aqr.core.layers import (
     select_layers,
 )
 from aqr.core.points import OUTPUT, PRE_AFFINE, check_point, normalized
-from aqr.core.qmap import check_tail, sort_rows, sorted_quantiles
+from aqr.core.qmap import check_num_quantiles, check_tail, sort_rows, sorted_quantiles
 from aqr.core.stats import MAX_TAIL_DRAW, LayerStats, SourceStats, weights_summary
 from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
 from aqr.util.compiled import run_compiled
 from aqr.util.memory import check_memory
+from aqr.util.seeds import check_seed
 
 TAIL_INPUTS_KEPT = 10_000  # inputs whose per-channel extremes are kept (a uniform sample beyond)
 
 
 def dkw_epsilon(n: int, delta: float = 0.05) -> float:
-    """The DKW bound on the sup-distance between a sample CDF of ``n`` values and the true CDF."""
+    """The DKW bound on the sup-distance between a sample CDF of ``n`` values and the true CDF, holding
+    with probability ``1 - delta``; ``ValueError`` unless ``n >= 1`` and ``0 < delta < 1``."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"dkw_epsilon needs a sample size n >= 1, got {n!r}")
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"dkw_epsilon needs a probability 0 < delta < 1, got {delta!r}")
     return math.sqrt(math.log(2.0 / delta) / (2.0 * n))
+
+
+_SEED_SPACE = 2**64 - 8  # torch generators take seeds below 2**64; room for the +7 a collector adds
+
+
+def _layer_seed(seed: int, layer: int, group: int = 0) -> int:
+    """The generator seed of a layer's (and group's) collector: ``seed * 1_000_003 + layer + 7919 * group``,
+    wrapped into what a torch generator takes (unchanged below 2**64 - 8, i.e. for every seed up to 1.8e13)."""
+    return (seed * 1_000_003 + layer + 7919 * group) % _SEED_SPACE
 
 
 def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -298,10 +314,10 @@ def calibrate(
     """
     check_tail(tail)
     check_point(point)
-    if num_quantiles < 3:
-        raise ValueError(f"num_quantiles must be >= 3, got {num_quantiles}")
-    if max_samples < 2:
-        raise ValueError(f"max_samples must be >= 2, got {max_samples}")
+    num_quantiles = check_num_quantiles(num_quantiles)
+    seed = check_seed(seed)
+    if isinstance(max_samples, bool) or not isinstance(max_samples, numbers.Integral) or max_samples < 2:
+        raise ValueError(f"max_samples must be an integer >= 2, got {max_samples!r}")
     if num_quantiles > max_samples:
         raise ValueError(f"num_quantiles ({num_quantiles}) must be at most max_samples ({max_samples}), "
                          "the values kept per channel that the knots are read from")
@@ -348,12 +364,12 @@ def calibrate(
                 order = execution_order(model, all_infos, x)
                 chosen = select_layers(all_infos, layers, order)
                 for i, info in enumerate(chosen):
-                    collectors[info.name] = LayerCollector(info, max_samples, seed * 1_000_003 + i, compile,
+                    collectors[info.name] = LayerCollector(info, max_samples, _layer_seed(seed, i), compile,
                                                            per_input=tail_unit == "images")
 
                     if groups is not None:
                         by_group[info.name] = [LayerCollector(info, max(2, max_samples // groups),
-                                                              seed * 1_000_003 + i + 7919 * (g + 1))
+                                                              _layer_seed(seed, i, g + 1))
                                                for g in range(groups)]
 
                     def hook(m: nn.Module, inputs: object, out: object, c: LayerCollector = collectors[info.name]) -> None:

@@ -117,9 +117,11 @@ def check_output(info: LayerInfo, output: object) -> torch.Tensor:
     if not isinstance(output, torch.Tensor):
         raise LayerError(f"layer {info.name!r} returned a {type(output).__name__}, expected a tensor")
     if output.ndim < 2 or output.shape[info.channel_dim] != info.channels:
+        where = "the last dim (-1)" if info.channel_dim == -1 else f"dim {info.channel_dim}"
+        found = f"it has {output.shape[info.channel_dim]}" if output.ndim >= 2 else "it has no channel dim"
         raise LayerError(
             f"layer {info.name!r} ({info.kind}) produced shape {tuple(output.shape)}: expected "
-            f"{info.channels} channels on dim {info.channel_dim}"
+            f"{info.channels} channels on {where}, {found}"
         )
     return output
 

@@ -20,6 +20,7 @@ with the slope of the edge interval, or clamped to the source edge when that int
 
 from __future__ import annotations
 
+import numbers
 from statistics import NormalDist
 
 
@@ -27,16 +28,26 @@ import numpy as np
 import torch
 
 from aqr.core.tails import PARAMETRIC_TAILS, TAILS, Tail, check_tail  # noqa: F401  (the map's names, kept here too)
+from aqr.util.memory import check_memory
 
 # Default probability that stands in for p0 / p100 in the Gaussian tail (the probit of 0 and 1 is
 # infinite). With the same p on both sides the tail map does not depend on it (see `_gaussian_tails`).
 DEFAULT_GAUSSIAN_P = 1e-3
 
 
-def quantile_levels(num_quantiles: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The ``K`` uniform levels ``0, 1/(K-1), ..., 1`` in float64."""
+def check_num_quantiles(num_quantiles: object) -> int:
+    """``num_quantiles`` when it is an integer ``K >= 3`` (p0, an inner knot, p100): ``TypeError`` for
+    another type (``3.5``, ``'101'``, ``True``), ``ValueError`` below 3."""
+    if isinstance(num_quantiles, bool) or not isinstance(num_quantiles, numbers.Integral):
+        raise TypeError(f"num_quantiles must be an integer >= 3, got {num_quantiles!r} ({type(num_quantiles).__name__})")
     if num_quantiles < 3:
         raise ValueError(f"num_quantiles must be >= 3 (p0, at least one inner knot, p100), got {num_quantiles}")
+    return int(num_quantiles)
+
+
+def quantile_levels(num_quantiles: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``K`` uniform levels ``0, 1/(K-1), ..., 1`` in float64 (``K`` checked by :func:`check_num_quantiles`)."""
+    num_quantiles = check_num_quantiles(num_quantiles)
     return torch.linspace(0.0, 1.0, num_quantiles, dtype=torch.float64, device=device)
 
 
@@ -82,8 +93,18 @@ def sort_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def channel_quantiles(x: torch.Tensor, num_quantiles: int, dim: int = 0) -> torch.Tensor:
-    """Exact per-channel quantiles ``(C, K)`` of ``x`` with channels on ``dim`` (float32 or wider)."""
+    """Exact per-channel quantiles ``(C, K)`` of ``x`` with channels on ``dim`` (float32 or wider).
+
+    ``num_quantiles`` is checked (:func:`check_num_quantiles`) and a ``K`` whose knots would not fit in
+    memory is a ``MemoryError`` before anything is allocated.
+    """
+    num_quantiles = check_num_quantiles(num_quantiles)
     flat = to_channel_rows(x, dim)
+    # the levels (float64), two index rows (int64) and three (C, K) gathers of the values' dtype; read
+    # against /proc only when large, so the per-batch calls stay free of file reads
+    needed = num_quantiles * (24 + 3 * flat.shape[0] * max(flat.element_size(), 4))
+    if needed > 1 << 28:
+        check_memory(needed, f"channel_quantiles with num_quantiles={num_quantiles} for {flat.shape[0]} channels")
     if not flat.dtype.is_floating_point or flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.float()
     return sorted_quantiles(sort_rows(flat), num_quantiles)
@@ -208,11 +229,30 @@ def quantile_map(
     tq = channel_quantiles(rows, k) if target_q is None else target_q.to(device=rows.device, dtype=work)
     if tq.shape != (c, k):
         raise ValueError(f"target_q has shape {tuple(tq.shape)}, expected {(c, k)}")
+    _refuse_nonfinite(rows, tq if target_q is None else None, dim)
+    for name, knots in (("source_q", sq), ("target_q", tq)):
+        if not bool(torch.isfinite(knots).all()):
+            raise ValueError(f"{name} holds NaN or Inf; quantile_map needs finite knots")
 
     y = map_rows(rows, sq, tq, tail, source_loc, source_scale, gaussian_p)
     shape = list(x.shape)
     shape.insert(0, shape.pop(dim))
     return y.reshape(shape).movedim(0, dim).to(out_dtype)
+
+
+def _refuse_nonfinite(rows: torch.Tensor, own_knots: torch.Tensor | None, dim: int) -> None:
+    """Raise ``ValueError`` naming the first channel of ``rows`` (C, M) that holds NaN or Inf. With
+    ``own_knots``, the rows' exact knots, only their ends are read: NaN sorts last and +-Inf sit at the ends."""
+    if own_knots is not None:
+        bad = ~(torch.isfinite(own_knots[:, 0]) & torch.isfinite(own_knots[:, -1]))
+    else:
+        bad = ~torch.isfinite(rows).all(dim=1)
+    if not bool(bad.any()):
+        return
+    channel = int(bad.nonzero()[0, 0])
+    count = int((~torch.isfinite(rows[channel])).sum())
+    raise ValueError(f"x holds NaN or Inf: {count} of the {rows.shape[1]} values of channel {channel} (on dim {dim}); "
+                     "quantile_map maps finite values only (aqr.AQR refuses them the same way)")
 
 
 def map_rows(

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+MAX_CLASSES = 100_000  # the most classes a label file or a checkpoint may name (ImageNet-21k has 21,841)
+
 
 def to_float(images: np.ndarray | torch.Tensor, channels_last: bool = False) -> torch.Tensor:
     """uint8 NHWC images (numpy array or tensor) as float32 NCHW in [0, 1].
@@ -68,9 +70,12 @@ def check_images(array: np.ndarray, path: Path, key: str) -> None:
 
 
 def check_labels(labels: np.ndarray, n: int, path: Path, key: str) -> None:
-    """Raise ``ValueError`` naming ``path`` unless ``labels`` are ``n`` integers."""
+    """Raise ``ValueError`` naming ``path`` unless ``labels`` are ``n`` integers in ``[0, MAX_CLASSES)``."""
     if labels.ndim != 1 or labels.shape[0] != n or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"{path}: '{key}' must be integer labels of shape ({n},), got {labels.dtype} {labels.shape}")
+    if n and (int(labels.min()) < 0 or int(labels.max()) >= MAX_CLASSES):
+        bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
+        raise ValueError(f"{path}: '{key}' holds the label {bad}; labels are class indices in [0, {MAX_CLASSES})")
 
 
 def load_npz_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:

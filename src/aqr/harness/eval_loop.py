@@ -54,7 +54,8 @@ def image_correct(method: nn.Module, batches: Iterable[tuple[torch.Tensor, Any]]
     """Whether ``method``'s top-1 prediction is right, per image, in the order of ``batches`` (bool array).
 
     ``adapted`` (one per batch; the realtime protocol): the batches the method adapts on; the others get
-    its ``forward_held`` predictions. Raises ``ValueError`` when there is no image.
+    its ``forward_held`` predictions. Raises ``ValueError`` when there is no image, and for a label that is
+    not one of the model's classes (below 0, or at least its number of logits), which no prediction could match.
     """
     from tqdm.auto import tqdm
 
@@ -66,7 +67,12 @@ def image_correct(method: nn.Module, batches: Iterable[tuple[torch.Tensor, Any]]
                                     total=total)):
         x = x.to(device, non_blocking=True)
         logits = method(x) if adapted is None or adapted[k] else method.forward_held(x)
-        found.append((logits.argmax(1).cpu() == torch.as_tensor(y).long()).numpy())
+        labels = torch.as_tensor(y).long()
+        if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1]):
+            bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
+            raise ValueError(f"the label {bad} is not one of the model's {logits.shape[1]} classes (0 to "
+                             f"{logits.shape[1] - 1}); check the labels, or the model, given")
+        found.append((logits.argmax(1).cpu() == labels).numpy())
     if sum(len(f) for f in found) == 0:
         raise ValueError("no images to evaluate")
     return np.concatenate(found).astype(bool)

@@ -67,11 +67,12 @@ def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path | None = Non
     if "corruptions" in spec:
         c = spec["corruptions"]
         changes["corruptions"] = CORRUPTIONS if c == "all" else tuple(c)
-    for key in ("severities", "batch_sizes", "seeds"):
+    for key in ("severities", "batch_sizes", "seeds"):  # checked as written by GridSpec: 2.7 or true is refused
         if key in spec:
-            changes[key] = tuple(int(v) for v in spec[key])
+            value = spec[key]
+            changes[key] = tuple(value) if isinstance(value, (list, tuple)) else value
     if "n_images" in spec:
-        changes["n_images"] = None if spec["n_images"] in (None, "all") else int(spec["n_images"])
+        changes["n_images"] = None if spec["n_images"] in (None, "all") else spec["n_images"]
     if "protocol" in spec:
         changes["protocol"] = spec["protocol"]
     if "order" in spec:

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from aqr.harness.cells import Cell
+from aqr.util.files import check_writable_target
 
 SCHEMA_VERSION = 1
 
@@ -115,7 +116,7 @@ class ResultsDB:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = check_writable_target(path)  # never a FIFO or a device opened as a database
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)

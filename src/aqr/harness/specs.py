@@ -15,6 +15,7 @@ from aqr.data.corruption_params import CORRUPTIONS
 from aqr.data.streams import StreamOrder
 from aqr.harness.cells import (CELL_PROTOCOLS, CONTINUAL, REALTIME, Cell, DataSpec, ModelSpec, canonical_order, data_corruptions, freeze_options,
                                index_count)
+from aqr.util.seeds import MAX_SEED
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,19 @@ def _parse_scalar(text: str) -> Any:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+def _check_integers(name: str, values: object, low: int, high: int | None = None, one: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``values`` is a non-empty list or tuple of integers in
+    ``[low, high]`` (``one``: a single value is checked, in a tuple): a grid file's ``2.7``, ``true`` or ``"3"`` is
+    refused, not rounded or read as 1."""
+    ok = isinstance(values, (tuple, list)) and len(values) > 0
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < low
+           or (high is not None and v > high)] if ok else [values]
+    if bad:
+        bound = f"in [{low}, {'2**63 - 1' if high == MAX_SEED else high}]" if high is not None else f">= {low}"
+        what = "an integer" if one else "a list of integers"
+        raise ValueError(f"{name} must be {what} {bound}, got {bad[0]!r}")
+
+
 @dataclass(frozen=True)
 class GridSpec:
     """A grid of cells: the cross product of its lists, then the cells of its ``parts`` (further grids
@@ -132,13 +146,11 @@ class GridSpec:
         if unknown:
             raise ValueError(f"unknown corruptions {unknown}; expected names from {', '.join(CORRUPTIONS)} "
                              f"or {CONTINUAL!r}")
-        bad = [s for s in self.severities if not 1 <= int(s) <= 5]
-        if bad:
-            raise ValueError(f"severities must lie in 1..5, got {bad}")
-        if any(b < 1 for b in self.batch_sizes):
-            raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
-        if self.n_images is not None and self.n_images < 1:
-            raise ValueError(f"n_images must be positive, got {self.n_images}")
+        _check_integers("severities", self.severities, 1, 5)
+        _check_integers("batch_sizes", self.batch_sizes, 1)
+        _check_integers("seeds", self.seeds, 0, MAX_SEED)
+        if self.n_images is not None:
+            _check_integers("n_images", (self.n_images,), 1, one=True)
         pool = index_count(self.data.eval_indices)  # known from the text: checked before any data is generated
         if self.n_images is not None and pool is not None and self.n_images > pool:
             raise ValueError(f"n_images={self.n_images} exceeds the {pool} images of eval_indices "

@@ -36,6 +36,8 @@ from typing import Any, ClassVar, Iterator
 import torch
 from torch import nn
 
+from aqr.util.seeds import check_seed
+
 from .held import RebuiltCache, running_statistics, source_view
 
 PROTOCOLS = ("episodic", "online")
@@ -75,6 +77,8 @@ class ProtocolConfig:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.seed is not None:
+            check_seed(self.seed)
 
     @property
     def episodic(self) -> bool:

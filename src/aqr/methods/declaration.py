@@ -11,6 +11,8 @@ the cell keys, the statistics cache) all read; nothing else re-derives what a me
 from __future__ import annotations
 
 import difflib
+import math
+import numbers
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
@@ -95,11 +97,14 @@ class MethodDeclaration:
     def build_config(self, options: Mapping[str, Any]) -> Any:
         """The config from the option set ``options["defaults"]`` (if the method has any) overridden by the
         other options. ``TypeError`` names an option the method does not take; ``ValueError`` a value or
-        an option set it refuses."""
+        an option set it refuses, and any NaN or infinite number (no method takes one)."""
         options = dict(options)
         unknown = sorted(set(options) - set(self.options) - set(PROTOCOL_OPTIONS))
         if unknown:
             raise TypeError(unknown_options_message(self.name, unknown, self.options))
+        for key, value in options.items():
+            if not _finite(value):
+                raise ValueError(f"method {self.name!r}: option {key}={value!r} must be a finite number")
         base: Mapping[str, Any] = {}
         if self.defaults:
             chosen = options.pop(DEFAULTS_OPTION, self.first_defaults)
@@ -109,6 +114,17 @@ class MethodDeclaration:
             if any(f.name == DEFAULTS_OPTION for f in fields(self.config)):
                 base = {**base, DEFAULTS_OPTION: chosen}  # the config records which set filled it
         return self.config(**{**base, **options})
+
+
+def _finite(value: Any) -> bool:
+    """False for a NaN or infinite real number, also inside a list, tuple or mapping of options."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(_finite(v) for v in value.values())
+    return True
 
 
 def unknown_options_message(name: str, unknown: list[str], taken: tuple[str, ...]) -> str:

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from aqr.data.arrays import MAX_CLASSES  # checkpoints and label files share the bound
 from aqr.util.files import atomic_write
 
 FORMAT = "aqr-model"
 VERSION = 1
-MAX_CLASSES = 100_000  # ImageNet-21k has 21,841
 MAX_OPTION = 4096  # widths, depths, heads, patch and image sizes of a checkpoint's architecture options
 MAX_OPTION_ITEMS = 16
 
@@ -107,6 +107,23 @@ def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str = "module.") -
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
 
 
+PLAUSIBLE_OPTION = (f"a bool, string, None, number of magnitude <= {MAX_OPTION} "
+                    f"or a list of up to {MAX_OPTION_ITEMS} of those")
+
+
+def plausible_option(value: object) -> bool:
+    """Whether ``value`` may be an architecture option (of a checkpoint's config, or ``aqr train --model-kwargs``):
+    :data:`PLAUSIBLE_OPTION` says what that is; a larger width or size only exhausts memory."""
+    if value is None or isinstance(value, (bool, str)):
+        return not isinstance(value, str) or len(value) <= 256
+    if isinstance(value, (int, float)):
+        return bool(abs(value) <= MAX_OPTION)  # NaN fails the comparison
+    if isinstance(value, (list, tuple)):
+        return len(value) <= MAX_OPTION_ITEMS and all(plausible_option(v) and not isinstance(v, (list, tuple))
+                                                      for v in value)
+    return False
+
+
 def checked_config(config: object, source: str | os.PathLike[str]) -> dict[str, Any]:
     """A checkpoint's ``config`` after checking every value is plausible, before anything is built:
     ``name`` a string, ``num_classes`` an integer in [1, MAX_CLASSES], ``norm`` a string or None, and
@@ -127,20 +144,9 @@ def checked_config(config: object, source: str | os.PathLike[str]) -> dict[str, 
     kwargs = config.get("kwargs") or {}
     if not isinstance(kwargs, dict):
         raise fail("kwargs", kwargs, "a mapping of architecture options")
-
-    def plausible(value: object) -> bool:
-        if value is None or isinstance(value, (bool, str)):
-            return not isinstance(value, str) or len(value) <= 256
-        if isinstance(value, (int, float)):
-            return bool(abs(value) <= MAX_OPTION)  # NaN fails the comparison
-        if isinstance(value, (list, tuple)):
-            return len(value) <= MAX_OPTION_ITEMS and all(plausible(v) and not isinstance(v, (list, tuple)) for v in value)
-        return False
-
     for key, value in kwargs.items():
-        if not plausible(value):
-            raise fail(f"kwargs[{key!r}]", value, f"a bool, string, None, number of magnitude <= {MAX_OPTION} "
-                                                  f"or a list of up to {MAX_OPTION_ITEMS} of those")
+        if not plausible_option(value):
+            raise fail(f"kwargs[{key!r}]", value, PLAUSIBLE_OPTION)
     return {"name": config["name"], "num_classes": num_classes, "norm": norm, "kwargs": dict(kwargs)}
 
 

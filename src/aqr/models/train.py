@@ -27,9 +27,10 @@ from torch import nn
 from aqr._version import __version__
 from aqr.data.arrays import load_npz_arrays, to_float
 from aqr.models import create, save_checkpoint
-from aqr.models.checkpoint import CheckpointError, atomic_save, read_file
+from aqr.models.checkpoint import PLAUSIBLE_OPTION, CheckpointError, atomic_save, plausible_option, read_file
 from aqr.models.portable import portable_command, portable_train_config
 from aqr.util.files import sha256_file
+from aqr.util.threads import check_threads
 
 MAX_ZOO_BYTES = 5 * 1024 * 1024
 
@@ -65,6 +66,24 @@ class TrainConfig:
     stop_after: int | None = None  # stop (resumably) once this many epochs are done, schedule unchanged
     init: str | None = None  # start from this aqr checkpoint's weights (new optimizer and schedule)
     command: str = ""
+
+    def __post_init__(self) -> None:
+        """Refuse, before any data is read, a hyperparameter that is not a finite number in its range (a NaN
+        learning rate trains a checkpoint of NaN weights), an architecture option too large to build, or a
+        thread count torch cannot start."""
+        ranges = {"lr": (0.0, math.inf), "min_lr": (0.0, math.inf), "momentum": (0.0, 1.0),
+                  "weight_decay": (0.0, math.inf), "warmup_epochs": (0.0, math.inf), "label_smoothing": (0.0, 1.0)}
+        for name, (low, high) in ranges.items():
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or not low <= value <= high):
+                raise ValueError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value!r}")
+        if not isinstance(self.model_kwargs, dict):
+            raise ValueError(f"model_kwargs must be a mapping of architecture options, got {self.model_kwargs!r}")
+        for key, value in self.model_kwargs.items():
+            if not plausible_option(value):
+                raise ValueError(f"model_kwargs[{key!r}] must be {PLAUSIBLE_OPTION}, got {value!r:.80}")
+        check_threads(self.threads)
 
 
 @dataclass

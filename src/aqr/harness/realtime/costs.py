@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from aqr.harness.cells import REALTIME, Cell
+from aqr.util.files import atomic_write
 
 COSTS_FORMAT = "aqr-realtime-costs"
 COSTS_VERSION = 1
@@ -56,16 +57,17 @@ class CostTable:
             cost = entry.get("cost") if isinstance(entry, dict) else None
             if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost <= 0:
                 raise ValueError(f"{path}: entry {key!r} needs a positive 'cost', got {cost!r}")
+            if round(cost, 2) <= 0:  # a cell keeps its cost to two decimals: 0.001 would become a cost of 0
+                raise ValueError(f"{path}: entry {key!r} has the cost {cost!r}, which rounds to 0.00 (cells keep "
+                                 "costs to two decimals); give at least 0.01")
         return cls(dict(data["entries"]))
 
     def save(self, path: str | Path) -> None:
-        """Write the table as JSON (atomically: a reader never sees half a file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"format": COSTS_FORMAT, "version": COSTS_VERSION,
-                                   "entries": dict(sorted(self.entries.items()))}, indent=1) + "\n")
-        tmp.replace(path)
+        """Write the table as JSON, atomically through a temporary file of this writer's own: a reader never
+        sees half a file and processes saving at once never take each other's temporary file."""
+        text = json.dumps({"format": COSTS_FORMAT, "version": COSTS_VERSION,
+                           "entries": dict(sorted(self.entries.items()))}, indent=1) + "\n"
+        atomic_write(path, lambda tmp: tmp.write_text(text))
 
     def cost(self, model: str, variant: str, batch_size: int) -> float | None:
         """The cost of ``variant`` on ``model`` at ``batch_size``; ``None`` when absent or not applicable."""
