@@ -95,9 +95,11 @@ def _tail_deviation(args: argparse.Namespace) -> int:
     from aqr.data import load_cifar
     from aqr.experiments import tail_deviation
     from aqr.harness.cells import parse_range
+    from aqr.util.plots import require_matplotlib
 
     if args.out is None or not args.source_data:
         raise ValueError("--tail-deviation needs --source-data NPZ and --out DIR")
+    require_matplotlib("--tail-deviation's figure")
     model = load(args.tail_deviation, checkpoint=args.checkpoint)
     data = load_cifar(args.source_data)
     indices = parse_range(args.source_indices, len(data), args.source_data)

@@ -30,7 +30,7 @@ from aqr.harness.results import Row
 from aqr.harness.specs import GridSpec, MethodSpec
 from aqr.util.files import atomic_write, sha256_file
 from aqr.util.plots import colors as plot_colors
-from aqr.util.plots import figure, save
+from aqr.util.plots import figure, require_matplotlib, save
 
 # Corruptions that need no external files (frost needs overlay images), one or two per family, among
 # those that shift the digits most: on 32 px digits JPEG, defocus blur and saturate barely change a
@@ -525,6 +525,8 @@ def run_demo(config: DemoConfig = DemoConfig(), log: Callable[[str], None] = pri
     import torch
 
     previous_threads = torch.get_num_threads()
+    if config.figure:  # before any work: the figure comes last
+        require_matplotlib("the demo's figure (or --no-figure)")
     if config.threads:
         torch.set_num_threads(config.threads)
     try:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from aqr.experiments.synthetic_tools import aqr_correct, generator, ttn_correct
-from aqr.util.plots import axes_row, save
+from aqr.util.plots import axes_row, require_matplotlib, save
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,7 @@ def _errors(h_hat: torch.Tensor, h_clean: torch.Tensor, y_clean: torch.Tensor, n
 
 def plot_mlp(result: MLPResult, path: str | Path) -> Path:
     """Hidden-layer MSE (solid) and output MSE (dashed) against ``n`` for each ``K``, and TTN."""
+    require_matplotlib("the MLP figure")
     from matplotlib import colormaps
 
     ns = list(result.config.ns)

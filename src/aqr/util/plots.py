@@ -1,4 +1,8 @@
-"""Plot helpers: figures on matplotlib's Agg canvas (no pyplot, so no global figure state), saved as files."""
+"""Plot helpers: figures on matplotlib's Agg canvas (no pyplot, so no global figure state), saved as files.
+
+matplotlib is an optional dependency (the ``report`` extra, also in ``demo`` and ``test``): every helper
+here, and every module that draws, calls :func:`require_matplotlib` before it imports it.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,24 @@ from pathlib import Path
 from typing import Any
 
 
+INSTALL = "pip install 'aqr[report]'"
+
+
+class MissingMatplotlib(ImportError):
+    """Drawing was asked for where matplotlib is not installed."""
+
+
+def require_matplotlib(what: str = "drawing figures") -> None:
+    """Raise :class:`MissingMatplotlib`, one line naming the extra to install, unless matplotlib can be imported."""
+    try:
+        import matplotlib  # noqa: F401 - imported here once, by the helper that draws next
+    except ImportError as err:
+        raise MissingMatplotlib(f"{what} needs matplotlib, which is not installed: {INSTALL}") from err
+
+
 def figure(figsize: tuple[float, float], **kwargs: Any) -> Any:
     """A ``matplotlib.figure.Figure`` drawn by the Agg canvas; ``kwargs`` go to ``Figure`` (e.g. ``layout``)."""
+    require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -25,6 +45,7 @@ def axes_row(ncols: int, figsize: tuple[float, float], **kwargs: Any) -> tuple[A
 
 def colors(names: Sequence[str]) -> dict[str, Any]:
     """One colour of matplotlib's ``tab10`` cycle per name, in order."""
+    require_matplotlib()
     from matplotlib import colormaps
 
     cmap = colormaps["tab10"]

@@ -31,6 +31,7 @@ from aqr.harness.report.tables import (BASE_METHODS, METHOD_LABELS, Entry, Table
                                        per_corruption_table, summarize, summary_table, variant_order)
 from aqr.harness.presets import FIELD_DEFAULTS
 from aqr.harness.results import ResultsDB, Row
+from aqr.util.plots import require_matplotlib
 
 __all__ = ["choose_defaults", "cost_points", "plot_costs", "setting_tables", "target_table", "BASE_METHODS", "FORMATS", "METHOD_LABELS", "Entry", "Table", "ablation_tables", "architecture_bars",
            "bold_best", "build_tables", "condition", "corruption_order", "entry_of", "flag_incomplete",
@@ -147,8 +148,11 @@ def report(db_path: str | Path, out_dir: str | Path, experiment: str | None = No
     """Write every table and figure the database supports, an ``index.md`` and ``report.json``.
 
     Layout: ``tables/<name>.{md,tex,csv}``, ``figures/<name>.{png,pdf}``. Returns the JSON dict
-    (also written to ``report.json``), with the written files under ``"files"``.
+    (also written to ``report.json``), with the written files under ``"files"``. With ``figures``,
+    matplotlib must be installed (checked before anything is written).
     """
+    if figures:
+        require_matplotlib("aqr report's figures (or --no-figures)")
     all_rows = load_rows(db_path, experiment, latest=False)
     rows = latest_rows(all_rows)
     with ResultsDB(db_path) as db:

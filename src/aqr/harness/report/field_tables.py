@@ -23,7 +23,7 @@ from aqr.harness.report.shared import is_continual, row_order, slug
 from aqr.harness.report.tables import (Entry, Table, bold_best, entry_of, flag_incomplete, method_label, variant_order,
                                        variants_in)
 from aqr.harness.results import Row
-from aqr.util.plots import axes_row
+from aqr.util.plots import axes_row, require_matplotlib
 
 SETTING_ORDER = ("continual", "correlated", "mixed_domains", "gradual")
 
@@ -131,6 +131,7 @@ def cost_points(rows: Sequence[Row]) -> dict[str, dict[str, dict[str, dict[str, 
 
 def _colors(names: Sequence[str]) -> dict[str, Any]:
     """One colour per name: matplotlib's ``tab20``, then ``tab20b`` (the field has more than 20 methods)."""
+    require_matplotlib()
     from matplotlib import colormaps
 
     palette = [colormaps["tab20"](i) for i in range(20)] + [colormaps["tab20b"](i) for i in range(20)]
@@ -139,6 +140,7 @@ def _colors(names: Sequence[str]) -> dict[str, Any]:
 
 def _cost_axis(ax: Any) -> None:
     """A log x axis of costs labelled in plain numbers (1, 2, 5, 10, ...), without crowded minor labels."""
+    require_matplotlib()
     from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
 
     ax.set_xscale("log")
@@ -149,6 +151,7 @@ def _cost_axis(ax: Any) -> None:
 
 def plot_costs(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]]:
     """Per model, accuracy against relative cost ``C``: one panel per setting, offline filled, realtime hollow."""
+    require_matplotlib("the cost figures")
     from matplotlib.lines import Line2D
 
     figures: dict[str, list[Path]] = {}
