@@ -79,3 +79,20 @@ def tiny_vit(seed: int = 0, **kw) -> nn.Module:
 def images(n: int, size: int = 8, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.rand(n, 3, size, size, generator=g)
+
+
+def tiny_checkpoint_and_images(root, n_images: int):
+    """A width-4 ResNet-20 checkpoint ``root/tiny.pt`` and ``root/clean.npz`` of ``n_images`` random
+    CIFAR-shaped images labelled 0..9 in turn (the CLI's hardening tests' files); returns both paths and
+    the generator that drew the images, for more data from the same stream."""
+    import numpy as np
+
+    from aqr.models import create, save_checkpoint
+
+    torch.manual_seed(0)
+    model = create("resnet20", num_classes=10, width=4)
+    ckpt = save_checkpoint(root / "tiny.pt", model, {"name": "resnet20", "num_classes": 10, "kwargs": {"width": 4}})
+    rng = np.random.default_rng(0)
+    npz = root / "clean.npz"
+    np.savez(npz, x=rng.integers(0, 256, (n_images, 32, 32, 3), dtype=np.uint8), y=np.arange(n_images) % 10)
+    return ckpt, npz, rng

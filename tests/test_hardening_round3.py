@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from aqr.backends import build
+from tests.models_tiny import tiny_checkpoint_and_images
 
 # -O0 (last, so it wins over -O3): the same library logic, a quicker build
 FAST = ["-O0"]
@@ -140,15 +141,8 @@ N_IMAGES = 200  # images of the fixture's clean set and of each severity of its 
 def files(tmp_path_factory) -> dict[str, str]:
     """A small aqr checkpoint, 200 clean CIFAR-shaped images, a CIFAR-C folder of them (fog) and a grid
     file whose corruptions are generated from the clean images when missing."""
-    from aqr.models import create, save_checkpoint
-
     root = tmp_path_factory.mktemp("round3")
-    torch.manual_seed(0)
-    model = create("resnet20", num_classes=10, width=4)
-    ckpt = save_checkpoint(root / "tiny.pt", model, {"name": "resnet20", "num_classes": 10, "kwargs": {"width": 4}})
-    rng = np.random.default_rng(0)
-    npz = root / "clean.npz"
-    np.savez(npz, x=rng.integers(0, 256, (N_IMAGES, 32, 32, 3), dtype=np.uint8), y=np.arange(N_IMAGES) % 10)
+    ckpt, npz, rng = tiny_checkpoint_and_images(root, N_IMAGES)
     cifar_c = root / "cifar-c"
     cifar_c.mkdir()
     np.save(cifar_c / "fog.npy", rng.integers(0, 256, (5 * N_IMAGES, 32, 32, 3), dtype=np.uint8))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from aqr.cli import main
+from tests.models_tiny import tiny_checkpoint_and_images
 
 N_IMAGES = 40
 
@@ -23,15 +24,8 @@ N_IMAGES = 40
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
     """A small aqr checkpoint, 40 CIFAR-shaped images with labels 0..9, a grid file over them."""
-    from aqr.models import create, save_checkpoint
-
     root = tmp_path_factory.mktemp("round4")
-    torch.manual_seed(0)
-    model = create("resnet20", num_classes=10, width=4)
-    ckpt = save_checkpoint(root / "tiny.pt", model, {"name": "resnet20", "num_classes": 10, "kwargs": {"width": 4}})
-    rng = np.random.default_rng(0)
-    npz = root / "clean.npz"
-    np.savez(npz, x=rng.integers(0, 256, (N_IMAGES, 32, 32, 3), dtype=np.uint8), y=np.arange(N_IMAGES) % 10)
+    ckpt, npz, rng = tiny_checkpoint_and_images(root, N_IMAGES)
     grid = {"name": "round4", "models": [{"name": "tiny", "model": str(ckpt), "source_data": str(npz),
                                          "source_indices": f"0:{N_IMAGES}"}],
             "data": {"root": str(root / "generated"), "clean": str(npz), "eval_indices": f"20:{N_IMAGES}"},
