@@ -1,5 +1,5 @@
-"""A plain (non-editable) ``pip install`` of the repository works outside it: the zoo and the C
-kernels' source travel as package data."""
+"""A plain (non-editable) ``pip install`` of the repository works outside it: the zoo, the C kernels'
+source and py.typed travel as package data, and the metadata carries the MIT license and its file."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ assert "site-packages" in aqr.__file__ and aqr.__file__.startswith(sys.prefix), 
 for package, name in (("aqr.backends", "_kernels.c"), ("aqr.backends", "_parallel.c"), ("aqr.backends", "_shared.h"),
                       ("aqr.adapt.stream", "_stream_kernels.c")):
     assert importlib.resources.files(package).joinpath(name).is_file(), name
+assert importlib.resources.files("aqr").joinpath("py.typed").is_file()  # PEP 561
+import importlib.metadata
+dist = importlib.metadata.distribution("aqr")
+assert dist.metadata["License-Expression"] == "MIT", dict(dist.metadata)
+license_files = [f for f in dist.files if f.name == "LICENSE"]  # the wheel's dist-info carries the file
+assert license_files and "MIT License" in license_files[0].read_text(), dist.files
 model = aqr.models.load("resnet20_gn")
 stats = aqr.calibrate(model, [torch.rand(16, 3, 32, 32)], compile=False)
 out = aqr.AQR(model, stats, compile=False)(torch.rand(8, 3, 32, 32))

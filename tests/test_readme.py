@@ -1,5 +1,6 @@
 """The README and the method list keep their promises: the Quick start runs as pasted, every call and
-option the README's tables name exists, and docs/benchmark.md has a line for every method."""
+option the README's tables name and every file it links exists, and docs/benchmark.md has a line for every
+method."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def _section(text: str, title: str) -> str:
 
 def test_the_readme_is_short() -> None:
     assert len(_readme().split()) <= MAX_WORDS
+
+
+def test_every_relative_link_in_the_readme_exists() -> None:
+    links = re.findall(r"\]\(([^)\s]+)\)", _readme())
+    local = [link.split("#", 1)[0] for link in links if "://" not in link and not link.startswith("#")]
+    assert len(local) >= 10
+    for target in local:
+        assert (ROOT / target).exists(), target
 
 
 def test_every_call_in_the_api_table_exists() -> None:

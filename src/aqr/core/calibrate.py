@@ -289,8 +289,9 @@ def calibrate(
         layers: ``"all"``, ``"top-half"``, ``"bottom-half"`` (forward execution order) or names.
         num_quantiles: ``K`` knots at levels ``j / (K - 1)``; 101 gives the percentiles p0..p100.
         tail: the default tail strategy stored with the statistics (all strategies stay usable).
-        tail_batch, tail_repeats: "Average Sample Tails": p0/p100 become the mean of the min/max
+        tail_batch: "Average Sample Tails": p0/p100 become the mean of the min/max
             of a batch of ``tail_batch`` drawn ``tail_repeats`` times.
+        tail_repeats: how many such batches are drawn.
         tail_unit: what such a batch holds. ``"images"`` (default): whole inputs, so a draw's
             min is over every position of 100 inputs, as a test batch's is (keeps each input's
             per-channel min and max: 8 bytes per input and channel). ``"values"``: 100 activation

@@ -206,9 +206,10 @@ def quantile_map(
               sides use the same ``p``, the result does not depend on ``gaussian_p``: the lower
               tail is ``source_loc + (x - mean) * source_scale / std`` and the upper one
               ``p_{K-2}^S + (x - Q^T(u_{K-2})) * source_scale / std``.
-        source_loc, source_scale: ``(C,)`` Gaussian/affine description of the source channel
-            (the normalization layer's ``beta``/``gamma`` in the paper); needed by ``"interval"``
-            (scale) and ``"gaussian"`` (both).
+        source_loc: ``(C,)`` location of the source channel's Gaussian/affine description (the
+            normalization layer's ``beta`` in the paper); needed by ``"gaussian"``.
+        source_scale: ``(C,)`` its scale (the layer's ``gamma``); needed by ``"interval"`` and
+            ``"gaussian"``.
         gaussian_p: the level used for ``p0`` (and ``1 - gaussian_p`` for ``p100``) by ``"gaussian"``.
 
     Returns:
