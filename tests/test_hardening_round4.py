@@ -385,3 +385,11 @@ def test_ci_points_aqr_data_dir_at_the_shared_folder_beside_the_checkout(tmp_pat
     assert done.returncode == 0, done.stderr
     want = preset or str((tmp_path / "shared" / "data").resolve())
     assert done.stdout.strip().splitlines()[-1] == f"AQR_DATA_DIR={want}"  # was unset: the data tests skipped
+
+
+def test_report_on_an_empty_file_refuses_and_leaves_it_empty(tmp_path, capsys):
+    db = tmp_path / "empty.db"
+    db.touch()
+    assert main(["report", "--db", str(db), "--no-figures"]) == 1
+    assert "holds no results database" in capsys.readouterr().err
+    assert db.stat().st_size == 0  # no schema written into a file the report only reads

@@ -112,15 +112,18 @@ class ResultsDB:
     """Open (creating if needed) a results database at ``path``; use as a context manager.
 
     A file that is neither empty nor an aqr results database is refused and left as it was, as is
-    one whose pages are damaged (SQLite's ``quick_check``).
+    one whose pages are damaged (SQLite's ``quick_check``). With ``existing``, the file must already be
+    a results database (a reader's open: an empty or new file is refused, not given a schema).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, existing: bool = False) -> None:
         self.path = check_writable_target(path)  # never a FIFO or a device opened as a database
+        if existing and not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: results database not found")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-            self._check_before_writing()
+            self._check_before_writing(existing)
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.executescript(_SCHEMA)
@@ -136,14 +139,19 @@ class ResultsDB:
                                      f"this aqr reads {SCHEMA_VERSION}")
             raise ResultsDBError(f"{self.path} has schema version {found[0]}; this aqr reads {SCHEMA_VERSION}")
 
-    def _check_before_writing(self) -> None:
-        """Raise :class:`ResultsDBError` (changing nothing) for another program's database or a damaged one."""
+    def _check_before_writing(self, existing: bool = False) -> None:
+        """Raise :class:`ResultsDBError` (changing nothing) for another program's database or a damaged one,
+        and, where ``existing``, for a file that holds no database yet."""
         try:
             tables = {name for (name,) in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             damage = [m for (m,) in self._conn.execute("PRAGMA quick_check")] if tables else ["ok"]
         except sqlite3.DatabaseError as err:
             self._conn.close()
             raise ResultsDBError(f"{self.path} is not an aqr results database, or it is corrupted ({err})") from err
+        if existing and not tables:
+            self._conn.close()
+            raise ResultsDBError(f"{self.path} holds no results database (it is empty); run `aqr bench --db "
+                                 f"{self.path}` first")
         if tables and not TABLES <= tables:
             self._conn.close()
             raise ResultsDBError(f"{self.path} is not an aqr results database (it holds the tables "

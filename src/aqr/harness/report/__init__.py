@@ -54,7 +54,7 @@ def load_rows(db_path: str | Path, experiment: str | None = None, latest: bool =
     path = Path(db_path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: results database not found (run `aqr bench --db {path}` first)")
-    with ResultsDB(path) as db:
+    with ResultsDB(path, existing=True) as db:
         if experiment is not None and experiment not in db.experiments():
             known = ", ".join(db.experiments()) or "none"
             raise KeyError(f"{path} has no experiment {experiment!r} (experiments: {known})")
@@ -155,7 +155,7 @@ def report(db_path: str | Path, out_dir: str | Path, experiment: str | None = No
         require_matplotlib("aqr report's figures (or --no-figures)")
     all_rows = load_rows(db_path, experiment, latest=False)
     rows = latest_rows(all_rows)
-    with ResultsDB(db_path) as db:
+    with ResultsDB(db_path, existing=True) as db:
         correct = db.correct(r.key for r in rows)
     tables = build_tables(rows)
     summaries = sum(t.name.startswith("summary_") for t in tables)  # the paired tables follow the summaries
