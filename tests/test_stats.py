@@ -393,3 +393,18 @@ def test_statistics_built_in_memory_are_validated_too():
         aqr.SourceStats(stats.layers, stats.num_quantiles, tail="bogus")
     with pytest.raises(aqr.StatsError, match="layer '1': quantiles has shape \\(8, 101\\), expected \\(8, 11\\)"):
         aqr.SourceStats(stats.layers, 11)
+
+
+def test_saved_statistics_get_the_usual_permissions_not_private_ones(tmp_path):
+    # a service running as another user reads the statistics a training job wrote (umask applied, 0o022 here)
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        model = bn_cnn().eval()
+        stats = aqr.calibrate(model, [images(16)])
+        path = stats.save(tmp_path / "bn.aqr.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644

@@ -79,6 +79,21 @@ def check_writable_target(path: str | os.PathLike[str], *, folder: bool = False,
     return target
 
 
+def current_umask() -> int:
+    """The process's umask, read from ``/proc/self/status`` where Linux gives it: setting and restoring
+    it (the portable way) would leave it 0 for a moment in every other thread."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)  # the portable way, set to the safe side for the moment it is changed
+    os.umask(umask)
+    return umask
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object], suffix: str = ".tmp") -> Path:
     """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it to ``path``.
 
@@ -93,11 +108,10 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object], 
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     os.close(fd)
     tmp = Path(name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private
     try:
         write(tmp)
+        # after the writer (safetensors writes its files private too), not before: mkstemp's file is private
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
