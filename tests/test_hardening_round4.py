@@ -393,3 +393,23 @@ def test_report_on_an_empty_file_refuses_and_leaves_it_empty(tmp_path, capsys):
     assert main(["report", "--db", str(db), "--no-figures"]) == 1
     assert "holds no results database" in capsys.readouterr().err
     assert db.stat().st_size == 0  # no schema written into a file the report only reads
+
+
+def test_a_locked_database_is_named_in_the_error(tmp_path):
+    import sqlite3
+
+    from aqr.harness.cells import Cell, DataSpec, ModelSpec
+    from aqr.harness.results import ResultsDB, ResultsDBError
+
+    path = tmp_path / "runs.db"
+    ResultsDB(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another process's write transaction
+    cell = Cell(ModelSpec("m", "m"), DataSpec(), "source", (), "fog", 1, 8, 0, 16).to_dict()
+    try:
+        with pytest.raises(ResultsDBError, match=r"runs\.db stayed locked for 0\.1 s"):
+            with ResultsDB(path, timeout=0.1) as db:
+                db.add("k", cell, "ok", 0.5, 16, 1.0, {})
+    finally:
+        holder.rollback()
+        holder.close()

@@ -116,18 +116,24 @@ class ResultsDB:
     a results database (a reader's open: an empty or new file is refused, not given a schema).
     """
 
-    def __init__(self, path: str | Path, existing: bool = False) -> None:
+    def __init__(self, path: str | Path, existing: bool = False, timeout: float = 30.0) -> None:
+        self.timeout = timeout  # how long a write waits for another process's transaction
         self.path = check_writable_target(path)  # never a FIFO or a device opened as a database
         if existing and not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: results database not found")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+            self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
             self._check_before_writing(existing)
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.executescript(_SCHEMA)
             found = self._conn.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
+        except sqlite3.OperationalError as err:
+            if "locked" in str(err):
+                raise ResultsDBError(f"{self.path} stayed locked for {timeout:g} s ({err}): another process holds a "
+                                     "write transaction on it") from err
+            raise ResultsDBError(f"{self.path} is not an aqr results database ({err})") from err
         except sqlite3.DatabaseError as err:
             raise ResultsDBError(f"{self.path} is not an aqr results database ({err})") from err
         if found is None:
@@ -166,8 +172,12 @@ class ResultsDB:
     def __enter__(self) -> "ResultsDB":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, err: object, tb: object) -> None:
         self.close()
+        if isinstance(err, sqlite3.OperationalError) and "locked" in str(err):
+            # sqlite names no file: say which one, and why it can be locked
+            raise ResultsDBError(f"{self.path} stayed locked for {self.timeout:g} s ({err}): another process holds "
+                                 "a write transaction on it, or the file is on a file system without locks") from err
 
     # ---- writing ----------------------------------------------------------------------------
     def add(self, key: str, cell: dict, status: str, accuracy: float | None, n_images: int | None,
