@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from aqr.backends import build
+from tests.cli_lines import one_error_line
 from tests.models_tiny import tiny_checkpoint_and_images
 
 # -O0 (last, so it wins over -O3): the same library logic, a quicker build
@@ -129,7 +130,6 @@ def test_a_stamped_library_without_the_kernels_falls_back_with_one_warning(tmp_p
 
 # ---- the benchmark and the commands: arguments checked before any work ---------------------------
 
-from aqr.cli import main  # noqa: E402
 from aqr.harness.cells import DataSpec  # noqa: E402
 from aqr.harness.results import ResultsDB, ResultsDBError  # noqa: E402
 from aqr.harness.specs import GridSpec, MethodSpec  # noqa: E402
@@ -157,18 +157,6 @@ def files(tmp_path_factory) -> dict[str, str]:
             "generated": str(root / "generated"), "root": str(root)}
 
 
-def _one_line(capsys, argv: list[str], status: int, *words: str) -> str:
-    """Run the CLI; check its exit status and that it printed one error line holding ``words``."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("usage:", " "))]
-    assert code == status and len(lines) == 1, (code, lines)
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
-
-
 def _bench(files: dict[str, str], tmp_path: Path, *extra: str) -> list[str]:
     return ["bench", "--config", files["grid"], "--db", str(tmp_path / "r.db"), "--cache", str(tmp_path / "cache"),
             "--no-progress", *extra]
@@ -183,7 +171,7 @@ def _bench(files: dict[str, str], tmp_path: Path, *extra: str) -> list[str]:
     ("aqr:target=stream,balance=0.5", ["balance=0.5", "target='stream'"]),
 ])
 def test_bench_checks_methods_before_the_database_or_any_data(capsys, files, tmp_path, methods, words):
-    _one_line(capsys, _bench(files, tmp_path, "--methods", methods), 2, *words)
+    one_error_line(capsys, _bench(files, tmp_path, "--methods", methods), 2, *words)
     assert not (tmp_path / "r.db").exists() and not Path(files["generated"]).exists()
 
 
@@ -212,7 +200,7 @@ def test_the_check_takes_every_method_a_cell_can_run():
 
 
 def test_bench_refuses_more_images_than_the_pool_before_generating(capsys, files, tmp_path):
-    _one_line(capsys, _bench(files, tmp_path, "--n-images", "99999999"), 2, "99999999", f"{N_IMAGES - 100} images")
+    one_error_line(capsys, _bench(files, tmp_path, "--n-images", "99999999"), 2, "99999999", f"{N_IMAGES - 100} images")
     assert not (tmp_path / "r.db").exists() and not Path(files["generated"]).exists()
 
 
@@ -233,11 +221,11 @@ def test_a_grid_knows_its_pool_from_the_text():
     ("0:1000000000", [f"{N_IMAGES} images"]),  # refused before a list of a billion indices is made
 ])
 def test_indices_past_the_data_are_one_line_usage_errors(capsys, files, indices, words):
-    _one_line(capsys, ["evaluate", files["ckpt"], "--cifar-c", files["cifar_c"], "--corruption", "fog",
+    one_error_line(capsys, ["evaluate", files["ckpt"], "--cifar-c", files["cifar_c"], "--corruption", "fog",
                        "--methods", "source", f"--indices={indices}"], 2, *words)
-    _one_line(capsys, ["evaluate", files["ckpt"], "--data", files["npz"], "--methods", "source",
+    one_error_line(capsys, ["evaluate", files["ckpt"], "--data", files["npz"], "--methods", "source",
                        f"--indices={indices}"], 2, *words)
-    _one_line(capsys, ["calibrate", files["ckpt"], "--data", files["npz"], f"--indices={indices}",
+    one_error_line(capsys, ["calibrate", files["ckpt"], "--data", files["npz"], f"--indices={indices}",
                        "--out", str(Path(files["root"]) / "s.safetensors"), "--no-progress"], 2, *words)
 
 
@@ -264,7 +252,7 @@ def test_a_non_numeric_schema_version_names_the_file_and_value(capsys, files, tm
     with pytest.raises(ResultsDBError, match="'abc'") as caught:
         ResultsDB(path)
     assert str(path) in str(caught.value)
-    _one_line(capsys, ["report", "--db", str(path), "--out", str(tmp_path / "out")], 1, "'abc'", str(path))
+    one_error_line(capsys, ["report", "--db", str(path), "--out", str(tmp_path / "out")], 1, "'abc'", str(path))
 
 
 # ---- aqr.AQR: options its target ignores, integer images ---------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from aqr.cli import main
+from tests.cli_lines import one_error_line
 from tests.models_tiny import tiny_checkpoint_and_images
 
 N_IMAGES = 40
@@ -34,21 +35,6 @@ def files(tmp_path_factory) -> dict[str, str]:
     (root / "grid.json").write_text(json.dumps(grid))
     return {"ckpt": str(ckpt), "npz": str(npz), "grid": str(root / "grid.json"), "root": str(root),
             "generated": str(root / "generated")}
-
-
-def _one_line(capsys, argv: list[str], status: int, *words: str) -> str:
-    """Run the CLI; check its exit status and that it printed one error line holding ``words``."""
-    try:
-        code = main(argv)
-    except SystemExit as stop:  # argparse's own refusals
-        code = stop.code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("usage:", " "))]
-    assert code == status and len(lines) == 1, (code, lines)
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
 
 
 # ---- 1. output paths that are not regular files (folders) ----------------------------------------
@@ -83,7 +69,7 @@ def test_every_command_refuses_a_target_that_is_not_a_regular_file_or_folder(cap
     a_file = tmp_path / "a-file"
     a_file.write_text("keep me\n")
     for argv, words in _commands(files, tmp_path, fifo, a_file):
-        _one_line(capsys, argv, 2, words)  # calibrate used to replace the FIFO with its statistics, exit 0
+        one_error_line(capsys, argv, 2, words)  # calibrate used to replace the FIFO with its statistics, exit 0
         assert stat.S_ISFIFO(fifo.stat().st_mode) and a_file.read_text() == "keep me\n", argv
     assert not (tmp_path / "r.db").exists() and not Path(files["generated"]).exists()
 
@@ -220,7 +206,7 @@ def net_stats():
 
 @pytest.mark.parametrize("target", ["batch", "stream"])
 @pytest.mark.parametrize("check_trace", [True, False])
-def test_tracing_aqr_is_refused_in_one_line(net_stats, target, check_trace):
+def test_tracing_aqr_is_refused_inone_error_line(net_stats, target, check_trace):
     import aqr
 
     net, stats = net_stats
@@ -279,7 +265,7 @@ def test_every_method_refuses_a_non_finite_option(name, options):
 ])
 def test_train_refuses_non_finite_hyperparameters(capsys, files, tmp_path, argv, words):
     out = tmp_path / "m.pt"
-    _one_line(capsys, ["train", "--model", "resnet20", "--data", files["npz"], "--epochs", "1", "--out", str(out),
+    one_error_line(capsys, ["train", "--model", "resnet20", "--data", files["npz"], "--epochs", "1", "--out", str(out),
                        *argv], 2, *words)
     assert not out.exists()
 
@@ -308,19 +294,19 @@ def label_files(files) -> dict[str, str]:
 
 def test_labels_outside_the_classes_are_refused(capsys, files, label_files, tmp_path):
     for name, words in (("negative", ["holds the label -1"]), ("ten", ["the label 10", "10 classes"])):
-        _one_line(capsys, ["evaluate", files["ckpt"], "--data", label_files[name], "--methods", "source"], 2,
+        one_error_line(capsys, ["evaluate", files["ckpt"], "--data", label_files[name], "--methods", "source"], 2,
                   *words)  # was "0.00 %", exit 0
-    _one_line(capsys, ["corrupt", "--data", label_files["negative"], "--out", str(tmp_path / "c"),
+    one_error_line(capsys, ["corrupt", "--data", label_files["negative"], "--out", str(tmp_path / "c"),
                        "--corruptions", "fog", "--severities", "1", "--no-progress"], 2, "label -1")  # was copied
     assert not (tmp_path / "c").exists()
-    _one_line(capsys, ["train", "--model", "resnet20", "--data", label_files["huge"], "--epochs", "1"], 2,
+    one_error_line(capsys, ["train", "--model", "resnet20", "--data", label_files["huge"], "--epochs", "1"], 2,
               "label 1000000000000")  # was an attempt at 256 TB
 
 
 def test_train_refuses_absurd_sizes_before_building(capsys, files):
-    _one_line(capsys, ["train", "--model", "resnet20", "--data", files["npz"], "--epochs", "1",
+    one_error_line(capsys, ["train", "--model", "resnet20", "--data", files["npz"], "--epochs", "1",
                        "--model-kwargs", '{"width": 100000}'], 2, "model_kwargs['width']", "4096")  # was 360 GB
-    _one_line(capsys, ["train", "--model", "resnet20", "--data", files["npz"], "--epochs", "1",
+    one_error_line(capsys, ["train", "--model", "resnet20", "--data", files["npz"], "--epochs", "1",
                        "--threads", "100000"], 2, "--threads", "1024")  # was a segmentation fault in libgomp
     from aqr.util.threads import torch_threads
 
@@ -342,14 +328,14 @@ def test_grid_file_values_are_refused_as_written(capsys, files, tmp_path, change
     grid = {**json.loads(Path(files["grid"]).read_text()), **change}
     path = tmp_path / "grid.json"
     path.write_text(json.dumps(grid))
-    _one_line(capsys, ["bench", "--config", str(path), "--db", str(tmp_path / "r.db"), "--dry-run"], 2, *words)
+    one_error_line(capsys, ["bench", "--config", str(path), "--db", str(tmp_path / "r.db"), "--dry-run"], 2, *words)
 
 
 def test_seeds_past_what_torch_holds_are_refused_by_the_parser(capsys, files, tmp_path):
     big = "99999999999999999999"  # passed --dry-run, then an OverflowError in every cell
-    _one_line(capsys, ["bench", "--config", files["grid"], "--db", str(tmp_path / "r.db"), "--dry-run",
+    one_error_line(capsys, ["bench", "--config", files["grid"], "--db", str(tmp_path / "r.db"), "--dry-run",
                        "--seeds", big], 2, "--seeds")
-    _one_line(capsys, ["evaluate", files["ckpt"], "--data", files["npz"], "--methods", "source", "--seed", big], 2,
+    one_error_line(capsys, ["evaluate", files["ckpt"], "--data", files["npz"], "--methods", "source", "--seed", big], 2,
               "--seed")
     from aqr.methods.base import ProtocolConfig
 
