@@ -108,6 +108,11 @@ class Row:
     detail: dict | None = None  # e.g. a continual cell's per-image results (aqr.harness.continual.stream_detail)
 
 
+def _locked(err: sqlite3.OperationalError) -> bool:
+    """Whether sqlite gave up waiting for another connection's lock."""
+    return "locked" in str(err)
+
+
 class ResultsDB:
     """Open (creating if needed) a results database at ``path``; use as a context manager.
 
@@ -130,9 +135,8 @@ class ResultsDB:
             self._conn.executescript(_SCHEMA)
             found = self._conn.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
         except sqlite3.OperationalError as err:
-            if "locked" in str(err):
-                raise ResultsDBError(f"{self.path} stayed locked for {timeout:g} s ({err}): another process holds a "
-                                     "write transaction on it") from err
+            if _locked(err):
+                raise self._locked_error(err) from err
             raise ResultsDBError(f"{self.path} is not an aqr results database ({err})") from err
         except sqlite3.DatabaseError as err:
             raise ResultsDBError(f"{self.path} is not an aqr results database ({err})") from err
@@ -174,10 +178,13 @@ class ResultsDB:
 
     def __exit__(self, kind: object, err: object, tb: object) -> None:
         self.close()
-        if isinstance(err, sqlite3.OperationalError) and "locked" in str(err):
-            # sqlite names no file: say which one, and why it can be locked
-            raise ResultsDBError(f"{self.path} stayed locked for {self.timeout:g} s ({err}): another process holds "
-                                 "a write transaction on it, or the file is on a file system without locks") from err
+        if isinstance(err, sqlite3.OperationalError) and _locked(err):
+            raise self._locked_error(err) from err
+
+    def _locked_error(self, err: sqlite3.OperationalError) -> ResultsDBError:
+        """sqlite's "database is locked" names no file: the error that says which one, and why it can be."""
+        return ResultsDBError(f"{self.path} stayed locked for {self.timeout:g} s ({err}): another process holds a "
+                              "write transaction on it, or the file is on a file system without locks")
 
     # ---- writing ----------------------------------------------------------------------------
     def add(self, key: str, cell: dict, status: str, accuracy: float | None, n_images: int | None,

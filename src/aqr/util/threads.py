@@ -12,7 +12,8 @@ MAX_THREADS = 1024  # more torch threads than any machine's cores; 100,000 kills
 def check_threads(n: object) -> None:
     """Raise ``ValueError`` unless ``n`` is ``None`` or an integer in ``[0, MAX_THREADS]`` (0: torch's default)."""
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_THREADS):
-        raise ValueError(f"the number of threads must be an integer in [1, {MAX_THREADS}], got {n!r}")
+        raise ValueError(f"the number of threads must be an integer in [1, {MAX_THREADS}] (0: torch's default), "
+                         f"got {n!r}")
 
 
 @contextlib.contextmanager
