@@ -64,6 +64,7 @@ def options(name: str, protocol: str, target: str | None = None) -> dict:
         "sar": {"lr": 0.05, "e0": 10.0, "recovery_threshold": 0.0},
         "eta": {"e0": 10.0, "d_margin": 2.0},
         "eata": {"e0": 10.0, "d_margin": 2.0},
+        "rdumb": {"e0": 10.0, "d_margin": 2.0, "reset_every": 2},
         "deyo": {"margin": 10.0, "plpd_threshold": -1.0},
         "cotta": {"augmentations": 2, "anchor_threshold": 1.0},  # always averages augmentations (draws)
         "rotta": {"capacity": 8, "update_every": 8},
@@ -193,7 +194,7 @@ def test_a_held_state_is_the_adapted_one(name: str, protocol: str, target: str |
 
 def test_which_methods_hold_a_state() -> None:
     holding = {(n, p, t) for n, p, t in CASES if build(n, p, t).holds_state}
-    weights = {"tent", "sar", "eta", "eata", "roid", "deyo", "cotta", "rotta", "bn-ema", "rbn"}
+    weights = {"tent", "sar", "eta", "eata", "roid", "deyo", "cotta", "rotta", "bn-ema", "rbn", "unmixtns", "rdumb"}
     expected = {(n, "online", None) for n in weights} | {("aqr", "online", "stream"), ("aqr", "online", "robust")}
     # the compositions: the gradient ones hold their weights (and a streaming map's state), aqr+lame only AQR's stream
     composed = {"aqr+tent", "aqr+eta", "aqr+roid"} & set(METHODS)
@@ -203,7 +204,7 @@ def test_which_methods_hold_a_state() -> None:
 
 
 # ------------------------------------------------------------------ what each state predicts
-@pytest.mark.parametrize("name", ["tent", "sar", "eta", "eata", "deyo", "roid", "rotta", "rbn"])
+@pytest.mark.parametrize("name", ["tent", "sar", "eta", "eata", "deyo", "roid", "rotta", "rbn", "unmixtns", "rdumb"])
 def test_held_is_what_the_online_method_would_score_before_adapting(name: str) -> None:
     """Online, these methods score a batch with the state before its update: forward_held gives the same
     logits (ROID: without its prior correction, a per-batch output step that carries nothing over)."""

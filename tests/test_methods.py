@@ -123,7 +123,8 @@ def field_options(name: str, data=images) -> dict:
 # ---------------------------------------------------------------------------- registry
 def test_available_and_create() -> None:
     assert methods.available() == ["source", "ttn", "tent", "sar", "aqr", "moments", "rbn", "bn-ema", *FIELD,
-                                   "cotta", "rotta", "lame", "aqr+tent", "aqr+eta", "aqr+roid", "aqr+lame"]
+                                   "cotta", "rotta", "lame", "unmixtns", "rdumb", "aqr+tent", "aqr+eta", "aqr+roid",
+                                   "aqr+lame"]
     net = conv_net()
     for name in ["source", "ttn", "tent", "sar", "rbn"]:
         m = create(name, net, protocol="online" if name == "rbn" else "episodic")
@@ -438,6 +439,7 @@ def test_methods_declare_what_a_caller_must_supply() -> None:
                      "rbn": (None, False, False), "bn-ema": (None, False, False), "eta": (None, False, False),
                      "eata": (None, False, True), "roid": (None, False, False), "deyo": (None, False, False),
                      "cotta": (None, False, False), "rotta": (None, False, False), "lame": (None, False, False),
+                     "unmixtns": (None, False, False), "rdumb": (None, False, False),
                      "aqr+tent": (pre, True, False), "aqr+eta": (pre, False, False), "aqr+roid": (pre, False, False),
                      "aqr+lame": (out, False, False)}
     maps = {name for name in methods.available() if methods.declaration(name).maps_quantiles}

@@ -39,6 +39,7 @@ from torch import nn
 
 # Importing a method's module registers it (its @method declaration); the order here is the order of available().
 from . import source, ttn, tent, sar, aqr_method, moments, rbn, bn_ema, eata, roid, deyo, cotta, rotta, lame  # noqa: F401
+from . import unmixtns, rdumb  # noqa: F401
 from . import compose  # noqa: F401  (after its partners)
 from .aqr_method import AQRMethod, AQRMethodConfig
 from .base import NotApplicable, ProtocolConfig, TTAMethod, softmax_entropy
@@ -58,6 +59,8 @@ from .sar import FREEZE_RULES, SAR, SARConfig
 from .source import Source
 from .tent import Tent, TentConfig, default_lr, infer_arch
 from .ttn import TTN
+from .unmixtns import UnMixTNS, UnMixTNSConfig
+from .rdumb import RDumb, RDumbConfig
 
 #: The registered methods by name, a read-only view of the registry (:func:`declaration` for what each declares).
 METHODS: Mapping[str, MethodDeclaration] = REGISTRY.view
