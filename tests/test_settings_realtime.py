@@ -103,6 +103,7 @@ def test_a_setting_or_order_reaches_every_part_of_a_grid() -> None:
     (("--setting", "correlated", "--delta", "0.1", "--order", "iid"), "--setting and --order"),
     (("--setting", "correlated"), "needs --delta"),
     (("--setting", "continual", "--delta", "0.1"), "--delta goes with"),
+    (("--setting", "gradual_correlated"), "needs --delta"),
     (("--delta", "0.1"), "--delta goes with"),
 ])
 def test_setting_flags_that_do_not_fit_are_usage_errors(argv: tuple[str, ...], message: str) -> None:
@@ -129,7 +130,36 @@ def test_settings_shape_the_stream() -> None:
     assert {setting_of(c) for c in apply_setting(stream, "correlated", 0.1).cells()} == {"correlated"}
     with pytest.raises(ValueError, match="unknown setting"):
         apply_setting(stream, "sorted")
-    assert len(SETTINGS) == 5
+    assert len(SETTINGS) == 8
+
+
+def test_correlated_settings_order_each_stream_by_class() -> None:
+    """The reference's mixed_domains_correlated, gradual_correlated and reset_each_shift_correlated: the
+    uncorrelated setting's cells with a class-correlated order (delta 0: sorted by class)."""
+    stream = preset("stream", data_dir=DATA_DIR)
+    for setting, delta, order in (("mixed_domains_correlated", 0.1, "mixed,delta=0.1"),
+                                  ("gradual_correlated", 0.01, "delta=0.01"),
+                                  ("reset_each_shift_correlated", 0.0, "delta=0")):
+        plain = apply_setting(stream, setting.removesuffix("_correlated"))
+        grid = apply_setting(stream, setting, delta)
+        assert grid.orders == (order,) and grid.name == f"stream-{setting}-delta={delta:g}"
+        assert (grid.corruptions, grid.severities, grid.protocol) == (plain.corruptions, plain.severities, plain.protocol)
+        assert {setting_of(c) for c in grid.cells()} == {setting}
+        for bad in (None,):
+            with pytest.raises(ValueError, match="--delta"):
+                apply_setting(stream, setting, bad)
+    with pytest.raises(ValueError, match="--delta"):
+        apply_setting(stream, "mixed_domains", 0.1)
+    # the field preset's parts take the setting, each keeping its protocol and batch size
+    field = grid_from_args(_args("--preset", "field", "--setting", "mixed_domains_correlated", "--delta", "0.1"))
+    cells = list(field.cells())
+    assert {c.order for c in cells} == {"mixed,delta=0.1"}
+    assert {(c.protocol, c.batch_size) for c in cells} == {("online", 64), ("online", 16), (REALTIME, 64),
+                                                            (REALTIME, 16)}
+    # existing settings keep their cells and keys
+    keys = {cell_key(c, FILES, "v") for c in apply_setting(stream, "mixed_domains").cells()}
+    assert keys.isdisjoint(cell_key(c, FILES, "v") for c in apply_setting(stream, "mixed_domains_correlated",
+                                                                             0.1).cells())
 
 
 def stream_schedule_names(grid: GridSpec) -> list[str]:

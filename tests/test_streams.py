@@ -102,9 +102,10 @@ def test_orders_are_seeded() -> None:
 def test_edge_cases_and_bad_input() -> None:
     assert len(dirichlet_order(np.zeros(0, dtype=int), 0.1, 0)) == 0
     assert np.array_equal(dirichlet_order(np.zeros(5, dtype=int), 0.1, 0), np.arange(5))
-    for bad in (0, -1, float("nan"), "x", None):
+    for bad in (-1, -1e-9, float("nan"), "x", None):
         with pytest.raises(ValueError, match="delta"):
             check_delta(bad)
+    assert check_delta(0) == 0.0
     with pytest.raises(ValueError, match="integers"):
         dirichlet_order(np.array([0.5, 1.0]), 0.1, 0)
     with pytest.raises(ValueError, match="non-negative"):
@@ -115,13 +116,28 @@ def test_edge_cases_and_bad_input() -> None:
         dirichlet_order(np.zeros((2, 2), dtype=int), 0.1, 0)
 
 
+def test_delta_zero_sorts_by_class_keeping_each_class_in_the_order_given() -> None:
+    labels = np.array([2, 0, 1, 0, 2, 1, 0])
+    order = dirichlet_order(labels, 0, 0)
+    assert order.tolist() == [1, 3, 6, 2, 5, 0, 4]  # class 0 at 1, 3, 6; class 1 at 2, 5; class 2 at 0, 4
+    assert np.array_equal(order, dirichlet_order(labels, 0, 123))  # no random numbers
+    blocks = [balanced_labels(), balanced_labels()]
+    rows = StreamOrder.parse("mixed,delta=0").stream(blocks, 0)
+    stream_labels = take(blocks, rows)
+    assert np.all(np.diff(stream_labels) >= 0)  # the pooled stream sorted by class ...
+    first = rows[stream_labels == 0]
+    assert len(set(first[:, 0].tolist())) == 2  # ... each class's run mixing both corruptions
+    assert not np.array_equal(first, first[np.lexsort((first[:, 1], first[:, 0]))])  # in shuffled order
+
+
 def test_stream_order_text_round_trips() -> None:
     for text, order in [("iid", StreamOrder()), ("delta=0.1", StreamOrder(0.1)), ("mixed", StreamOrder(mixed=True)),
                         ("mixed,delta=0.01", StreamOrder(0.01, True))]:
         assert StreamOrder.parse(text) == order and str(order) == text
     assert StreamOrder.parse("delta=inf") == StreamOrder() and StreamOrder.parse(" delta=1e-1 ") == StreamOrder(0.1)
     assert StreamOrder.parse("delta=0.1,mixed") == StreamOrder(0.1, True)
-    for bad in ("sorted", "delta=0", "delta", "delta=-2", "mixed=yes"):
+    assert StreamOrder.parse("delta=0") == StreamOrder(0.0) and str(StreamOrder(0.0)) == "delta=0"
+    for bad in ("sorted", "delta", "delta=-2", "mixed=yes"):
         with pytest.raises(ValueError):
             StreamOrder.parse(bad)
     with pytest.raises(ValueError, match="mixed"):

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from aqr.cli.common import UsageError, add_image_arguments, add_threads, amount, count, counts, method_specs, seeds
+from aqr.harness.settings import CORRELATED_SETTINGS, SETTINGS
 from aqr.util.files import check_writable_target
 
 DEFAULT_DB = "runs/results.db"
@@ -42,15 +43,17 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
                         "(class-correlated, Dirichlet concentration D as in RoTTA; small D: long runs of one class), "
                         "'mixed' for continual cells; the grid's name, under which its cells are recorded, gets "
                         "'-<order>' appended")
-    p.add_argument("--setting", default=None, choices=("reset_each_shift", "continual", "gradual", "mixed_domains",
-                                                       "correlated"),
+    p.add_argument("--setting", default=None, choices=SETTINGS,
                    help="the grid in one of the field's settings (as the test-time-adaptation benchmark names them): "
                         "reset_each_shift (a fresh method per corruption, online), continual (one stream of the "
                         "corruptions, no reset), gradual (that stream with severities 1..5..1 per corruption), "
-                        "mixed_domains (the stream's images mixed), correlated (class-correlated order; needs "
-                        "--delta; the same cells as --order delta=D); the grid's name gets '-<setting>' appended")
+                        "mixed_domains (the stream's images mixed), correlated (class-correlated order; the same "
+                        "cells as --order delta=D), and mixed_domains_correlated, gradual_correlated, "
+                        "reset_each_shift_correlated (those settings in class-correlated order); each *correlated "
+                        "setting needs --delta; the grid's name gets '-<setting>' appended")
     p.add_argument("--delta", type=float, default=None,
-                   help="--setting correlated: Dirichlet concentration of the class order (small: long runs of one class)")
+                   help="the correlated settings: Dirichlet concentration of the class order (small: long runs of "
+                        "one class; 0: sorted by class)")
     add_image_arguments(p, workers=False)
 
 
@@ -83,10 +86,11 @@ def grid_from_args(args: argparse.Namespace):
     if setting and args.order:
         raise UsageError("--setting and --order both set the stream order; give one (--setting correlated "
                          "--delta D is --order delta=D)")
-    if delta is not None and setting != "correlated":
-        raise UsageError("--delta goes with --setting correlated")
-    if setting == "correlated" and delta is None:
-        raise UsageError("--setting correlated needs --delta D (e.g. 0.1), the Dirichlet concentration")
+    if delta is not None and setting not in CORRELATED_SETTINGS:
+        raise UsageError(f"--delta goes with --setting {'|'.join(CORRELATED_SETTINGS)}")
+    if setting in CORRELATED_SETTINGS and delta is None:
+        raise UsageError(f"--setting {setting} needs --delta D (e.g. 0.1; 0 sorts by class), the Dirichlet "
+                         "concentration")
     if args.order:  # the report reads an experiment's rows by its name: keep orders apart
         from aqr.harness.cells import canonical_order, stream_corruptions
 

@@ -52,13 +52,13 @@ def check_labels(labels: Sequence[int] | np.ndarray, num_classes: int | None = N
 
 
 def check_delta(delta: float) -> float:
-    """The Dirichlet concentration as a float: positive, ``inf`` allowed (i.i.d.), never NaN."""
+    """The Dirichlet concentration as a float: positive, ``0`` (sorted by class) or ``inf`` (i.i.d.), never NaN."""
     try:
         value = float(delta)
     except (TypeError, ValueError):
-        raise ValueError(f"delta must be a positive number or 'inf', got {delta!r}") from None
-    if not value > 0:  # also catches NaN
-        raise ValueError(f"delta must be positive (or inf for i.i.d.), got {delta!r}")
+        raise ValueError(f"delta must be a non-negative number or 'inf', got {delta!r}") from None
+    if not value >= 0:  # also catches NaN
+        raise ValueError(f"delta must be >= 0 (0: sorted by class; inf: i.i.d.), got {delta!r}")
     return value
 
 
@@ -66,7 +66,8 @@ def dirichlet_order(labels: Sequence[int] | np.ndarray, delta: float, rng: int |
                     num_classes: int | None = None) -> np.ndarray:
     """Positions ``0..n-1`` of ``labels`` in class-correlated stream order (RoTTA's Dirichlet sampler).
 
-    ``delta = inf`` gives a uniformly random permutation (i.i.d.). ``num_classes`` (default: largest
+    ``delta = inf`` gives a uniformly random permutation (i.i.d.), ``delta = 0`` the positions sorted by class
+    (stable: a class's images in the order given). ``num_classes`` (default: largest
     label + 1) sets the number of time slots, ``min(num_classes, MAX_SLOTS)``; a class with no image
     simply has empty runs. Images of a class keep their relative order from ``labels``, as in RoTTA,
     so pass them in random order (e.g. a seeded draw) unless that order is meant.
@@ -77,6 +78,8 @@ def dirichlet_order(labels: Sequence[int] | np.ndarray, delta: float, rng: int |
     n = len(labels)
     if math.isinf(delta) or n == 0:
         return rng.permutation(n)
+    if delta == 0:
+        return np.argsort(labels, kind="stable").astype(np.int64)
     classes = int(num_classes) if num_classes is not None else int(labels.max()) + 1
     slots = min(classes, MAX_SLOTS)
     if slots < 2:

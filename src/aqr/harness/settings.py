@@ -14,8 +14,14 @@
     the continual stream with all blocks' images mixed in one random order.
 ``correlated``
     the grid's cells with their images in class-correlated order, Dirichlet concentration ``delta``
-    (small: long runs of one class); exactly what ``--order delta=D`` does, so the cells and their keys
-    are the same. On continual cells that is the reference's ``correlated`` setting.
+    (small: long runs of one class; ``0``: sorted by class label); exactly what ``--order delta=D`` does,
+    so the cells and their keys are the same. On continual cells that is the reference's ``correlated``
+    setting.
+``mixed_domains_correlated``, ``gradual_correlated``, ``reset_each_shift_correlated``
+    ``mixed_domains``, ``gradual`` and ``reset_each_shift`` with the images of each cell's stream in
+    class-correlated order (``delta`` as for ``correlated``), as the reference combines them: mixed
+    domains pools and shuffles every corruption's images and then orders the pooled stream by class;
+    the gradual stream and each reset-each-shift cell order every block of one corruption and severity.
 
 The setting is also read back from a cell (:func:`setting_of`), for reports.
 """
@@ -28,7 +34,10 @@ from aqr.harness.cells import (CONTINUAL, CONTINUAL_ORDER, GRADUAL, Cell, canoni
                                stream_corruptions)
 from aqr.harness.specs import GridSpec
 
-SETTINGS = ("reset_each_shift", "continual", "gradual", "mixed_domains", "correlated")
+SETTINGS = ("reset_each_shift", "continual", "gradual", "mixed_domains", "correlated", "mixed_domains_correlated",
+            "gradual_correlated", "reset_each_shift_correlated")
+#: The settings that order each stream by class and so need ``delta``.
+CORRELATED_SETTINGS = tuple(s for s in SETTINGS if s.endswith("correlated"))
 
 
 def _single(corruptions: Sequence[str]) -> tuple[str, ...]:
@@ -44,21 +53,28 @@ def stream_name(kind: str, corruptions: Sequence[str]) -> str:
 
 
 def apply_setting(grid: GridSpec, setting: str, delta: float | None = None) -> GridSpec:
-    """``grid`` in the named setting (see the module docs); ``delta`` is required by ``correlated`` only.
+    """``grid`` in the named setting (see the module docs); ``delta`` is required by the correlated settings
+    (:data:`CORRELATED_SETTINGS`) only.
 
-    The grid's name gets ``-<setting>`` appended (``-delta=D`` for ``correlated``, as ``--order`` does),
-    so reports keep settings apart. The grid's parts take the setting too, each keeping its protocol (a
-    realtime part stays realtime). ``ValueError`` for an unknown setting or a missing or stray ``delta``.
+    The grid's name gets ``-<setting>`` appended (``-delta=D`` for ``correlated``, as ``--order`` does;
+    ``-<setting>-delta=D`` for the other correlated settings), so reports keep settings apart. The grid's
+    parts take the setting too, each keeping its protocol (a realtime part stays realtime). ``ValueError``
+    for an unknown setting or a missing or stray ``delta``.
     """
     if setting not in SETTINGS:
         raise ValueError(f"unknown setting {setting!r}; expected one of {', '.join(SETTINGS)}")
-    if (setting == "correlated") != (delta is not None):
-        raise ValueError("--delta D goes with --setting correlated (and only there): the Dirichlet concentration "
-                         "of the class-correlated order")
+    if (setting in CORRELATED_SETTINGS) != (delta is not None):
+        raise ValueError(f"--delta D goes with --setting {'|'.join(CORRELATED_SETTINGS)} (and only there): the "
+                         "Dirichlet concentration of the class-correlated order")
     parts = tuple(apply_setting(part, setting, delta) for part in grid.parts)
     if setting == "correlated":
         order = canonical_order(f"delta={delta}")
         return grid.override(orders=(order,), name=f"{grid.name}-{order}", parts=parts)
+    if setting in CORRELATED_SETTINGS:  # the uncorrelated setting, then its stream ordered by class
+        base = apply_setting(grid.override(parts=()), setting.removesuffix("_correlated"))
+        mixed = "mixed," if base.orders == ("mixed",) else ""
+        order = canonical_order(f"{mixed}delta={delta}")
+        return base.override(orders=(order,), name=f"{grid.name}-{setting}-delta={delta:g}", parts=parts)
     corruptions = _single(grid.corruptions)
     online = "online" if grid.protocol == "episodic" else grid.protocol
     changes: dict = {"name": f"{grid.name}-{setting}", "protocol": online, "orders": (None,), "parts": parts}
@@ -74,18 +90,21 @@ def apply_setting(grid: GridSpec, setting: str, delta: float | None = None) -> G
 
 
 def setting_of(cell: Cell) -> str:
-    """The setting a cell belongs to: ``gradual``, ``mixed_domains``, ``correlated`` (a class-correlated
-    order), ``continual`` (any other stream) or ``reset_each_shift`` (one corruption, online), else
-    ``episodic``."""
+    """The setting a cell belongs to: ``mixed_domains`` (``_correlated`` with a class-correlated order),
+    ``gradual_correlated``, ``gradual``, ``correlated`` (any other stream in class-correlated order, and an
+    episodic cell in one), ``continual`` (any other stream), ``reset_each_shift_correlated`` and
+    ``reset_each_shift`` (one corruption, online), else ``episodic``."""
     from aqr.data.streams import StreamOrder
 
     order = StreamOrder.parse(cell.order) if cell.order is not None else None
+    correlated = order is not None and not order.iid
     if order is not None and order.mixed:
-        return "mixed_domains"
-    if order is not None and order.delta != float("inf"):
-        return "correlated"
+        return "mixed_domains_correlated" if correlated else "mixed_domains"
     if is_gradual(cell.corruption):
-        return "gradual"
+        return "gradual_correlated" if correlated else "gradual"
+    if correlated:
+        one = stream_corruptions(cell.corruption) is None and cell.protocol != "episodic"
+        return "reset_each_shift_correlated" if one else "correlated"
     if stream_corruptions(cell.corruption) is not None:
         return "continual"
     return "episodic" if cell.protocol == "episodic" else "reset_each_shift"
