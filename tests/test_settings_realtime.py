@@ -16,7 +16,7 @@ from aqr.cli.common import UsageError
 from aqr.harness import continual
 from aqr.harness.cells import REALTIME, Cell, DataSpec, ModelSpec, severity_ramp, stream_schedule
 from aqr.harness.keys import cell_key
-from aqr.harness.presets import FIELD_METHODS, preset
+from aqr.harness.presets import FIELD_METHODS, FIELD_OFFLINE_METHODS, preset
 from aqr.harness.realtime import timing
 from aqr.harness.realtime.costs import CostTable, cost_key, with_cost
 from aqr.harness.realtime.rule import adapted_batches
@@ -273,7 +273,9 @@ def test_field_preset_shape() -> None:
     assert {m for m, *_ in by} == models
     assert {(m, o) for m, b, o, p in by if p == REALTIME} == {(m, o) for m in models for o in (None, "delta=0.1")}
     assert {m for m, b, *_ in by if b == 16} == {"resnet20_trainstats"}
-    assert {c.method for c in cells} == {MethodSpec.parse(m).name for m in FIELD_METHODS}
+    assert {c.method for c in cells} == {MethodSpec.parse(m).name for m in FIELD_OFFLINE_METHODS}
+    assert {c.method for c in cells if c.protocol == REALTIME} == {MethodSpec.parse(m).name for m in FIELD_METHODS}
+    assert {c.model.name for c in cells if c.method == "unmixtns"} == models  # n/a cells on GN and LN, recorded
     assert all(c.n_images == 500 and c.corruption == "continual" for c in cells)
     keys = [cell_key(c, FILES, "v") for c in cells]
     assert len(set(keys)) == len(keys)

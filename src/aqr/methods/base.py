@@ -17,6 +17,16 @@ Protocols (``ProtocolConfig.protocol``):
 
 Stateless methods (source, TTN, AQR) behave identically under both protocols.
 
+Batch size 1 (``ProtocolConfig.window``, the test-time-adaptation benchmark's ``TEST.WINDOW_LENGTH``): a method
+fed one image at a time with ``window = W > 1`` keeps the last ``W`` images in a sliding window. Once every
+``W`` images (when the window's slot ``W - 1`` has just been filled) it runs its ordinary step on the whole
+window (adapting, under the protocol) and scores the image from that forward; every other image is scored
+from a forward of the window with the state the method holds, which it does not change
+(:meth:`TTAMethod.predict_held`; a method that holds no state: :meth:`TTAMethod.predict` on the window). So
+batch statistics, LAME's affinities or per-batch AQR's quantiles come from the ``W`` most recent images,
+and a method adapts on every ``W`` images, as it would at batch ``W``. Batches of more than one image
+ignore the window.
+
 Batches a method has no time to adapt on (the realtime protocol, where the stream runs at the speed of
 the plain model): :meth:`TTAMethod.forward_held` predicts them with the state the method holds from its
 last adapted batch, and they change nothing. A method holds a state (:attr:`TTAMethod.holds_state`)
@@ -41,6 +51,8 @@ from aqr.util.seeds import check_seed
 from .held import RebuiltCache, running_statistics, source_view
 
 PROTOCOLS = ("episodic", "online")
+#: The longest sliding window a method keeps at batch size 1 (every image of it is forwarded per image).
+MAX_WINDOW = 4096
 
 
 class NotApplicable(Exception):
@@ -66,11 +78,15 @@ class ProtocolConfig:
             are deterministic anyway, while ROID's augmentation and DeYO's patch shuffle draw
             theirs here. The seed makes any randomness inside a user's model reproducible too.
             ``None`` leaves the global RNG alone.
+        window: images of the sliding window a method keeps when it is fed one image at a time (see the
+            module docs); 1, the default, adapts on each image alone. The reference's batch-1 form; the
+            field's batch-1 runs use 64, its batch size.
     """
 
     protocol: str = "episodic"
     steps: int = 1
     seed: int | None = 0
+    window: int = 1
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -79,6 +95,8 @@ class ProtocolConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.seed is not None:
             check_seed(self.seed)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or not 1 <= self.window <= MAX_WINDOW:
+            raise ValueError(f"window must be an integer in [1, {MAX_WINDOW}], got {self.window!r}")
 
     @property
     def episodic(self) -> bool:
@@ -166,6 +184,8 @@ class TTAMethod(nn.Module):
         self.optimizer = self.build_optimizer()
         self._initial_state = self._snapshot() if self.optimizer is not None else None
         self._batches_since_reset = 0
+        self._window: torch.Tensor | None = None  # the last images seen one at a time (protocol.window > 1)
+        self._window_slot = 0  # where the next single image goes in the window
 
     # ---- hooks --------------------------------------------------------------------------
     def configure_model(self, model: nn.Module) -> nn.Module:
@@ -200,8 +220,54 @@ class TTAMethod(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the scored logits for batch ``x`` (detached), adapting first if the method does."""
+        if self.protocol.window > 1 and x.shape[0] == 1:
+            return self._forward_windowed(x)
+        try:
+            return self._forward_batch(x)
+        except ValueError as err:
+            if x.shape[0] == 1 and "more than 1 value per channel" in str(err):
+                raise ValueError(f"{self.name} normalizes with the statistics of the batch, and a BatchNorm layer of "
+                                 "this model sees one value per channel for one image: it runs from batch 2, or at "
+                                 "batch 1 with a sliding window (window=64: the last 64 images)") from err
+            raise
+
+    def _forward_windowed(self, x: torch.Tensor) -> torch.Tensor:
+        """One image through the sliding window (see the module docs): the window's step once it has just
+        filled slot ``window - 1``, else a forward of the window with the state held."""
+        size, slot = self.protocol.window, self._window_slot
+        window = self._window
+        if window is None or window.shape[1:] != x.shape[1:] or window.device != x.device or window.dtype != x.dtype:
+            window, slot = x.detach().clone(), 0  # a first image, or images of another kind: a new window
+        elif len(window) < size:
+            window = torch.cat([window, x.detach()])
+        else:
+            window[slot] = x[0].detach()
+        self._window, self._window_slot = window, (slot + 1) % size
+        if slot == size - 1:
+            return self._forward_batch(window, keep_window=True)[slot:slot + 1]
         if self.protocol.episodic:
-            self.reset()
+            self.reset_keeping_window()
+        with self._seeded(x.device), torch.no_grad():
+            try:
+                logits = self.predict_held(window) if self.holds_state else self.predict(window)
+            except ValueError as err:
+                if len(window) > 1 or "more than 1 value per channel" not in str(err):
+                    raise
+                # a window of one image and BatchNorm over (N, C) vectors: the reference's BatchNorm1d layers
+                # stay in eval mode until the window holds two images; here the whole model as given does
+                logits = self.source_logits(window)
+        self._batches_since_reset += 1
+        return logits[slot:slot + 1].detach()
+
+    def reset_keeping_window(self) -> None:
+        """:meth:`reset` without clearing the sliding window (the episodic protocol resets before each image)."""
+        window, slot = self._window, self._window_slot
+        self.reset()
+        self._window, self._window_slot = window, slot
+
+    def _forward_batch(self, x: torch.Tensor, keep_window: bool = False) -> torch.Tensor:
+        if self.protocol.episodic:
+            self.reset_keeping_window() if keep_window else self.reset()
         with self._seeded(x.device):
             if not self.updates_weights:
                 logits = self.predict(x)
@@ -254,9 +320,10 @@ class TTAMethod(nn.Module):
         return view
 
     def reset(self) -> None:
-        """Restore the original weights, buffers and optimizer state, and clear extra state."""
+        """Restore the original weights, buffers and optimizer state, clear extra state and the sliding window."""
         self.restore_initial_state()
         self._batches_since_reset = 0
+        self._window, self._window_slot = None, 0
 
     def restore_initial_state(self) -> None:
         """Weights, buffers, optimizer state and extra state back to what they were at creation."""

@@ -34,7 +34,8 @@ BASE_METHODS = ("source", "ttn", "tent", "sar", "moments", "aqr")
 METHOD_LABELS = {"source": "Source (NA)", "ttn": "TTN", "tent": "TENT", "sar": "SAR", "moments": "Moments",
                  "aqr": "AQR", "bn-ema": "BN-EMA", "rbn": "RBN", "eta": "ETA", "eata": "EATA", "cotta": "CoTTA",
                  "rotta": "RoTTA", "lame": "LAME", "roid": "ROID", "deyo": "DeYO", "aqr+tent": "AQR+TENT",
-                 "aqr+eta": "AQR+ETA", "aqr+roid": "AQR+ROID", "aqr+lame": "AQR+LAME"}
+                 "aqr+eta": "AQR+ETA", "aqr+roid": "AQR+ROID", "aqr+lame": "AQR+LAME", "unmixtns": "UnMix-TNS",
+                 "rdumb": "RDumb"}
 DIGITS = 1  # decimals shown in tables (the JSON and CSV keep full precision)
 
 
