@@ -16,7 +16,7 @@ from aqr.cli.common import UsageError
 from aqr.harness import continual
 from aqr.harness.cells import REALTIME, Cell, DataSpec, ModelSpec, severity_ramp, stream_schedule
 from aqr.harness.keys import cell_key
-from aqr.harness.presets import FIELD_METHODS, FIELD_OFFLINE_METHODS, preset
+from aqr.harness.presets import FIELD_BATCH1_METHODS, FIELD_METHODS, FIELD_OFFLINE_METHODS, preset
 from aqr.harness.realtime import timing
 from aqr.harness.realtime.costs import CostTable, cost_key, with_cost
 from aqr.harness.realtime.rule import adapted_batches
@@ -283,6 +283,20 @@ def test_field_preset_shape() -> None:
     assert {c.model.name for c in only_gn.cells()} == {"resnet20_gn"}
     one_size = grid.override(batch_sizes=(64,))  # the batch-16 parts become the batch-64 cells: each cell once
     assert len(list(one_size.cells())) == len(one_size) == len({c for c in cells if c.batch_size == 64})
+
+
+def test_field_batch1_preset_is_the_field_column_at_batch_1_through_the_window() -> None:
+    grid = preset("field-batch1", data_dir=DATA_DIR)
+    cells = list(grid.cells())
+    assert grid.name == "field" and len(cells) == len(FIELD_OFFLINE_METHODS)  # recorded beside the field's cells
+    assert {(c.model.name, c.batch_size, c.order, c.protocol, c.corruption) for c in cells} == {
+        ("resnet20_trainstats", 1, None, "online", "continual")}
+    windows = {c.variant: dict(c.options).get("window") for c in cells}
+    assert windows["tent[window=64]"] == windows["roid[window=64]"] == windows["aqr[window=64]"] == 64
+    assert windows["aqr[target=stream]"] is windows["unmixtns"] is windows["source"] is None  # stream-ready as is
+    assert {MethodSpec.parse(m).name for m in FIELD_BATCH1_METHODS} == {MethodSpec.parse(m).name
+                                                                       for m in FIELD_OFFLINE_METHODS}
+    grid.check_methods()  # every option a method takes (window is a protocol option of every method)
 
 
 # ---- end to end on a tiny stream ---------------------------------------------------------------------

@@ -12,7 +12,8 @@ from aqr.harness.specs import GridSpec, MethodSpec
 
 
 # The presets preset() knows, and the methods of the paper's main tables.
-PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet", "stream", "stream-noniid", "field")
+PRESETS = ("main", "tails", "granularity", "vit-blocks", "smoke", "imagenet", "stream", "stream-noniid", "field",
+           "field-batch1")
 BASELINES = ("source", "ttn", "tent", "sar", "moments", "aqr")
 
 # The stream preset's methods: per-batch AQR (the reference at batch 128), streaming AQR, and the
@@ -34,6 +35,13 @@ FIELD_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "sar", "eta", "eata",
                  "aqr+tent", "aqr+eta", "aqr+roid", "aqr+roid:target=robust", "aqr+lame")
 # The methods of the offline cells only: UnMix-TNS (its realtime cells wait for a timing round of every method)
 FIELD_OFFLINE_METHODS = (*FIELD_METHODS, "unmixtns")
+# The batch-1 column (BN model, continual, offline): the methods that adapt on batches, per-batch AQR and its
+# compositions through the reference's sliding window of the 64 most recent images (ProtocolConfig.window); the
+# source model and the methods made for streams (bn-ema, rbn, streaming and robust AQR, UnMix-TNS) as they are
+FIELD_WINDOW = 64
+FIELD_UNWINDOWED = ("source", "bn-ema", "rbn", "aqr:target=stream", "aqr:target=robust", "unmixtns")
+FIELD_BATCH1_METHODS = tuple(m if m in FIELD_UNWINDOWED else f"{m}{',' if ':' in m else ':'}window={FIELD_WINDOW}"
+                             for m in FIELD_OFFLINE_METHODS)
 FIELD_ORDERS = (None, "delta=0.1", "mixed")       # continual (i.i.d.), correlated and mixed_domains
 FIELD_REALTIME_ORDERS = (None, "delta=0.1")      # the settings also run under the realtime protocol
 FIELD_MODELS = ("resnet20_trainstats", "resnet20_gn", "vit_ln")
@@ -64,6 +72,15 @@ def field_grid(models: dict[str, ModelSpec], data: DataSpec) -> GridSpec:
                               orders=FIELD_REALTIME_ORDERS, **common)
     return GridSpec("field", three, data, offline, batch_sizes=(64,), protocol="online", orders=FIELD_ORDERS,
                     parts=(realtime, small, small_realtime), **common)
+
+
+def field_batch1_grid(models: dict[str, ModelSpec], data: DataSpec) -> GridSpec:
+    """The ``field-batch1`` preset: the field's batch-1 column (:data:`FIELD_BATCH1_METHODS` on the BN model,
+    continual, offline), recorded under the ``field`` grid's name so that its report shows the column; a
+    preset of its own, so that the field's settings and batch sizes never reach it."""
+    return GridSpec("field", (models[FIELD_MODELS[0]],), data, tuple(MethodSpec.parse(m) for m in FIELD_BATCH1_METHODS),
+                    corruptions=(CONTINUAL,), severities=(5,), batch_sizes=(1,), seeds=(0,), n_images=500,
+                    protocol="online", orders=(None,))
 
 
 def default_models(data_dir: str | Path | None = None) -> dict[str, ModelSpec]:
@@ -142,7 +159,9 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
     ResNet-20 (statistics from the 10,000 JPEG training images, as the zoo's models), the zoo's GN
     ResNet-20 and ViT: the continual stream at severity 5, blocks of 500 images, batch 64 (and 16 on the
     BN model), online, in the continual, correlated (delta 0.1) and mixed_domains settings, and under
-    the realtime protocol (:mod:`aqr.harness.realtime`) in the first two (see docs/results/field).
+    the realtime protocol (:mod:`aqr.harness.realtime`) in the first two (see docs/results/field);
+    ``field-batch1``: the field's batch-1 column, on the BN model in the continual setting, the methods that
+    adapt on batches through a sliding window of 64 images (see :data:`FIELD_BATCH1_METHODS`).
     """
     methods = tuple(MethodSpec(m) for m in BASELINES)
     if name == "imagenet":
@@ -176,6 +195,8 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
                         batch_sizes=(16, 64), seeds=(0,), n_images=1000, protocol="online", orders=NONIID_ORDERS)
     if name == "field":
         return field_grid(models, data)
+    if name == "field-batch1":
+        return field_batch1_grid(models, data)
     if name == "smoke":
         smoke_data = replace(data, root=str(Path(cifar_c).parent / "cifar10c-smoke"))
         return GridSpec("smoke", (models["resnet20"],), smoke_data, methods,
