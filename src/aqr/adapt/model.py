@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from aqr.adapt.config import AQRConfig
+from aqr.adapt.config import AQRConfig, SmallBatchWarning
 from aqr.adapt.layer_maps import MAP_CLASSES, LayerMap
 from aqr.adapt.stream.saved import load_running_state, load_stream_record, running_state, stream_record
 from aqr.adapt.stream.stream_maps import SharedStream, StreamBatch, StreamLayerMap
@@ -204,6 +204,7 @@ class AQR(nn.Module):
         self._maps = build_layer_maps(stats, self.config, logits_checked=True, batch=self._batch)
         object.__setattr__(self, "_twin", recalibrated_twin(model, self._maps))  # not a submodule
         self._reach_checked = False
+        self._small_batch_warned = False  # SmallBatchWarning is shown once per wrapper
 
     @property
     def layer_names(self) -> list[str]:
@@ -232,6 +233,8 @@ class AQR(nn.Module):
         _check_input(x)
         if self._batch is not None:
             return self._stream_forward(x)
+        if not self.__dict__.get("_small_batch_warned", True):
+            self._warn_small_batch(x)
         with torch.no_grad():
             out = self._twin(x)
         if not self._reach_checked:
@@ -245,6 +248,13 @@ class AQR(nn.Module):
                 with torch.no_grad():
                     recalibrated_twin(self.model, exact)(x)
         return out
+
+    def _warn_small_batch(self, x: torch.Tensor) -> None:
+        """Warn (once per wrapper) that a per-batch target got a batch too small for its quantiles."""
+        message = self._target.small_batch_warning(int(x.shape[0])) if isinstance(x, torch.Tensor) and x.ndim else None
+        if message is not None:
+            self._small_batch_warned = True
+            warnings.warn(f"aqr.AQR: {message}", SmallBatchWarning, stacklevel=3)
 
     def _stream_forward(self, x: torch.Tensor) -> torch.Tensor:
         """One batch of the stream: mapped with the running estimate, which it updates if all was finite."""
