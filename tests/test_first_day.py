@@ -78,3 +78,15 @@ def test_roids_auxiliary_passes_on_a_subset_do_not_warn() -> None:
     model = bn_cnn()
     method = create("aqr+roid", model, stats=_stats(model, "pre-affine"), compile=False)
     assert _caught(lambda: method(images(16, seed=6) * 0.5 + 0.5)) == []
+
+
+# ---------------------------------------------------------------------------- torch.compile (item 4)
+@pytest.mark.slow  # dynamo's first trace takes seconds
+def test_torch_compile_of_a_streaming_target_runs_it_eagerly_with_the_same_outputs() -> None:
+    model = bn_cnn()
+    stats = _stats(model)
+    compiled = torch.compile(aqr.AQR(model, stats, target="stream"), backend="eager")
+    eager = aqr.AQR(model, stats, target="stream")
+    for seed in (1, 2):  # the second batch is mapped with the state the first one left
+        x = images(1, seed=seed)
+        assert torch.equal(compiled(x), eager(x))

@@ -175,7 +175,9 @@ class AQR(nn.Module):
     :meth:`reset` returns to the initial state, and a batch enters the state only if every layer
     and the logits were finite (with NaN/Inf, ``on_nonfinite="raise"`` raises and ``"skip"`` returns
     the output; neither changes the state). The stream is one sequence: calls from several threads
-    are serialized by a lock, each batch seeing the state its predecessors left.
+    are serialized by a lock, each batch seeing the state its predecessors left. Under ``torch.compile`` a
+    running target's forward runs eagerly (a graph break: its state lives in C kernels and locks), with the
+    same outputs; for an exported graph use ``aqr.export``.
 
     The running state is in :meth:`state_dict` (``"_extra_state"``: tensors and plain values, which
     ``torch.load(..., weights_only=True)`` reads): an ``AQR`` of the same model, statistics and
@@ -232,6 +234,8 @@ class AQR(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x)
         if self._batch is not None:
+            if torch.compiler.is_compiling():  # the running state (C kernels, locks) runs outside the graph
+                return torch.compiler.disable(self._stream_forward)(x)
             return self._stream_forward(x)
         if not self.__dict__.get("_small_batch_warned", True):
             self._warn_small_batch(x)
@@ -306,6 +310,12 @@ class AQR(nn.Module):
         if self._batch is None:
             with torch.no_grad():
                 return structural_twin(self.model)(x)
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(self._held_forward)(x)
+        return self._held_forward(x)
+
+    def _held_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_held` of a running target."""
         with self._stream_batch(x, held=True) as batch:
             out, finite = self._mapped(x, batch)
             if not finite and self.config.on_nonfinite == "raise":
