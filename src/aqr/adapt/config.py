@@ -17,6 +17,7 @@ derived from those fields.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -106,6 +107,19 @@ def refuse_ignored(config: AQRConfig, names: tuple[str, ...], owner: str, target
     if changed:
         raise ValueError(f"{', '.join(changed)}: {'options' if len(changed) > 1 else 'an option'} of "
                          f"{owner} only, which target={target!r} would ignore")
+
+
+def config_from_options(options: dict[str, Any], owner: str) -> AQRConfig:
+    """``AQRConfig(**options)``; an option it does not take is a ``TypeError`` naming the closest one."""
+    taken = [f.name for f in fields(AQRConfig)]
+    unknown = [key for key in options if key not in taken]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, taken, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TypeError(f"{owner} takes no option {', '.join(hints)}; its options are the fields of aqr.AQRConfig")
+    return AQRConfig(**options)
 
 
 class SmallBatchWarning(UserWarning):

@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from aqr.adapt.config import AQRConfig, SmallBatchWarning
+from aqr.adapt.config import AQRConfig, SmallBatchWarning, config_from_options
 from aqr.adapt.layer_maps import MAP_CLASSES, LayerMap
 from aqr.adapt.stream.saved import load_running_state, load_stream_record, running_state, stream_record
 from aqr.adapt.stream.stream_maps import SharedStream, StreamBatch, StreamLayerMap
@@ -66,7 +66,7 @@ def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> It
     """
     stats.check_model(model)
     stats.check_point("output", "aqr.recalibrating")
-    config = AQRConfig(**options)  # type: ignore[arg-type]
+    config = config_from_options(options, "aqr.recalibrating")
     if config.target_kind.keeps_state:
         raise ValueError(f"target={config.target!r} keeps a state across batches, which a context manager cannot: "
                          f"use aqr.AQR(model, stats, target={config.target!r})")
@@ -193,7 +193,7 @@ class AQR(nn.Module):
         stats.check_point("output", "aqr.AQR")
         self.model = model
         self.stats = stats
-        self.config = AQRConfig(**options)  # type: ignore[arg-type]
+        self.config = config_from_options(options, "aqr.AQR")
         check_named_layers(model, self.config.layers)
         self._target = self.config.target_kind
         self._batch: SharedStream | None = None  # the stream the layer maps share (its batches, recent classes)
@@ -361,6 +361,20 @@ class AQR(nn.Module):
             with self._state_lock:
                 record = stream_record(self.config, self._maps, self._batch)  # type: ignore[arg-type]
             destination[prefix + STATE_KEY] = record
+
+    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True,  # type: ignore[override]
+                        assign: bool = False):  # noqa: ANN201 (nn.Module's return type)
+        """``nn.Module.load_state_dict``; a state of another target (a running state where this one keeps
+        none, none where it keeps one, or another running target's) is refused in one line naming both."""
+        if strict:
+            saved = state_dict.get(STATE_KEY)
+            theirs = (saved.get("target") if isinstance(saved, Mapping) else "stream or robust") if saved is not None \
+                else "batch"
+            if theirs != self.config.target:
+                held = "a running state" if saved is not None else f"no running state ({STATE_KEY!r})"
+                raise RuntimeError(f"the state holds {held}, of target={theirs!r}; this aqr.AQR has "
+                                   f"target={self.config.target!r}: build it with target={theirs!r} to load it")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict: dict[str, object], prefix: str, local_metadata: dict[str, object],
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
