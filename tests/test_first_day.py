@@ -232,3 +232,35 @@ def test_relative_data_names_and_frost_are_found_in_the_data_folder(monkeypatch,
     assert resolve_data_file("clean.npz") == "clean.npz"  # a file where the user is wins
     parsed = build_parser().parse_args(["corrupt", "--data", "x.npz", "--out", "o", "--frost-dir", "frost"])
     assert parsed.frost_dir == str(data / "frost")
+
+
+# ---------------------------------------------------------------------------- the report (item 7)
+def test_thirty_methods_are_told_apart_by_colour_and_marker() -> None:
+    pytest.importorskip("matplotlib")
+    from aqr.util.plots import styles
+
+    names = [f"method{i}" for i in range(30)]
+    drawn = styles(names)
+    pairs = [(tuple(drawn[n].color), drawn[n].marker) for n in names]
+    assert len(set(pairs)) == len(names)
+    for a, b in zip(names, names[1:]):  # neighbours in the legend differ in both
+        assert tuple(drawn[a].color) != tuple(drawn[b].color) and drawn[a].marker != drawn[b].marker
+    assert len({tuple(s.color) for s in drawn.values()}) >= 20 and len({s.marker for s in drawn.values()}) >= 9
+
+
+def test_the_report_index_starts_with_a_summary_and_explains_its_models() -> None:
+    from aqr.harness.report import summary_lines
+    from aqr.harness.results import Row
+
+    def row(model: str, method: str, accuracy: float) -> Row:
+        return Row(f"{model}{method}", model, method, method, "cifar10-c", "fog", 5, 64, 0, "episodic", "ok",
+                   accuracy, 100, 1.0, None, {}, {}, 0.0)
+
+    rows = [row("resnet20_trainstats", "source", 50.0), row("resnet20_trainstats", "aqr", 70.0),
+            row("resnet20_trainstats", "tent", 60.0), row("mine", "source", 40.0), row("mine", "tent", 45.0)]
+    text = "\n".join(summary_lines(rows))
+    assert text.startswith("## Summary")
+    assert "| resnet20_trainstats | per corruption | episodic | 64 | AQR | 70.00 | 50.00 | 3 |" in text
+    assert "| mine | per corruption | episodic | 64 | TENT | 45.00 | 40.00 | 2 |" in text
+    assert "`resnet20_trainstats`: the third-party (akamaster)" in text and "JPEG" in text
+    assert "`mine`:" not in text  # a model of the user's own has no note

@@ -67,6 +67,20 @@ def field_grid(models: dict[str, ModelSpec], data: DataSpec) -> GridSpec:
                     parts=(realtime, small, small_realtime), **common)
 
 
+#: What each of the reproduction's model names stands for, in a line (reports print it beside their tables).
+MODEL_NOTES: dict[str, str] = {
+    "resnet20": "the third-party (akamaster) CIFAR-10 ResNet-20 with BatchNorm; source statistics from clean "
+                "test images 0-4999 (its lossless training set is not available)",
+    "resnet20_trainstats": "the third-party (akamaster) BN ResNet-20 of `resnet20`, with source statistics from "
+                           "10,000 random images of the JPEG-compressed CIFAR-10 training set (the nearest we have to "
+                           "the lossless set it was trained on)",
+    "resnet20_bn": "the zoo's BN ResNet-20, trained on the JPEG training set; statistics from 10,000 of its images",
+    "resnet20_gn": "the zoo's GroupNorm ResNet-20, trained on the JPEG training set; statistics from 10,000 of its "
+                   "images",
+    "vit_ln": "the zoo's LayerNorm ViT, trained on the JPEG training set; statistics from 10,000 of its images",
+}
+
+
 def default_models(data_dir: str | Path | None = None) -> dict[str, ModelSpec]:
     """The reproduction's models: the akamaster ResNet-20 (BN), twice, and the zoo's BN and GN ResNet-20 and ViT.
 
