@@ -32,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="comma list; options after a colon, e.g. 'aqr:tail=gaussian,K=11'")
     p.add_argument("--batch-size", type=count(1), default=128, help="test images per batch")
     p.add_argument("--protocol", default="episodic", choices=("episodic", "online"),
-                   help="episodic: every batch adapts from the model as given; online: the state carries over "
-                        "batches (needed by aqr:target=stream / robust)")
+                   help="episodic (the default here, the paper's): every batch adapts from the model as given; "
+                        "online (aqr.methods.create's default): the state carries over batches (needed by "
+                        "aqr:target=stream / robust)")
     p.add_argument("--seed", type=seed, default=0, help="seeds the methods' randomness")
     p.add_argument("--json", action="store_true", help="print {method: accuracy} as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
