@@ -148,8 +148,8 @@ def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: in
         return methods.create("bn-ema", model, protocol="online")
     if method in ("tent", "sar"):
         arch = "vit" if "vit" in type(model.model if hasattr(model, "model") else model).__name__.lower() else "cnn"
-        return methods.create(method, model, arch=arch, batch_size=batch)
-    return methods.create(method, model)
+        return methods.create(method, model, arch=arch, batch_size=batch, protocol="episodic")
+    return methods.create(method, model, protocol="episodic")  # the per-batch cost: reset, adapt, scored forward
 
 
 class CompiledAQR:

@@ -99,7 +99,7 @@ def test_a_batch_with_nan_leaves_the_statistics_unchanged() -> None:
 
 def test_episodic_starts_every_batch_from_the_source_and_online_accumulates() -> None:
     model = net()
-    episodic, online = create("bn-ema", model), create("bn-ema", model, protocol="online")
+    episodic, online = create("bn-ema", model, protocol="episodic"), create("bn-ema", model)
     x, y = shifted(4, seed=5), shifted(4, seed=6)
     first = episodic(x)
     assert torch.equal(online(x), first)

@@ -116,14 +116,14 @@ def test_the_affine_update_alone_and_composed_each_give_their_known_result() -> 
     z = aqr.quantile_map(x_hat, stats.source_quantiles("0"), tail=stats.tail, dim=1)
 
     # TENT alone: one SGD step on the entropy of head(weight * x_hat + bias), scored after it (episodic)
-    tent = create("tent", model, lr=lr)
+    tent = create("tent", model, lr=lr, protocol="episodic")
     out = tent(x)
     w_t, b_t = _entropy_step(bn.weight, bn.bias, x_hat, head, lr)
     assert torch.allclose(tent.model[0].weight, w_t, atol=1e-5) and torch.allclose(tent.model[0].bias, b_t, atol=1e-5)
     assert torch.allclose(out, head((x_hat * w_t.view(1, -1, 1, 1) + b_t.view(1, -1, 1, 1)).flatten(1)), atol=1e-5)
 
     # composed: the same step on the mapped values, and output = weight' * map(x_hat) + bias' through the head
-    composed = create("aqr+tent", model, stats=stats, mode="exact", lr=lr)
+    composed = create("aqr+tent", model, stats=stats, mode="exact", lr=lr, protocol="episodic")
     out = composed(x)
     w_c, b_c = _entropy_step(bn.weight, bn.bias, z, head, lr)
     assert torch.allclose(composed.model[0].weight, w_c, atol=1e-5)
@@ -245,7 +245,7 @@ def test_episodic_and_online_protocols(name: str) -> None:
     model = bn_cnn()
     stats = stats_of(model, "pre-affine")
     x, y = images(16, seed=6, shift=0.5), images(16, seed=7, shift=0.5)
-    episodic = create(name, model, stats=stats, compile=False, **partner_options(name))
+    episodic = create(name, model, stats=stats, protocol="episodic", compile=False, **partner_options(name))
     first = episodic(x)
     episodic(y)
     assert torch.equal(episodic(x), first)  # every batch from the initial weights
@@ -295,9 +295,9 @@ def test_a_copy_continues_the_stream(name: str) -> None:
 def test_episodic_streaming_target_warns() -> None:
     model = bn_cnn()
     with pytest.warns(UserWarning, match="episodic protocol restarts it"):
-        create("aqr+tent", model, stats=stats_of(model, "pre-affine"), target="stream")
+        create("aqr+tent", model, stats=stats_of(model, "pre-affine"), target="stream", protocol="episodic")
     with pytest.warns(UserWarning, match="episodic protocol restarts it"):
-        create("aqr+lame", model, stats=stats_of(model), target="stream")
+        create("aqr+lame", model, stats=stats_of(model), target="stream", protocol="episodic")
 
 
 def test_roid_augmented_images_do_not_enter_the_stream() -> None:

@@ -247,7 +247,7 @@ def test_cotta_is_deterministic_by_seed_and_leaves_the_global_rng_alone() -> Non
 
 def test_cotta_episodic_scores_the_adapted_teacher_and_forgets_between_batches() -> None:
     net = confident_bn()
-    opts = {"anchor_threshold": 1.0, "augmentations": 2}
+    opts = {"anchor_threshold": 1.0, "augmentations": 2, "protocol": "episodic"}
     fresh, used = create("cotta", net, **opts), create("cotta", net, **opts)
     for s in (2, 3):
         used(images(8, seed=s) * 0.5)
@@ -374,10 +374,10 @@ def test_rotta_reset_restores_everything() -> None:
 
 def test_rotta_episodic_adapts_on_the_batch_then_forgets() -> None:
     net = confident_bn()
-    small = create("rotta", net, capacity=8, update_every=16)
+    small = create("rotta", net, capacity=8, update_every=16, protocol="episodic")
     x = images(8, seed=5)
     assert torch.allclose(small(x), create("source", net)(x), atol=1e-6)  # no update within 8 images
-    opts = {"capacity": 8, "update_every": 4}
+    opts = {"capacity": 8, "update_every": 4, "protocol": "episodic"}
     fresh, used = create("rotta", net, **opts), create("rotta", net, **opts)
     for s in (2, 3):
         used(images(8, seed=s) * 0.5)

@@ -75,10 +75,11 @@ def test_the_library_warns_of_a_streaming_target_in_the_episodic_protocol() -> N
     net = bn_cnn()
     stats = aqr.calibrate(net, [images(16)], num_quantiles=11)
     with pytest.warns(UserWarning, match="protocol='online'"):
-        create("aqr", net, stats=stats, target="stream")
+        create("aqr", net, stats=stats, target="stream", protocol="episodic")
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         create("aqr", net, stats=stats, target="stream", protocol="online")
+        create("aqr", net, stats=stats, target="stream")  # online by default
         create("aqr", net, stats=stats)

@@ -67,7 +67,7 @@ def test_output_is_the_fixed_point_of_the_laplacian_update() -> None:
 def test_lame_is_stateless_and_leaves_the_users_model_alone() -> None:
     net, x, _, _ = net_and_features()
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    episodic, online = create("lame", net), create("lame", net, protocol="online")
+    episodic, online = create("lame", net, protocol="episodic"), create("lame", net, protocol="online")
     first = episodic(x)
     for s in (2, 3):
         online(images(16, seed=s))

@@ -190,7 +190,7 @@ def test_episodic_logits_do_not_depend_on_earlier_batches(name: str, kind: str) 
     build, data = MODELS[kind]
     net = build()
     opts = {"lr": 0.05, "e0": 10.0, "recovery_threshold": 0.0} if name == "sar" else {"lr": 0.05}
-    opts |= field_options(name, data)
+    opts |= field_options(name, data) | {"protocol": "episodic"}
     fresh, used = create(name, net, **opts), create(name, net, **opts)
     target = data(seed=7)
     for seed in (2, 3, 4):
@@ -287,7 +287,7 @@ def test_tent_trains_only_norm_affine_parameters(kind: str) -> None:
 def test_tent_reduces_entropy_on_the_adapted_forward(kind: str) -> None:
     net, x = conv_net(kind), images(shift=0.5)
     unadapted = create("ttn" if kind == "bn" else "source", net)(x)
-    adapted = create("tent", net, lr=0.01)(x)
+    adapted = create("tent", net, lr=0.01, protocol="episodic")(x)
     assert mean_entropy(adapted) < mean_entropy(unadapted) - 1e-4
 
 
@@ -356,11 +356,11 @@ def test_sar_recovery_resets_the_model() -> None:
 
 def test_sar_episodic_clears_the_ema_every_batch() -> None:
     net = conv_net("gn")
-    m = create("sar", net, lr=0.05, e0=10.0, recovery_threshold=0.0)
+    m = create("sar", net, lr=0.05, e0=10.0, recovery_threshold=0.0, protocol="episodic")
     m(images(seed=2))
     ema2 = m.ema
     m(images(seed=3))
-    single = create("sar", net, lr=0.05, e0=10.0, recovery_threshold=0.0)
+    single = create("sar", net, lr=0.05, e0=10.0, recovery_threshold=0.0, protocol="episodic")
     single(images(seed=3))
     assert ema2 is not None and m.ema == single.ema
 

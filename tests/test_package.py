@@ -9,7 +9,7 @@ import aqr
 
 PUBLIC = {"AQR", "AQRConfig", "LayerError", "LayerInfo", "LayerStats", "NonFiniteActivationError", "SourceStats",
           "StatsError", "TAILS", "calibrate", "channel_quantiles", "dkw_epsilon", "norm_layers", "quantile_map",
-          "recalibrating"}
+          "recalibrating", "SmallBatchWarning"}
 
 
 def test_public_names() -> None:

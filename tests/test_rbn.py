@@ -115,7 +115,8 @@ def test_user_model_is_unchanged_and_reset_restores_the_start() -> None:
 
 def test_episodic_protocol_is_refused() -> None:
     with pytest.raises(ValueError, match="protocol='online'"):
-        create("rbn", net())  # episodic by default: a reset before every batch would leave the source model
+        create("rbn", net(), protocol="episodic")  # a reset before every batch would leave the source model
+    assert create("rbn", net()).protocol.protocol == "online"  # the default protocol
 
 
 @pytest.mark.parametrize("make", [gn_cnn, tiny_vit, lambda: nn.Sequential(nn.Flatten(), nn.Linear(192, 5))])

@@ -320,7 +320,7 @@ def test_the_method_keeps_its_state_online_and_restarts_it_episodically() -> Non
     model, stats = calibrated("bn")
     x = shifted(8, seed=6)
     online = create("aqr", model, stats=stats, target="robust", protocol="online")
-    episodic = create("aqr", model, stats=stats, target="robust")
+    episodic = create("aqr", model, stats=stats, target="robust", protocol="episodic")
     first = episodic(x[:4])
     assert torch.equal(online(x[:4]), first)
     second = episodic(x[4:])

@@ -216,7 +216,7 @@ def test_the_method_keeps_its_stream_online_and_restarts_it_episodically() -> No
     model, stats = calibrated("bn")
     x = shifted(8, seed=6)
     online = create("aqr", model, stats=stats, target="stream", protocol="online")
-    episodic = create("aqr", model, stats=stats, target="stream")
+    episodic = create("aqr", model, stats=stats, target="stream", protocol="episodic")
     first = episodic(x[:4])
     assert torch.equal(online(x[:4]), first)
     second = episodic(x[4:])  # reset before each batch: the batch is mapped with its own knots

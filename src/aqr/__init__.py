@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from aqr._version import __version__
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
-    from aqr.adapt import AQR, AQRConfig, recalibrating
+    from aqr.adapt import AQR, AQRConfig, SmallBatchWarning, recalibrating
     from aqr.core.calibrate import calibrate, dkw_epsilon
     from aqr.core.layers import LayerError, LayerInfo, NonFiniteActivationError, norm_layers
     from aqr.core.qmap import TAILS, channel_quantiles, quantile_map
@@ -31,6 +31,7 @@ _NAMES = {
     "AQR": "aqr.adapt",
     "AQRConfig": "aqr.adapt",
     "recalibrating": "aqr.adapt",
+    "SmallBatchWarning": "aqr.adapt",
     "calibrate": "aqr.core.calibrate",
     "dkw_epsilon": "aqr.core.calibrate",
     "LayerError": "aqr.core.layers",

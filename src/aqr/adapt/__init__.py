@@ -9,7 +9,7 @@ each layer's map, :mod:`~aqr.adapt.model` the wrapper and the context manager, a
 fast paths); neither imports from here.
 """
 
-from aqr.adapt.config import AQRConfig, BatchOptions, RobustOptions, StreamOptions
+from aqr.adapt.config import AQRConfig, BatchOptions, RobustOptions, SmallBatchWarning, StreamOptions
 from aqr.adapt.model import AQR, recalibrating
 
-__all__ = ["AQR", "AQRConfig", "BatchOptions", "RobustOptions", "StreamOptions", "recalibrating"]
+__all__ = ["AQR", "AQRConfig", "BatchOptions", "RobustOptions", "SmallBatchWarning", "StreamOptions", "recalibrating"]

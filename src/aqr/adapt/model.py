@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from aqr.adapt.config import AQRConfig
+from aqr.adapt.config import AQRConfig, SmallBatchWarning, config_from_options
 from aqr.adapt.layer_maps import MAP_CLASSES, LayerMap
 from aqr.adapt.stream.saved import load_running_state, load_stream_record, running_state, stream_record
 from aqr.adapt.stream.stream_maps import SharedStream, StreamBatch, StreamLayerMap
@@ -66,7 +66,7 @@ def recalibrating(model: nn.Module, stats: SourceStats, **options: object) -> It
     """
     stats.check_model(model)
     stats.check_point("output", "aqr.recalibrating")
-    config = AQRConfig(**options)  # type: ignore[arg-type]
+    config = config_from_options(options, "aqr.recalibrating")
     if config.target_kind.keeps_state:
         raise ValueError(f"target={config.target!r} keeps a state across batches, which a context manager cannot: "
                          f"use aqr.AQR(model, stats, target={config.target!r})")
@@ -175,7 +175,9 @@ class AQR(nn.Module):
     :meth:`reset` returns to the initial state, and a batch enters the state only if every layer
     and the logits were finite (with NaN/Inf, ``on_nonfinite="raise"`` raises and ``"skip"`` returns
     the output; neither changes the state). The stream is one sequence: calls from several threads
-    are serialized by a lock, each batch seeing the state its predecessors left.
+    are serialized by a lock, each batch seeing the state its predecessors left. Under ``torch.compile`` a
+    running target's forward runs eagerly (a graph break: its state lives in C kernels and locks), with the
+    same outputs; for an exported graph use ``aqr.export``.
 
     The running state is in :meth:`state_dict` (``"_extra_state"``: tensors and plain values, which
     ``torch.load(..., weights_only=True)`` reads): an ``AQR`` of the same model, statistics and
@@ -191,7 +193,7 @@ class AQR(nn.Module):
         stats.check_point("output", "aqr.AQR")
         self.model = model
         self.stats = stats
-        self.config = AQRConfig(**options)  # type: ignore[arg-type]
+        self.config = config_from_options(options, "aqr.AQR")
         check_named_layers(model, self.config.layers)
         self._target = self.config.target_kind
         self._batch: SharedStream | None = None  # the stream the layer maps share (its batches, recent classes)
@@ -204,6 +206,7 @@ class AQR(nn.Module):
         self._maps = build_layer_maps(stats, self.config, logits_checked=True, batch=self._batch)
         object.__setattr__(self, "_twin", recalibrated_twin(model, self._maps))  # not a submodule
         self._reach_checked = False
+        self._small_batch_warned = False  # SmallBatchWarning is shown once per wrapper
 
     @property
     def layer_names(self) -> list[str]:
@@ -231,7 +234,11 @@ class AQR(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x)
         if self._batch is not None:
+            if torch.compiler.is_compiling():  # the running state (C kernels, locks) runs outside the graph
+                return torch.compiler.disable(self._stream_forward)(x)
             return self._stream_forward(x)
+        if not self.__dict__.get("_small_batch_warned", True):
+            self._warn_small_batch(x)
         with torch.no_grad():
             out = self._twin(x)
         if not self._reach_checked:
@@ -245,6 +252,13 @@ class AQR(nn.Module):
                 with torch.no_grad():
                     recalibrated_twin(self.model, exact)(x)
         return out
+
+    def _warn_small_batch(self, x: torch.Tensor) -> None:
+        """Warn (once per wrapper) that a per-batch target got a batch too small for its quantiles."""
+        message = self._target.small_batch_warning(int(x.shape[0])) if isinstance(x, torch.Tensor) and x.ndim else None
+        if message is not None:
+            self._small_batch_warned = True
+            warnings.warn(f"aqr.AQR: {message}", SmallBatchWarning, stacklevel=3)
 
     def _stream_forward(self, x: torch.Tensor) -> torch.Tensor:
         """One batch of the stream: mapped with the running estimate, which it updates if all was finite."""
@@ -296,6 +310,12 @@ class AQR(nn.Module):
         if self._batch is None:
             with torch.no_grad():
                 return structural_twin(self.model)(x)
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(self._held_forward)(x)
+        return self._held_forward(x)
+
+    def _held_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_held` of a running target."""
         with self._stream_batch(x, held=True) as batch:
             out, finite = self._mapped(x, batch)
             if not finite and self.config.on_nonfinite == "raise":
@@ -341,6 +361,20 @@ class AQR(nn.Module):
             with self._state_lock:
                 record = stream_record(self.config, self._maps, self._batch)  # type: ignore[arg-type]
             destination[prefix + STATE_KEY] = record
+
+    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True,  # type: ignore[override]
+                        assign: bool = False):  # noqa: ANN201 (nn.Module's return type)
+        """``nn.Module.load_state_dict``; a state of another target (a running state where this one keeps
+        none, none where it keeps one, or another running target's) is refused in one line naming both."""
+        if strict:
+            saved = state_dict.get(STATE_KEY)
+            theirs = (saved.get("target") if isinstance(saved, Mapping) else "stream or robust") if saved is not None \
+                else "batch"
+            if theirs != self.config.target:
+                held = "a running state" if saved is not None else f"no running state ({STATE_KEY!r})"
+                raise RuntimeError(f"the state holds {held}, of target={theirs!r}; this aqr.AQR has "
+                                   f"target={self.config.target!r}: build it with target={theirs!r} to load it")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict: dict[str, object], prefix: str, local_metadata: dict[str, object],
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],

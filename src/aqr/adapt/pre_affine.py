@@ -30,12 +30,13 @@ auxiliary pass, e.g. ROID's augmented images).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from aqr.adapt.config import AQRConfig
+from aqr.adapt.config import AQRConfig, SmallBatchWarning
 from aqr.adapt.layer_maps import LayerMap
 from aqr.adapt.model import build_layer_maps
 from aqr.adapt.stream.stream_maps import SharedStream, StreamLayerMap
@@ -129,9 +130,12 @@ class PreAffineAQR:
             module.forward = PreAffineForward(module, layer_map, self)  # type: ignore[method-assign]
         self._frozen = False
         self.holding = False
+        self.small_batch_warned = False  # SmallBatchWarning is shown once per composition
         if self.batch is not None:
             model.register_forward_pre_hook(self._begin)
             model.register_forward_hook(self._commit)
+        else:
+            model.register_forward_pre_hook(self._warn_small_batch)
 
     @property
     def layer_names(self) -> list[str]:
@@ -157,6 +161,17 @@ class PreAffineAQR:
             yield
         finally:
             self.holding, self._frozen = old
+
+    def _warn_small_batch(self, _model: nn.Module, args: tuple) -> None:
+        """Warn (once) that the per-batch target maps a batch too small for its quantiles; the partner's
+        auxiliary passes (frozen: ROID's augmented subsets) and held batches are not the caller's batches."""
+        x = args[0] if args else None
+        if self.small_batch_warned or self._frozen or not isinstance(x, torch.Tensor) or not x.ndim:
+            return
+        message = self.target.small_batch_warning(int(x.shape[0]))
+        if message is not None:
+            self.small_batch_warned = True
+            warnings.warn(f"AQR before the affine step: {message}", SmallBatchWarning, stacklevel=2)
 
     def _begin(self, _model: nn.Module, args: tuple) -> None:
         x = args[0] if args else None

@@ -167,6 +167,15 @@ def run(args: argparse.Namespace) -> int:
         for line in describe_cells(grid):
             print(line)
         print(f"{len(grid)} cells", file=sys.stderr)
+        from aqr.harness.cells import data_corruptions
+        from aqr.harness.inputs import planned_generation
+
+        generation = planned_generation(grid.data, data_corruptions(grid.all_corruptions), grid.all_severities)
+        if generation:
+            print(generation, file=sys.stderr)
+        if args.limit is not None:
+            print(f"--limit {args.limit}: a run takes at most {args.limit} of the cells not yet in {args.db}",
+                  file=sys.stderr)
         return 0
     ray = None
     if args.executor == "ray":

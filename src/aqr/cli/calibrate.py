@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, count, model_from_args, seed,
                             torch_threads)
 from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
+from aqr.data.location import resolve_data_file
 from aqr.util.files import check_writable_target
 
 
@@ -16,9 +18,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Run the model over clean source images and write the per-channel "
                                           "percentiles of every normalization layer to a safetensors file.")
     add_model_arguments(p)
-    p.add_argument("--data", required=True,
+    p.add_argument("--data", required=True, type=resolve_data_file,
                    help="clean source images: an image folder (DIR/<class>/*.JPEG), a text file listing image "
-                        "paths, a CIFAR .npz or python-pickle folder")
+                        "paths, a CIFAR .npz or python-pickle folder (a relative name missing here is read from "
+                        "$AQR_DATA_DIR)")
     p.add_argument("--indices", default=None,
                    help="which images may be drawn: 'start:stop', 'start:stop~n' or a list (default: all)")
     p.add_argument("--n-images", type=count(1), default=10_000,
@@ -46,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Calibrate the model on the selected source images and write the statistics file."""
-    from aqr.core.calibrate import calibrate
+    from aqr.core.calibrate import ClassCoverageWarning, calibrate
     from aqr.data.images import is_image_source
     from aqr.harness.cells import ModelSpec, index_count
     from aqr.harness.inputs import data_loader, model_preprocess, source_dataset
@@ -63,10 +66,12 @@ def run(args: argparse.Namespace) -> int:
         preprocess = model_preprocess(spec, model)
         source = source_dataset(spec, preprocess, args.n_images, args.seed)
         layers = args.layers if args.layers in ("all", "top-half", "bottom-half") else args.layers.split(",")
-        stats = calibrate(model, data_loader(source, args.batch_size, args.workers, args.device), layers=layers,
-                          num_quantiles=args.num_quantiles, tail=args.tail, tail_unit=args.tail_unit,
-                          max_samples=args.max_samples, seed=args.seed, progress=not args.no_progress,
-                          groups=args.groups, point=args.point)
+        with warnings.catch_warnings():  # source_dataset warned already, naming --n-images
+            warnings.simplefilter("ignore", ClassCoverageWarning)
+            stats = calibrate(model, data_loader(source, args.batch_size, args.workers, args.device), layers=layers,
+                              num_quantiles=args.num_quantiles, tail=args.tail, tail_unit=args.tail_unit,
+                              max_samples=args.max_samples, seed=args.seed, progress=not args.no_progress,
+                              groups=args.groups, point=args.point)
     path = stats.save(args.out)
     how = f" ({preprocess})" if is_image_source(args.data) else ""
     print(f"wrote {path}: {len(stats.layer_names)} layers, K={args.num_quantiles}, {len(source)} source images{how}",

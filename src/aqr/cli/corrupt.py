@@ -7,6 +7,7 @@ import sys
 
 from aqr.cli.common import UsageError, add_image_arguments, count, seed
 from aqr.data.corruption_params import CORRUPTIONS, PARAM_SETS
+from aqr.data.location import default_frost_dir, resolve_data_file
 from aqr.util.files import check_writable_target
 
 
@@ -33,12 +34,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="generate the CIFAR-10-C / ImageNet-C corruptions of an image set (.npz or image folder)",
         description=DESCRIPTION,
     )
-    p.add_argument("--data", required=True,
-                   help=".npz with x uint8 (N,H,W,3) and y int labels, or an image folder (DIR/<class>/*.JPEG) or list")
+    p.add_argument("--data", required=True, type=resolve_data_file,
+                   help=".npz with x uint8 (N,H,W,3) and y int labels, or an image folder (DIR/<class>/*.JPEG) or list "
+                        "(a relative name missing here is read from $AQR_DATA_DIR)")
     p.add_argument("--out", required=True, help="output folder (created; existing complete files are kept)")
     p.add_argument("--corruptions", default="all", help="'all' or a comma-separated list of: " + ", ".join(CORRUPTIONS))
     p.add_argument("--severities", default="1,2,3,4,5", help="comma-separated severities in 1..5 (block order)")
-    p.add_argument("--frost-dir", default=None, help="folder with frost1.png .. frost5.jpg (needed for frost)")
+    p.add_argument("--frost-dir", default=None, type=resolve_data_file,
+                   help="folder with frost1.png .. frost5.jpg (needed for frost; default $AQR_DATA_DIR/frost)")
     p.add_argument("--seed", type=seed, default=0, help="base seed; each image uses (seed, corruption, severity, index)")
     p.add_argument("--limit", type=count(1), default=None, help="use only the first N images")
     p.add_argument("--n-images", type=count(1), default=None,
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         params=args.params or "cifar",
         seed=args.seed,
         workers=args.workers,
-        frost_dir=args.frost_dir,
+        frost_dir=args.frost_dir or default_frost_dir(),
         source=source,
     )
     timings = generate_cifar_c(images, labels, args.out, config, progress=not args.no_progress)
@@ -108,7 +111,7 @@ def _run_folder(args: argparse.Namespace) -> int:
         params=args.params or "imagenet",
         seed=args.seed,
         workers=args.workers,
-        frost_dir=args.frost_dir,
+        frost_dir=args.frost_dir or default_frost_dir(),
         preprocess=IMAGENET_C_PREPROCESS.with_overrides(args.image_size, args.resize),
         source={"listing": listing_fingerprint(args.data), "n_images": args.n_images, "limit": args.limit},
     )

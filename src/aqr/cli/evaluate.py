@@ -8,6 +8,7 @@ import sys
 
 from aqr.cli.common import (UsageError, add_image_arguments, add_model_arguments, count, model_from_args, method_specs,
                             seed, torch_threads)
+from aqr.data.location import resolve_data_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,8 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--cifar-c", default=None, help="CIFAR-C folder (<corruption>.npy + labels.npy)")
     where.add_argument("--imagenet-c", default=None, help="ImageNet-C folder (<corruption>/<severity>/<wnid>/*.JPEG)")
-    where.add_argument("--data", default=None,
-                       help="clean images instead: a CIFAR .npz / pickle folder, an image folder or a list of paths")
+    where.add_argument("--data", default=None, type=resolve_data_file,
+                       help="clean images instead: a CIFAR .npz / pickle folder, an image folder or a list of paths "
+                            "(a relative name missing here is read from $AQR_DATA_DIR)")
     p.add_argument("--corruption", default=None, help="with --cifar-c / --imagenet-c")
     p.add_argument("--severity", type=count(1, 5), default=5, help="with --cifar-c / --imagenet-c")
     p.add_argument("--indices", default=None, help="test images, 'start:stop', 'start:stop~n' or a list (default: all)")
@@ -30,10 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="comma list; options after a colon, e.g. 'aqr:tail=gaussian,K=11'")
     p.add_argument("--batch-size", type=count(1), default=128, help="test images per batch")
     p.add_argument("--protocol", default="episodic", choices=("episodic", "online"),
-                   help="episodic: every batch adapts from the model as given; online: the state carries over "
-                        "batches (needed by aqr:target=stream / robust)")
+                   help="episodic (the default here, the paper's): every batch adapts from the model as given; "
+                        "online (aqr.methods.create's default): the state carries over batches (needed by "
+                        "aqr:target=stream / robust)")
     p.add_argument("--seed", type=seed, default=0, help="seeds the methods' randomness")
     p.add_argument("--json", action="store_true", help="print {method: accuracy} as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     p.set_defaults(func=run)
 
 
@@ -44,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _test_data(args: argparse.Namespace, model):
-    """``(evaluate(method) -> (accuracy, n), description)`` for the chosen test images."""
+    """``(evaluate(method, label) -> (accuracy, n), description)`` for the chosen test images (a progress bar
+    per method on a terminal, unless ``--no-progress``)."""
     import numpy as np
     from torch.utils.data import Subset
 
@@ -54,6 +59,7 @@ def _test_data(args: argparse.Namespace, model):
     from aqr.harness.eval_loop import evaluate, evaluate_batches
     from aqr.harness.inputs import data_loader, model_preprocess
 
+    progress = not args.no_progress and sys.stderr.isatty()
     if (args.cifar_c or args.imagenet_c) and not args.corruption:
         raise UsageError(f"{'--cifar-c' if args.cifar_c else '--imagenet-c'} needs --corruption")
     if args.cifar_c or (args.data and not is_image_source(args.data)):
@@ -72,10 +78,11 @@ def _test_data(args: argparse.Namespace, model):
         indices = parse_range(args.indices, len(folder), args.imagenet_c or args.data)
         images = folder if indices is None else Subset(folder, indices)
         where = (f"{args.corruption} severity {args.severity}" if args.imagenet_c else args.data) + f", {preprocess}"
-        return (lambda method: evaluate_batches(method, data_loader(images, args.batch_size, args.workers,
-                                                                    args.device))), where
+        return (lambda method, label: evaluate_batches(method, data_loader(images, args.batch_size, args.workers,
+                                                                           args.device), progress, label,
+                                                       total=-(-len(images) // args.batch_size))), where
     where = f"{args.corruption} severity {args.severity}" if args.cifar_c else args.data
-    return (lambda method: evaluate(method, data.images, data.labels, args.batch_size)), where
+    return (lambda method, label: evaluate(method, data.images, data.labels, args.batch_size, progress, label)), where
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -99,7 +106,13 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"the {spec.name} method needs --stats (make one with `aqr calibrate`)")
         chosen.append((spec.label, method_plan))
     stats = SourceStats.load(args.stats) if args.stats else None
+    if stats is not None:  # statistics that no chosen method can use are refused before anything runs
+        for label, method_plan in chosen:
+            if method_plan.stats_point is not None:
+                stats.check_point(method_plan.stats_point, f"method {label!r}")
     model = model_from_args(args)
+    if stats is not None and any(p.stats_point is not None for _, p in chosen):
+        stats.check_model(model)
     run_on, where = _test_data(args, model)
     results: dict[str, float | None] = {}
     for label, method_plan in chosen:
@@ -109,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
             results[label] = None
             print(f"{label:>24}: n/a ({err})", file=sys.stderr)
             continue
-        acc, n = run_on(method)
+        acc, n = run_on(method, label)
         results[label] = acc
         print(f"{label:>24}: {acc:6.2f} %  ({n} images, {where}, batch {args.batch_size})", file=sys.stderr)
     if args.json:

@@ -8,6 +8,7 @@ import shlex
 import sys
 
 from aqr.cli.common import UsageError, add_threads, amount, count, seed
+from aqr.data.location import resolve_data_file
 from aqr.util.files import check_writable_target
 
 
@@ -19,8 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--norm", default=None, help="normalization layers: bn, gn, ln, none (default: the model's)")
     p.add_argument("--model-kwargs", default="{}", type=json.loads,
                    help='JSON dict of architecture options, e.g. \'{"width": 32, "groups": 8}\'')
-    p.add_argument("--data", help="training npz; required unless --export")
-    p.add_argument("--test", default=None, help="test npz, evaluated after every epoch")
+    p.add_argument("--data", type=resolve_data_file,
+                   help="training npz; required unless --export (a relative name missing here is read from $AQR_DATA_DIR)")
+    p.add_argument("--test", default=None, type=resolve_data_file, help="test npz, evaluated after every epoch")
     p.add_argument("--epochs", type=count(1), default=30, help="epochs of the learning-rate schedule")
     p.add_argument("--batch-size", type=count(1), default=128, help="training images per step")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="optimizer")

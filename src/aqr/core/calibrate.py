@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -247,6 +248,43 @@ def _inputs(batch: object) -> torch.Tensor:
     )
 
 
+class ClassCoverageWarning(UserWarning):
+    """The source labels given to :func:`calibrate` cover only some of the model's classes."""
+
+
+class ClassCoverage:
+    """Which classes the source batches' labels cover, against the width of the model's logits."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.images = 0
+        self.classes: int | None = None  # the logits' width; None: no labels or no logits, nothing to say
+
+    def update(self, labels: torch.Tensor | None, x: torch.Tensor, out: object) -> None:
+        """Count one batch's integer labels (one per input) and read the model's number of classes."""
+        usable = (labels is not None and labels.ndim == 1 and x.ndim > 0 and len(labels) == x.shape[0]
+                  and not labels.dtype.is_floating_point and labels.dtype != torch.bool)
+        if not usable or not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != x.shape[0]:
+            self.classes = -1  # one batch without labels or logits: no claim about the rest
+            return
+        if self.classes is None:
+            self.classes = int(out.shape[1])
+        self.seen.update(labels.unique().tolist())  # type: ignore[union-attr]
+        self.images += int(x.shape[0])
+
+    def warn(self) -> None:
+        """Warn when the labels cover only some classes, over at least 10 images per class."""
+        classes = self.classes
+        if classes is None or classes < 2 or self.images < 10 * classes:
+            return
+        covered = len(self.seen & set(range(classes)))
+        if covered < classes:
+            warnings.warn(f"the source labels cover only {covered} of the model's {classes} classes; is the data "
+                          "sorted by class? Statistics of some classes make AQR map every batch onto them: "
+                          "shuffle it (DataLoader(..., shuffle=True)) or draw a class-balanced subset",
+                          ClassCoverageWarning, stacklevel=3)
+
+
 def _labels(batch: object) -> torch.Tensor | None:
     if isinstance(batch, (list, tuple)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
         return batch[1]
@@ -255,6 +293,8 @@ def _labels(batch: object) -> torch.Tensor | None:
     return None
 
 
+#: inputs per batch when :func:`calibrate` is given one tensor (as the README's ``source.split(128)``).
+TENSOR_BATCH = 128
 #: ``K``, the knots per channel :func:`calibrate` stores by default (the percentiles p0..p100).
 DEFAULT_NUM_QUANTILES = 101
 #: the values per channel :func:`calibrate` keeps by default (the DKW bound in the module docs).
@@ -285,7 +325,10 @@ def calibrate(
     Args:
         model: any ``nn.Module``; its parameters, buffers and train/eval flags are left as found
             (it is run in eval mode).
-        source: an iterable of input batches or ``(input, label)`` pairs, e.g. a DataLoader.
+        source: an iterable of input batches or ``(input, label)`` pairs, e.g. a DataLoader; a single
+            tensor is read as its inputs along dim 0, in batches of :data:`TENSOR_BATCH` (not one input at
+            a time, as iterating it would). With labels, a warning says when they cover only some of the
+            model's classes (its logits' width): statistics of a few classes make AQR map every batch onto them.
         layers: ``"all"``, ``"top-half"``, ``"bottom-half"`` (forward execution order) or names.
         num_quantiles: ``K`` knots at levels ``j / (K - 1)``; 101 gives the percentiles p0..p100.
         tail: the default tail strategy stored with the statistics (all strategies stay usable).
@@ -301,7 +344,7 @@ def calibrate(
         max_batches: stop after this many batches.
         seed: seeds the sample and the tail draws; same seed and data give identical statistics.
         device: run on this device (default: where the model's parameters are).
-        progress: show a progress bar.
+        progress: show a progress bar (off by default; ``aqr calibrate`` shows one).
         compile: fuse the per-batch moments with ``torch.compile`` (eager fallback with a warning);
             ``None`` (default): on a GPU only. On CPU the fused moments calibrated 5,000 CIFAR images in
             the time the eager ones took, and compiling costs about 8 s in every new process.
@@ -339,6 +382,11 @@ def calibrate(
         raise LayerError(f"{type(model).__name__} has no BatchNorm, GroupNorm or LayerNorm layer to calibrate")
     check_memory(calibration_bytes(all_infos, max_samples, num_quantiles, tail_unit == "images", groups),
                  f"calibrating {len(all_infos)} layers with max_samples={max_samples}")
+    if isinstance(source, torch.Tensor):
+        if source.ndim < 2:
+            raise ValueError(f"source is a tensor of shape {tuple(source.shape)}: give a batch of inputs "
+                             "(inputs along dim 0) or an iterable of batches, e.g. a DataLoader")
+        source = source.split(TENSOR_BATCH)
     if device is None:
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
@@ -348,6 +396,7 @@ def calibrate(
     group_images = [0] * (groups or 0)
     current: dict[str, torch.Tensor] = {}  # the batch's group of each input, read by the hooks
     order: list[str] | None = None
+    coverage = ClassCoverage()
     with instrumented(model) as tools:
         batches = tqdm(source, desc="calibrate", unit="batch", disable=not progress, total=max_batches)
         for b, batch in enumerate(batches):
@@ -383,9 +432,11 @@ def calibrate(
 
                     tools.hook(info.name, hook)
             with torch.no_grad():
-                model(x)
+                out = model(x)
+            coverage.update(_labels(batch), x, out)
     if order is None:
         raise ValueError("the source data yielded no images (no batch, or only empty ones)")
+    coverage.warn()
     stats = {
         name: c.finish(modules[name], num_quantiles, tail_batch, tail_repeats, affine=point == OUTPUT)
         for name, c in collectors.items()

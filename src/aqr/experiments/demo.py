@@ -295,7 +295,7 @@ def digits_grid(config: DemoConfig, checkpoints: Mapping[str, Path], source_npz:
     return GridSpec("demo", models, DataSpec("digits-c", str(cifar_c), f"0:{n_test}"), _methods(),
                     corruptions=_corruptions(config), severities=_severities(config),
                     batch_sizes=(config.batch_size or (100 if config.quick else 200),), seeds=(config.seed,),
-                    n_images=n_images)
+                    n_images=n_images, protocol="episodic")
 
 
 def _corruptions(config: DemoConfig) -> tuple[str, ...]:
@@ -394,7 +394,7 @@ def cifar_grid(config: DemoConfig) -> GridSpec:
     return GridSpec("demo-cifar", (_cifar_model(config, source),), DataSpec(root.name or "cifar-c", str(root), pool),
                     _methods(), corruptions=corruptions, severities=severities,
                     batch_sizes=(config.batch_size or (100 if config.quick else 200),), seeds=(config.seed,),
-                    n_images=n_images)
+                    n_images=n_images, protocol="episodic")
 
 
 # ----------------------------------------------------------------------------- results

@@ -43,7 +43,8 @@ def grid_from_mapping(spec: Mapping[str, Any], data_dir: str | Path | None = Non
     except DataDirError:
         if "preset" in spec or not own_models:
             raise
-        base = GridSpec("custom", (), DataSpec(root=str(cifar_c)), tuple(MethodSpec(m) for m in BASELINES))
+        base = GridSpec("custom", (), DataSpec(root=str(cifar_c)), tuple(MethodSpec(m) for m in BASELINES),
+                        protocol="episodic")  # the main preset's protocol
         known_models: dict[str, ModelSpec] = {}
     else:
         base = preset(spec.get("preset", "main"), data_dir, cifar_c)

@@ -178,6 +178,29 @@ def ensure_data(data: DataSpec, corruptions: Sequence[str], progress: bool = Tru
     generate_cifar_c(images, labels, root, config, progress=progress)
 
 
+def planned_generation(data: DataSpec, corruptions: Sequence[str],
+                       severities: Sequence[int] = (1, 2, 3, 4, 5)) -> str | None:
+    """What :func:`ensure_data` would generate into ``data.root`` before the first cell, in one line (how many
+    images, about how many MB); ``None`` when nothing is missing or there is nothing to generate from."""
+    root = Path(data.root)
+    if uses_image_folders(data):
+        missing = [f"{c}/{s}" for c in corruptions for s in severities if not (root / c / str(s)).is_dir()]
+        if not missing or not data.clean:
+            return None
+        return (f"the first run generates {len(missing)} missing corruption/severity folder(s) of {data.clean} into "
+                f"{root}")
+    missing = [c for c in corruptions if not (root / f"{c}.npy").is_file()]
+    if (not missing and (root / "labels.npy").is_file()) or not data.clean or not Path(data.clean).is_file():
+        return None
+    from aqr.data import load_npz_arrays
+
+    images, _ = load_npz_arrays(data.clean)
+    count = len(missing) * 5 * len(images)  # every severity of a corruption, as ensure_data generates them
+    megabytes = count * int(np.prod(images.shape[1:])) / 1e6
+    return (f"the first run generates {count:,} images ({len(missing)} corruption(s) x 5 severities x "
+            f"{len(images):,} clean images) into {root}, about {megabytes:,.0f} MB")
+
+
 def _ensure_folders(data: DataSpec, corruptions: Sequence[str], severities: Sequence[int], progress: bool,
                     workers: int) -> None:
     """ImageNet-C layout: write the missing (corruption, severity) folders from ``data.clean``, or explain."""

@@ -1,4 +1,8 @@
-"""The paper's experiments as named grids (:func:`preset`) on the data folder's files."""
+"""The paper's experiments as named grids (:func:`preset`) on the data folder's files.
+
+Each preset names its protocol: the paper's tables (``main``, ``tails``, ``granularity``, ``vit-blocks``,
+``smoke``, ``imagenet``) are episodic, the stream presets online or realtime.
+"""
 
 from __future__ import annotations
 
@@ -81,6 +85,20 @@ def field_batch1_grid(models: dict[str, ModelSpec], data: DataSpec) -> GridSpec:
     return GridSpec("field", (models[FIELD_MODELS[0]],), data, tuple(MethodSpec.parse(m) for m in FIELD_BATCH1_METHODS),
                     corruptions=(CONTINUAL,), severities=(5,), batch_sizes=(1,), seeds=(0,), n_images=500,
                     protocol="online", orders=(None,))
+
+
+#: What each of the reproduction's model names stands for, in a line (reports print it beside their tables).
+MODEL_NOTES: dict[str, str] = {
+    "resnet20": "the third-party (akamaster) CIFAR-10 ResNet-20 with BatchNorm; source statistics from clean "
+                "test images 0-4999 (its lossless training set is not available)",
+    "resnet20_trainstats": "the third-party (akamaster) BN ResNet-20 of `resnet20`, with source statistics from "
+                           "10,000 random images of the JPEG-compressed CIFAR-10 training set (the nearest we have to "
+                           "the lossless set it was trained on)",
+    "resnet20_bn": "the zoo's BN ResNet-20, trained on the JPEG training set; statistics from 10,000 of its images",
+    "resnet20_gn": "the zoo's GroupNorm ResNet-20, trained on the JPEG training set; statistics from 10,000 of its "
+                   "images",
+    "vit_ln": "the zoo's LayerNorm ViT, trained on the JPEG training set; statistics from 10,000 of its images",
+}
 
 
 def default_models(data_dir: str | Path | None = None) -> dict[str, ModelSpec]:
@@ -167,24 +185,25 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
     if name == "imagenet":
         root = Path(imagenet_dir) if imagenet_dir is not None else resolve_data_dir(data_dir) / "imagenet"
         return GridSpec("imagenet", tuple(imagenet_models(root).values()), imagenet_data(root, imagenet_c), methods,
-                        severities=(1, 3, 5), batch_sizes=(64,), seeds=(0,), n_images=5000)
+                        severities=(1, 3, 5), batch_sizes=(64,), seeds=(0,), n_images=5000, protocol="episodic")
     models = default_models(data_dir)
     data = default_data(data_dir, cifar_c)
     if name == "main":
         return GridSpec("main", tuple(models[n] for n in ("resnet20", "resnet20_bn", "resnet20_gn", "vit_ln")), data,
-                        methods)
+                        methods, protocol="episodic")
     if name == "tails":
         return GridSpec("tails", (models["resnet20"],), data,
                         tuple(MethodSpec("aqr", {"tail": t}) for t in TAILS)
                         # the other reading of the paper's "batch of 100": 100 values, not 100 images
-                        + (MethodSpec("aqr", {"tail": "average", "tail_unit": "values"}),), severities=(3, 5))
+                        + (MethodSpec("aqr", {"tail": "average", "tail_unit": "values"}),), severities=(3, 5),
+                        protocol="episodic")
     if name == "granularity":
         return GridSpec("granularity", (models["resnet20"],), data,
-                        tuple(MethodSpec("aqr", {"K": k}) for k in (11, 101)), severities=(3, 5))
+                        tuple(MethodSpec("aqr", {"K": k}) for k in (11, 101)), severities=(3, 5), protocol="episodic")
     if name == "vit-blocks":
         return GridSpec("vit-blocks", (models["vit_ln"],), data,
                         tuple(MethodSpec("aqr", {"layers": s}) for s in ("all", "top-half", "bottom-half")),
-                        severities=(3, 5))
+                        severities=(3, 5), protocol="episodic")
     if name == "stream":
         return GridSpec("stream", tuple(models[n] for n in ("resnet20", "resnet20_gn", "vit_ln")), data, tuple(MethodSpec.parse(m) for m in STREAM_METHODS),
                         corruptions=(CONTINUAL,), severities=(5,), batch_sizes=(1, 4, 16, 64, 128), seeds=(0,),
@@ -201,5 +220,5 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
         smoke_data = replace(data, root=str(Path(cifar_c).parent / "cifar10c-smoke"))
         return GridSpec("smoke", (models["resnet20"],), smoke_data, methods,
                         corruptions=("gaussian_noise", "defocus_blur"), severities=(5,), batch_sizes=(128,),
-                        seeds=(0,), n_images=256)
+                        seeds=(0,), n_images=256, protocol="episodic")
     raise KeyError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import warnings
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
@@ -76,14 +77,15 @@ def compute_stats(cell: Cell, progress: bool = False, device: str | None = None,
                   threads: int | None = None) -> Any:
     """The source statistics a cell needs (:class:`aqr.SourceStats`), computed now on ``device`` with
     ``threads`` torch threads (default: unchanged) and ``loader_workers`` decoding processes."""
-    from aqr.core.calibrate import calibrate
+    from aqr.core.calibrate import ClassCoverageWarning, calibrate
 
     opts = stats_options(cell)
     model = load_model(cell.model)
     if device is not None:
         model.to(device)
     source = source_dataset(cell.model, model_preprocess(cell.model, model))
-    with torch_threads(threads):
+    with torch_threads(threads), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ClassCoverageWarning)  # source_dataset warned already, naming the indices
         return calibrate(model, data_loader(source, 500, loader_workers, device), num_quantiles=opts["K"],
                          max_samples=opts["max_samples"], tail_unit=opts["tail_unit"], progress=progress,
                          groups=opts.get("groups"), point=opts.get("point", "output"))

@@ -2,7 +2,8 @@
 bn-ema, and the field's ETA/EATA, ROID, DeYO, CoTTA, RoTTA and LAME as in the test-time-adaptation
 benchmark code.
 
->>> method = create("tent", model)              # episodic, the AQR paper's protocol
+>>> method = create("tent", model)              # online (the default): adapts across batches
+>>> method = create("tent", model, protocol="episodic")  # the AQR paper's protocol: reset before every batch
 >>> plan("tent", {"lr": 1e-3}).config           # the checked config, without a model
 >>> logits = method(x)                          # scored logits for batch x
 >>> method = create("sar", model, protocol="online", lr=1e-3)
@@ -94,7 +95,8 @@ def create(name: str, model: nn.Module, *, stats: Any = None, source: Any = None
 
     ``stats``: the :class:`aqr.SourceStats` of a method that needs them; ``source``: EATA's clean source
     images. Returns an ``nn.Module`` whose ``forward(x)`` gives the scored logits and whose ``reset()``
-    restores the original state. Raises ``KeyError`` for an unknown name, ``TypeError`` for an unknown
+    restores the original state. The protocol is ``"online"`` (the method adapts across batches) unless
+    ``protocol="episodic"`` (reset before every batch, the paper's tables) is given. Raises ``KeyError`` for an unknown name, ``TypeError`` for an unknown
     option or a missing ``stats``/``source`` and :class:`NotApplicable` when the method cannot run on this model.
     """
     return plan(name, options).build(model, stats=stats, source=source)

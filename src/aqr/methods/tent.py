@@ -73,7 +73,14 @@ class TentConfig(OptimizerConfig):
         """The learning rate to use on ``model``."""
         if self.lr is not None:
             return self.lr
-        return default_lr(self.arch or infer_arch(model), self.batch_size)
+        arch = self.arch or infer_arch(model)
+        if arch == "vit" and self.batch_size is None and self.arch is None:
+            found = next(f"{name or 'the model'} ({type(m).__name__})" for name, m in model.named_modules()
+                         if isinstance(m, nn.MultiheadAttention) or type(m).__name__.endswith("Attention"))
+            raise ValueError(f"the default learning rate of a model with attention layers, as {found}, is the "
+                             "transformer one, 1e-3/64 per image, which needs batch_size=; or pass lr= "
+                             "(or arch='cnn' for 2.5e-4)")
+        return default_lr(arch, self.batch_size)
 
 
 def configure_for_entropy_minimization(model: nn.Module) -> nn.Module:

@@ -7,6 +7,7 @@ here, and every module that draws, calls :func:`require_matplotlib` before it im
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,34 @@ def axes_row(ncols: int, figsize: tuple[float, float], **kwargs: Any) -> tuple[A
     """A figure with ``ncols`` axes side by side; ``kwargs`` go to ``Figure.subplots`` (e.g. ``sharey``)."""
     fig = figure(figsize)
     return fig, list(fig.subplots(1, ncols, squeeze=False, **kwargs)[0])
+
+
+@dataclass(frozen=True)
+class Style:
+    """How one series is drawn: its colour, its marker (lines, scatter points) and its hatch (bars)."""
+
+    color: Any
+    marker: str
+    hatch: str
+
+
+# 9 markers and hatches against 20 colours (coprime): neighbours in a list differ in both colour and marker,
+# and two names share both only 180 apart
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<")
+HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--", "**")
+
+
+def styles(names: Sequence[str]) -> dict[str, Style]:
+    """A colour and a marker (and a bar hatch) per name, in order, from 20 colours (``tab20``'s dark shades,
+    then its light ones) and 9 markers: every name is told apart from every other by colour and marker
+    up to 180 names."""
+    require_matplotlib()
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab20"]
+    palette = [cmap(i) for i in range(0, 20, 2)] + [cmap(i) for i in range(1, 20, 2)]
+    return {name: Style(palette[i % len(palette)], MARKERS[i % len(MARKERS)], HATCHES[i % len(HATCHES)])
+            for i, name in enumerate(names)}
 
 
 def colors(names: Sequence[str]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from aqr.harness.report.field_tables import cost_points, plot_costs, setting_tables
+from aqr.harness.report.field_tables import cost_points, plot_costs, row_setting, setting_tables
 from aqr.harness.report.field_target import choose_defaults, target_table
 from aqr.harness.report.figures import (architecture_bars, closest_severity, mean_se, plot_architectures,
                                         plot_severity, severity_curves)
@@ -29,7 +29,7 @@ from aqr.harness.report.stream_tables import stream_report, stream_tables, write
 from aqr.harness.report.tables import (BASE_METHODS, METHOD_LABELS, Entry, Table, ablation_tables, bold_best,
                                        corruption_order, entry_of, flag_incomplete, has_ok, method_label,
                                        per_corruption_table, summarize, summary_table, variant_order)
-from aqr.harness.presets import FIELD_DEFAULTS
+from aqr.harness.presets import FIELD_DEFAULTS, MODEL_NOTES
 from aqr.harness.results import ResultsDB, Row
 from aqr.util.plots import require_matplotlib
 
@@ -39,7 +39,7 @@ __all__ = ["choose_defaults", "cost_points", "plot_costs", "setting_tables", "ta
            "order_curves", "order_table", "order_tables", "paired_corruption_table", "paired_difference", "paired_table", "paired_tables", "per_corruption_table",
            "plot_architectures", "plot_orders", "plot_severity", "provenance_summary", "report", "report_dict",
            "is_continual", "row_order", "seed_table",
-           "severity_curves", "stream_report", "stream_tables", "summarize", "summary_table", "to_csv", "to_latex",
+           "severity_curves", "stream_report", "stream_tables", "summarize", "summary_lines", "summary_table", "to_csv", "to_latex",
            "to_markdown", "variant_order", "write_figures", "write_order_figures", "write_stream_figures",
            "write_tables"]
 
@@ -168,22 +168,50 @@ def report(db_path: str | Path, out_dir: str | Path, experiment: str | None = No
     result = {"db": str(db_path), "experiment": experiment,
               **report_dict(rows, tables, superseded=len(all_rows) - len(rows))}
     index = out / "index.md"
-    index.write_text(index_markdown(result, tables, figure_files, table_files, out))
+    index.write_text(index_markdown(result, tables, figure_files, table_files, out, summary_lines(rows)))
     files = [index, out / "report.json", *table_files, *(p for ps in figure_files.values() for p in ps)]
     result["files"] = [str(p) for p in files]
     (out / "report.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
+def summary_lines(rows: Sequence[Row]) -> list[str]:
+    """The report's summary in Markdown: per run (model, setting, protocol, batch size) the method with the best
+    mean accuracy over the run's cells beside Source's, then what each model name stands for."""
+    ok = [r for r in rows if r.status == "ok" and r.accuracy is not None]
+    runs: dict[tuple[str, str, str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in ok:
+        setting = row_setting(r) if is_continual(r) else "per corruption"
+        runs[(r.model, setting, r.protocol, r.batch_size)][r.variant].append(float(r.accuracy))  # type: ignore[arg-type]
+    if not runs:
+        return []
+    lines = ["## Summary", "", "The best method of each run (mean accuracy over the run's cells, %) beside the "
+             "unadapted model; the tables below have every method.", "",
+             "| model | setting | protocol | batch | best method | accuracy | Source | methods |", "|---|---|---|---:|---|---:|---:|---:|"]
+    for (model, setting, protocol, size), by_variant in sorted(runs.items()):
+        means = {v: sum(a) / len(a) for v, a in by_variant.items()}
+        best = max(sorted(means, key=variant_order), key=lambda v: means[v])
+        source = f"{means['source']:.2f}" if "source" in means else ""
+        lines.append(f"| {model} | {setting} | {protocol} | {size} | {method_label(best)} | {means[best]:.2f} | "
+                     f"{source} | {len(means)} |")
+    notes = [f"- `{m}`: {MODEL_NOTES[m]}." for m in sorted({r.model for r in rows}) if m in MODEL_NOTES]
+    if notes:
+        lines += ["", "Models:", "", *notes]
+    return lines + [""]
+
+
 def index_markdown(result: Mapping[str, Any], tables: Sequence[Table], figure_files: Mapping[str, Sequence[Path]],
-                   table_files: Sequence[Path], out_dir: Path) -> str:
-    """``index.md``: what the report covers, its figures (PNG) and every table in Markdown."""
+                   table_files: Sequence[Path], out_dir: Path, summary: Sequence[str] = ()) -> str:
+    """``index.md``: what the report covers, its summary (:func:`summary_lines`), its figures (PNG) and every
+    table in Markdown."""
     counts = result["rows"]
     lines = [f"# aqr report: {result['experiment'] or 'all experiments'}", "",
              f"Database `{result['db']}`: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
              + f" rows ({result['superseded_rows']} older duplicates superseded).", ""]
     for key, values in result["provenance"].items():
         lines.append(f"- {key}: {', '.join(values)}")
+    if summary:
+        lines += ["", *summary]
     if figure_files:
         lines += ["", "## Figures", ""]
         for name, paths in figure_files.items():

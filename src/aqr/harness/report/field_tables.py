@@ -23,7 +23,7 @@ from aqr.harness.report.shared import is_continual, row_order, slug
 from aqr.harness.report.tables import (Entry, Table, bold_best, entry_of, flag_incomplete, method_label, variant_order,
                                        variants_in)
 from aqr.harness.results import Row
-from aqr.util.plots import axes_row, require_matplotlib
+from aqr.util.plots import axes_row, require_matplotlib, styles
 
 SETTING_ORDER = ("continual", "correlated", "mixed_domains", "gradual")
 
@@ -129,15 +129,6 @@ def cost_points(rows: Sequence[Row]) -> dict[str, dict[str, dict[str, dict[str, 
     return points
 
 
-def _colors(names: Sequence[str]) -> dict[str, Any]:
-    """One colour per name: matplotlib's ``tab20``, then ``tab20b`` (the field has more than 20 methods)."""
-    require_matplotlib()
-    from matplotlib import colormaps
-
-    palette = [colormaps["tab20"](i) for i in range(20)] + [colormaps["tab20b"](i) for i in range(20)]
-    return {name: palette[i % len(palette)] for i, name in enumerate(names)}
-
-
 def _cost_axis(ax: Any) -> None:
     """A log x axis of costs labelled in plain numbers (1, 2, 5, 10, ...), without crowded minor labels."""
     require_matplotlib()
@@ -160,15 +151,17 @@ def plot_costs(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Path]
         fig, axes = axes_row(len(names), (4.2 * len(names), 3.6))
         variants = sorted({v for s in settings.values() for series in s.values() for v in series["variant"]},
                           key=variant_order)
-        colors = _colors(variants)
+        style = styles(variants)
         handles: dict[str, Any] = {}
         for ax, setting in zip(axes, names):
             for kind, series in settings[setting].items():
                 for v, c, a in zip(series["variant"], series["cost"], series["accuracy"]):
-                    face = colors[v] if kind == "offline" else "none"
-                    ax.scatter([c], [a], s=36, facecolors=face, edgecolors=colors[v], linewidths=1.4)
+                    face = style[v].color if kind == "offline" else "none"
+                    ax.scatter([c], [a], s=36, marker=style[v].marker, facecolors=face, edgecolors=style[v].color,
+                               linewidths=1.4)
                     # the legend shows each method's colour filled, whichever protocol was drawn last
-                    handles[v] = Line2D([], [], marker="o", linestyle="", color=colors[v], label=method_label(v))
+                    handles[v] = Line2D([], [], marker=style[v].marker, linestyle="", color=style[v].color,
+                                        label=method_label(v))
             _cost_axis(ax)
             ax.set_title(setting, fontsize=9)
             ax.set_xlabel("relative cost C (log)")

@@ -17,8 +17,7 @@ import numpy as np
 
 from aqr.harness.report.tables import group_by, method_label, variant_order, variants_in
 from aqr.harness.results import Row
-from aqr.util.plots import axes_row, save
-from aqr.util.plots import colors as plot_colors
+from aqr.util.plots import axes_row, save, styles
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float, int]:
@@ -104,13 +103,13 @@ def plot_severity(rows: Sequence[Row], path: str | Path) -> list[Path]:
     if not curves:
         raise ValueError("no ok rows to plot")
     fig, axes = axes_row(len(curves), (4.0 * len(curves), 3.6))
-    colors = plot_colors(sorted({v for by_variant in curves.values() for v in by_variant}, key=variant_order))
+    style = styles(sorted({v for by_variant in curves.values() for v in by_variant}, key=variant_order))
     handles: dict[str, Any] = {}
     for ax, (panel, by_variant) in zip(axes, curves.items()):
         for i, (variant, c) in enumerate(by_variant.items()):
             dodge = 0.03 * (i - (len(by_variant) - 1) / 2)  # keep error bars of close methods apart
             line = ax.errorbar(np.add(c["severity"], dodge), c["mean"], yerr=c["se"], label=method_label(variant),
-                               marker="o", ms=4, capsize=3, color=colors[variant])
+                               marker=style[variant].marker, ms=4, capsize=3, color=style[variant].color)
             handles.setdefault(variant, line)
         ax.set_title(panel, fontsize=10)
         ax.set_xlabel("severity")
@@ -130,7 +129,7 @@ def plot_architectures(rows: Sequence[Row], path: str | Path, severity: int = 3)
     if not any("mean" in b for m in bars.values() for b in m.values()):
         raise ValueError(f"no ok rows at severity {severity} to plot")
     variants = sorted({v for m in bars.values() for v in m}, key=variant_order)
-    colors = plot_colors(variants)
+    style = styles(variants)
     width = 0.8 / len(variants)
     fig, (ax,) = axes_row(1, (max(5.0, 0.35 * len(bars) * len(variants) + 1.5), 3.8))
     labelled: set[str] = set()
@@ -145,7 +144,8 @@ def plot_architectures(rows: Sequence[Row], path: str | Path, severity: int = 3)
                 continue
             label = None if variant in labelled else method_label(variant)
             labelled.add(variant)
-            ax.bar(x, bar["mean"], width, yerr=bar["se"], capsize=2, color=colors[variant], label=label)
+            ax.bar(x, bar["mean"], width, yerr=bar["se"], capsize=2, color=style[variant].color,
+                   hatch=style[variant].hatch, edgecolor="white", linewidth=0.0, label=label)
     ax.set_xticks(range(len(bars)))
     ax.set_xticklabels(list(bars))
     ax.set_ylabel("accuracy (%)")

@@ -26,8 +26,7 @@ from aqr.harness.report.shared import is_continual, order_key, row_order, settin
 from aqr.harness.report.tables import (Table, bold_best, entry_of, flag_incomplete, group_by, method_label,
                                        variant_order, variants_in)
 from aqr.harness.results import Row
-from aqr.util.plots import axes_row
-from aqr.util.plots import colors as plot_colors
+from aqr.util.plots import axes_row, styles
 
 
 def ordered_rows(rows: Sequence[Row]) -> list[Row]:
@@ -99,7 +98,7 @@ def plot_orders(rows: Sequence[Row], path: str | Path, batch_size: int) -> list[
     if not curves:
         raise ValueError(f"no ok continual rows with a stream order at batch size {batch_size} to plot")
     variants = sorted({v for c in curves.values() for v in c}, key=variant_order)
-    colors = plot_colors(variants)
+    style = styles(variants)
     fig, axes = axes_row(len(curves), (4.2 * len(curves), 3.6))
     handles: dict[str, Any] = {}
     for ax, (model, by_variant) in zip(axes, sorted(curves.items())):
@@ -110,9 +109,10 @@ def plot_orders(rows: Sequence[Row], path: str | Path, batch_size: int) -> list[
             line = [(x[o], a) for o, a in zip(c["order"], c["accuracy"]) if not StreamOrder.parse(o).mixed]
             apart = [(x[o], a) for o, a in zip(c["order"], c["accuracy"]) if StreamOrder.parse(o).mixed]
             if line:
-                (handles[variant],) = ax.plot(*zip(*line), marker="o", ms=4, color=colors[variant])
+                (handles[variant],) = ax.plot(*zip(*line), marker=style[variant].marker, ms=4, color=style[variant].color)
             if apart:
-                (marker,) = ax.plot(*zip(*apart), marker="D", ms=5, ls="none", color=colors[variant])
+                (marker,) = ax.plot(*zip(*apart), marker=style[variant].marker, ms=6, ls="none", mfc="none",
+                                    color=style[variant].color)
                 handles.setdefault(variant, marker)
         mixed = [o for o in orders if StreamOrder.parse(o).mixed]
         if mixed and len(mixed) < len(orders):

@@ -29,8 +29,7 @@ from aqr.harness.report.shared import is_continual, order_key, row_order, settin
 from aqr.harness.report.tables import (Table, bold_best, entry_of, flag_incomplete, group_by, has_ok, method_label,
                                        row_mean, summarize, variant_order, variants_in)
 from aqr.harness.results import Row
-from aqr.util.plots import axes_row
-from aqr.util.plots import colors as plot_colors
+from aqr.util.plots import axes_row, styles
 
 WINDOW = 100  # images in the moving average along the stream (at most a block)
 
@@ -142,13 +141,14 @@ def plot_batch_sizes(rows: Sequence[Row], path: str | Path, order: str | None = 
     if not curves:
         raise ValueError("no ok continual rows to plot")
     variants = sorted({v for m in curves.values() for v in m}, key=variant_order)
-    colors = plot_colors(variants)
+    style = styles(variants)
     fig, axes = axes_row(len(curves), (4.0 * len(curves), 3.6))
     handles: dict[str, Any] = {}
     for ax, (model, by_variant) in zip(axes, curves.items()):
         for variant in sorted(by_variant, key=variant_order):
             c = by_variant[variant]
-            (handles[variant],) = ax.plot(c["batch_size"], c["accuracy"], marker="o", ms=4, color=colors[variant])
+            (handles[variant],) = ax.plot(c["batch_size"], c["accuracy"], marker=style[variant].marker, ms=4,
+                                          color=style[variant].color)
         ax.set_xscale("log", base=2)
         sizes = sorted({b for c in by_variant.values() for b in c["batch_size"]})
         ax.set_xticks(sizes)
@@ -172,7 +172,7 @@ def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, wi
         raise ValueError(f"no ok continual rows at batch size {batch_size} to plot")
     by_model = group_by(chosen, lambda r: r.model)
     variants = sorted({r.variant for r in chosen}, key=variant_order)
-    colors = plot_colors(variants)
+    style = styles(variants)
     fig, axes = axes_row(len(by_model), (6.5 * len(by_model), 3.6))
     handles: dict[str, Any] = {}
     for ax, (model, mrows) in zip(axes, sorted(by_model.items())):
@@ -180,7 +180,9 @@ def plot_along_stream(rows: Sequence[Row], path: str | Path, batch_size: int, wi
         for row in sorted((r for r in mrows if r.seed == seed), key=lambda r: variant_order(r.variant)):
             size = row.detail["block_size"]
             curve = along_stream(row.detail, max(1, min(window, size)))
-            (handles[row.variant],) = ax.plot(np.arange(1, len(curve) + 1), curve, lw=0.9, color=colors[row.variant])
+            s = style[row.variant]
+            (handles[row.variant],) = ax.plot(np.arange(1, len(curve) + 1), curve, lw=0.9, color=s.color, marker=s.marker,
+                                              ms=4, markevery=max(1, len(curve) // 12))
         detail = mrows[0].detail
         size, names = detail["block_size"], detail["corruptions"]
         for k in range(1, len(names)):
