@@ -136,6 +136,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="realtime protocol: JSON of each method's cost C (per model and batch size); entries it "
                         "lacks are measured by a timing round on this machine and added, so a resumed or repeated "
                         "run reuses them (default: <db>.costs.json beside the database)")
+    p.add_argument("--checkpoint-every", type=count(1), default=None, metavar="N",
+                   help="stream cells save their state every N images in --cache; rerunning a killed command "
+                        "resumes them mid-stream with the predictions of an uninterrupted run")
     p.add_argument("--limit", type=count(1), default=None, help="run at most this many new cells")
     p.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     p.add_argument("--no-progress", action="store_true")
@@ -174,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         summary = run_grid(grid, db, args.cache, workers=args.workers, threads=args.threads, costs_file=costs,
                            progress=not args.no_progress, limit=args.limit,
                            log=lambda m: print(m, file=sys.stderr), device=args.device,
-                           loader_workers=args.loader_workers, executor=args.executor, ray=ray)
+                           loader_workers=args.loader_workers, executor=args.executor, ray=ray,
+                           checkpoint_every=args.checkpoint_every)
     others = f", {summary.by_others} run by another process on the database" if summary.by_others else ""
     print(f"{summary.ran} cells run ({summary.errors} errors, {summary.not_applicable} n/a), "
           f"{summary.skipped} skipped as finished{others}, {summary.wall_s:.1f} s", file=sys.stderr)
