@@ -43,15 +43,25 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
                         "'mixed' for continual cells; the grid's name, under which its cells are recorded, gets "
                         "'-<order>' appended")
     p.add_argument("--setting", default=None, choices=("reset_each_shift", "continual", "gradual", "mixed_domains",
-                                                       "correlated"),
+                                                       "correlated",
+                                                       "ccc"),
                    help="the grid in one of the field's settings (as the test-time-adaptation benchmark names them): "
                         "reset_each_shift (a fresh method per corruption, online), continual (one stream of the "
                         "corruptions, no reset), gradual (that stream with severities 1..5..1 per corruption), "
                         "mixed_domains (the stream's images mixed), correlated (class-correlated order; needs "
-                        "--delta; the same cells as --order delta=D); the grid's name gets '-<setting>' appended")
+                        "--delta; the same cells as --order delta=D), ccc (Continuously Changing Corruptions: "
+                        "needs --baseline and --speed; --n-images is the stream's length); the grid's name gets "
+                        "'-<setting>' appended")
     p.add_argument("--delta", type=float, default=None,
                    help="--setting correlated: Dirichlet concentration of the class order (small: long runs of one class)")
+    p.add_argument("--baseline", type=amount(0, above=True), default=None,
+                   help="--setting ccc: the source model's accuracy (%%) the stream's corruptions hold it at")
+    p.add_argument("--speed", type=count(1), default=None,
+                   help="--setting ccc: images per severity step of the corruptions' walks")
     add_image_arguments(p, workers=False)
+
+
+CCC_IMAGES = 100_000  # --setting ccc: the stream's length without --n-images
 
 
 def grid_from_args(args: argparse.Namespace):
@@ -87,6 +97,12 @@ def grid_from_args(args: argparse.Namespace):
         raise UsageError("--delta goes with --setting correlated")
     if setting == "correlated" and delta is None:
         raise UsageError("--setting correlated needs --delta D (e.g. 0.1), the Dirichlet concentration")
+    baseline, speed = getattr(args, "baseline", None), getattr(args, "speed", None)
+    if (baseline is not None or speed is not None) and setting != "ccc":
+        raise UsageError("--baseline and --speed go with --setting ccc")
+    if setting == "ccc" and (baseline is None or speed is None):
+        raise UsageError("--setting ccc needs --baseline A (the source model's accuracy, %) and --speed S "
+                         "(images per severity step)")
     if args.order:  # the report reads an experiment's rows by its name: keep orders apart
         from aqr.harness.cells import canonical_order, stream_corruptions
 
@@ -98,8 +114,12 @@ def grid_from_args(args: argparse.Namespace):
         changes.update(orders=(order,), name=f"{grid.name}-{order}",
                        parts=tuple(part.override(orders=(order,)) for part in grid.parts))
     changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
-                   n_images=args.n_images)
+                   n_images=None if setting == "ccc" else args.n_images)
     grid = grid.override(**changes)
+    if setting == "ccc":
+        from aqr.harness.settings import apply_ccc
+
+        return apply_ccc(grid, baseline, speed, args.n_images or CCC_IMAGES)
     if setting:
         from aqr.harness.settings import apply_setting
 

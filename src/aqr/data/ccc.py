@@ -166,36 +166,54 @@ def corrupt_pair(image: np.ndarray, step: Step, rng: np.random.Generator,
     return out
 
 
+def ccc_picks(pool_size: int, steps: Sequence[Step], seed: int) -> np.ndarray:
+    """Which image of the pool (an index below ``pool_size``) each position of the stream shows: every step
+    draws its own afresh, without replacement within the step (with it when the step outgrows the pool)."""
+    picks = [np.random.default_rng(np.random.SeedSequence([int(seed), 1, k])).choice(
+        pool_size, step.count, replace=step.count > pool_size) for k, step in enumerate(steps)]
+    return np.concatenate(picks) if picks else np.zeros(0, dtype=np.int64)
+
+
 def ccc_stream(images: np.ndarray, labels: np.ndarray, steps: Sequence[Step], seed: int, start: int = 0,
                stop: int | None = None, frost_overlays: Sequence[np.ndarray] | None = None,
                chunk: int = 256) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Images ``start:stop`` of the CCC stream, in chunks of at most ``chunk``: ``(uint8 NHWC, labels)``.
 
-    Every step draws its images afresh from ``images`` (without replacement within the step, or with it when
-    the step is larger than the pool), each flipped left-right with probability 1/2 and corrupted with its own
-    generator (a function of ``seed`` and its position), so a part of the stream comes out the same whether
-    made alone or with the rest."""
-    total = sum(s.count for s in steps)
-    stop = total if stop is None else stop
-    if not 0 <= start <= stop <= total:
-        raise ValueError(f"images {start}:{stop} are outside the stream of {total}")
-    bounds = np.cumsum([0] + [s.count for s in steps])
-    out_x: list[np.ndarray] = []
-    out_y: list[int] = []
-    for k, step in enumerate(steps):
-        lo, hi = max(start, bounds[k]), min(stop, bounds[k + 1])
-        if lo >= hi:
-            continue
-        draw = np.random.default_rng(np.random.SeedSequence([int(seed), 1, k]))
-        picks = draw.choice(len(images), step.count, replace=step.count > len(images))
-        for position in range(lo, hi):
-            index = int(picks[position - bounds[k]])
-            rng = np.random.default_rng(np.random.SeedSequence([int(seed), 2, position]))
-            image = images[index][:, ::-1] if rng.random() < 0.5 else images[index]
-            out_x.append(corrupt_pair(np.ascontiguousarray(image), step, rng, frost_overlays))
-            out_y.append(int(labels[index]))
-            if len(out_x) == chunk:
-                yield np.stack(out_x), np.asarray(out_y, dtype=np.int64)
-                out_x, out_y = [], []
-    if out_x:
-        yield np.stack(out_x), np.asarray(out_y, dtype=np.int64)
+    The images are drawn by :func:`ccc_picks`, each flipped left-right with probability 1/2 and corrupted
+    with its own generator (a function of ``seed`` and its position), so a part of the stream comes out the
+    same whether made alone or with the rest."""
+    stream = CCCImages(images, steps, seed, frost_overlays)
+    stop = len(stream) if stop is None else stop
+    if not 0 <= start <= stop <= len(stream):
+        raise ValueError(f"images {start}:{stop} are outside the stream of {len(stream)}")
+    for lo in range(start, stop, chunk):
+        hi = min(stop, lo + chunk)
+        yield stream[lo:hi], np.asarray(labels)[stream.picks[lo:hi]].astype(np.int64)
+
+
+class CCCImages:
+    """The images of a CCC stream, made when sliced (``stream[a:b]``: uint8 NHWC); ``picks``: the pool image at
+    each position (so the labels are ``labels[picks]``, known without making a single image)."""
+
+    def __init__(self, images: np.ndarray, steps: Sequence[Step], seed: int,
+                 frost_overlays: Sequence[np.ndarray] | None = None) -> None:
+        self.images, self.steps, self.seed, self.frost_overlays = images, list(steps), int(seed), frost_overlays
+        self.picks = ccc_picks(len(images), self.steps, self.seed)
+        self._step_of = np.repeat(np.arange(len(self.steps)), [s.count for s in self.steps])
+
+    def __len__(self) -> int:
+        return len(self.picks)
+
+    def __getitem__(self, where: slice) -> np.ndarray:
+        if not isinstance(where, slice) or where.step not in (None, 1):
+            raise TypeError("a CCC stream is read in contiguous slices, stream[a:b]")
+        positions = range(*where.indices(len(self)))
+        out = np.empty((len(positions), *self.images.shape[1:]), dtype=np.uint8)
+        for k, position in enumerate(positions):
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, 2, position]))
+            image = self.images[self.picks[position]]
+            if rng.random() < 0.5:
+                image = image[:, ::-1]
+            out[k] = corrupt_pair(np.ascontiguousarray(image), self.steps[self._step_of[position]], rng,
+                                  self.frost_overlays)
+        return out

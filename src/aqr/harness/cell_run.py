@@ -20,7 +20,7 @@ from torch import nn
 from aqr.core.stats import StatsError
 from aqr._version import __version__
 from aqr.harness import continual
-from aqr.harness.cells import REALTIME, Cell, CellResult, stream_corruptions
+from aqr.harness.cells import REALTIME, Cell, CellResult, is_ccc, stream_corruptions
 from aqr.harness.eval_loop import array_batches, image_correct
 from aqr.harness.inputs import (clear_input_caches, data_loader, eval_data, eval_folder, load_model, model_preprocess,
                                 source_loader, uses_image_folders)
@@ -106,6 +106,10 @@ def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False
             torch.manual_seed(cell.seed)
             method = build_method(cell, cache_dir, device, loader_workers, stats_file)
             desc = f"{cell.spec} {cell.corruption}-{cell.severity}"
+            if is_ccc(cell.corruption):
+                checkpoint = (None if checkpoint_every is None
+                              else stream_checkpoint(cell, cache_dir, checkpoint_every))
+                return _run_ccc(cell, method, progress, desc, t0, where, checkpoint)
             if stream_corruptions(cell.corruption) is not None:
                 checkpoint = (None if checkpoint_every is None
                               else stream_checkpoint(cell, cache_dir, checkpoint_every))
@@ -147,6 +151,25 @@ def _run_continual(cell: Cell, method: nn.Module, progress: bool, desc: str, t0:
     if checkpoint is not None:
         checkpoint.remove()
     detail = continual.stream_detail(correct, [name for name, _, _ in blocks], len(blocks[0][2]))
+    if adapted is not None:
+        detail.update(_realtime_detail(cell, adapted))
+    return CellResult("ok", 100.0 * float(correct.mean()), len(correct), time.perf_counter() - t0, **where,
+                      detail=detail)
+
+
+def _run_ccc(cell: Cell, method: nn.Module, progress: bool, desc: str, t0: float,
+             where: dict[str, Any], checkpoint: StreamCheckpoint | None = None) -> CellResult:
+    """A CCC cell: its stream, made on the fly, through ``method`` in batches of the cell's size; the
+    per-image results kept with one block per step of its walks."""
+    from aqr.harness import ccc
+
+    images, labels, steps = ccc.stream_of(cell)
+    starts = list(range(0, len(labels), cell.batch_size))
+    adapted = _realtime_batches(cell, len(starts))
+    correct = continual.evaluate_stream(method, images, labels, starts, progress, desc, adapted, checkpoint)  # type: ignore[arg-type]
+    if checkpoint is not None:
+        checkpoint.remove()
+    detail = continual.stream_detail(correct, ccc.step_names(steps), ccc.CCCSpec.parse(cell.corruption).speed)
     if adapted is not None:
         detail.update(_realtime_detail(cell, adapted))
     return CellResult("ok", 100.0 * float(correct.mean()), len(correct), time.perf_counter() - t0, **where,
