@@ -16,6 +16,7 @@ from aqr.harness.ccc_table import measure_table
 from aqr.harness.cell_run import run_cell
 from aqr.harness.grid_driver import keyed_cells, run_grid
 from aqr.harness.inputs import load_model
+from aqr.harness.report import report
 from aqr.harness.results import ResultsDB
 from aqr.harness.settings import SETTINGS, apply_ccc, apply_setting, setting_of
 from aqr.harness.specs import MethodSpec
@@ -91,6 +92,16 @@ def test_the_bench_runs_ccc_cells_on_the_fly_and_resumes_one_mid_stream(ccc_grid
     resumed = run_cell(cell, tmp_path / "cache", checkpoint_every=16)
     assert resumed.status == "ok" and resumed.detail == rows["tent"].detail and saves[0] >= 3
     assert not list((tmp_path / "cache" / "stream_checkpoints").glob("*"))
+    # the report: a table per stream (whole, first and last tenth, drift against Source) and the figure along it
+    result = report(tmp_path / "r.db", tmp_path / "report")
+    table = next(t for t in result["tables"] if t["name"].startswith("ccc_tiny_bn_bs8"))
+    assert table["header"] == ["Method", "stream", "first tenth", "last tenth", "drift vs Source"]
+    by_label = {row["label"]: row["cells"] for row in table["rows"]}
+    assert by_label["Source (NA)"][3]["mean"] == 0.0 and len(by_label) == 3
+    assert by_label["Source (NA)"][0]["mean"] == pytest.approx(rows["source"].accuracy)
+    assert not any("ccc:" in str(t["header"]) for t in result["tables"] if not t["name"].startswith("ccc_"))
+    assert (tmp_path / "report" / "figures" / "ccc_along_stream.png").is_file()
+    assert {r["variant"] for r in result["ccc"]} == {"source", "tent", "aqr[target=stream]"}
 
 
 def test_a_ccc_cell_without_its_table_says_how_to_measure_it(ccc_grid, tmp_path: Path) -> None:
