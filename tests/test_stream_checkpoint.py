@@ -189,3 +189,18 @@ def test_checkpoint_every_must_be_a_positive_count() -> None:
             StreamCheckpoint(Path("x.pt"), "k", bad)  # type: ignore[arg-type]
     assert StreamCheckpoint(Path("x.pt"), "k", 8).due(4, 8) and not StreamCheckpoint(Path("x.pt"), "k", 8).due(8, 12)
 
+
+
+def test_a_state_that_weights_only_could_not_read_is_refused_when_saved(stream_grid, tmp_path: Path) -> None:
+    cell = _cell(stream_grid, "tent")
+    method = build_method(cell, tmp_path / "cache")
+    checkpoint = StreamCheckpoint(tmp_path / "c.pt", "k", 8)
+    original = method.state_dict
+
+    def odd_state(*args, **kwargs):
+        return {**original(*args, **kwargs), "memory": [object()]}
+
+    method.state_dict = odd_state  # type: ignore[method-assign]
+    with pytest.raises(CheckpointError, match=r"state_dict\(\)\['memory'\]\[0\] \(object\) is not a tensor"):
+        checkpoint.save(method, 1, np.zeros(24, dtype=bool), 4)
+    assert not checkpoint.path.exists()

@@ -74,6 +74,10 @@ class StreamCheckpoint:
             "batches_since_reset": int(getattr(method, "_batches_since_reset", 0)),
             "torch_rng": torch.get_rng_state(),
         }
+        odd = _unreadable(payload["method"], "state_dict()") or _unreadable(payload["optimizer"], "optimizer state")
+        if odd:
+            raise CheckpointError(f"the {type(method).__name__} method's state cannot be checkpointed: {odd} "
+                                  "is not a tensor, number, string, list or dict (weights_only=True could not read it)")
         atomic_write(self.path, lambda tmp: torch.save(payload, tmp))
 
     def resume(self, method: torch.nn.Module, total: int) -> Resumed | None:
@@ -123,6 +127,17 @@ def _check_payload(payload: Any, key: str, total: int) -> str:
     if payload.get("total") != total or not 0 <= payload.get("n_images", -1) <= total:
         return f"was written for a stream of {payload.get('total')!r} images; this one has {total}"
     return ""
+
+
+def _unreadable(state: Any, where: str) -> str:
+    """Where in ``state`` a value sits that ``torch.load(weights_only=True)`` would refuse ('' if none)."""
+    if state is None or isinstance(state, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device)):
+        return ""
+    if isinstance(state, dict):
+        return next((found for k, v in state.items() if (found := _unreadable(v, f"{where}[{k!r}]"))), "")
+    if isinstance(state, (list, tuple)):
+        return next((found for k, v in enumerate(state) if (found := _unreadable(v, f"{where}[{k}]"))), "")
+    return f"{where} ({type(state).__name__})"
 
 
 def _to_device(state: Any, device: torch.device) -> Any:
