@@ -94,7 +94,7 @@ def test_the_bench_runs_ccc_cells_on_the_fly_and_resumes_one_mid_stream(ccc_grid
     assert not list((tmp_path / "cache" / "stream_checkpoints").glob("*"))
     # the report: a table per stream (whole, first and last tenth, drift against Source) and the figure along it
     result = report(tmp_path / "r.db", tmp_path / "report")
-    table = next(t for t in result["tables"] if t["name"].startswith("ccc_tiny_bn_bs8"))
+    table = next(t for t in result["tables"] if t["name"].startswith("ccc_tiny_bn_bs8") and t["name"].endswith("_online"))
     assert table["header"] == ["Method", "stream", "first tenth", "last tenth", "drift vs Source"]
     by_label = {row["label"]: row["cells"] for row in table["rows"]}
     assert by_label["Source (NA)"][3]["mean"] == 0.0 and len(by_label) == 3

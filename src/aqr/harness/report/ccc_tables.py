@@ -3,7 +3,8 @@
 * :func:`ccc_table`: per stream (model, batch size, CCC stream), each method's accuracy over the whole
   stream, over its first and last tenth, and the drift: (method - Source) over the last tenth minus the
   same over the first tenth (a collapse is a large negative drift). Mean over seeds.
-* :func:`plot_ccc`: accuracy along each stream, a moving average over ``window`` images per method (one
+  Rows of the realtime protocol have tables of their own.
+* :func:`plot_ccc`: accuracy along each stream (and protocol), a moving average over ``window`` images per method (one
   seed: the first), the pair transitions marked.
 """
 
@@ -54,9 +55,14 @@ def _pair_starts(detail: dict[str, Any]) -> list[tuple[int, str]]:
     return starts
 
 
-def ccc_table(rows: Sequence[Row], model: str, batch_size: int, corruption: str) -> Table | None:
-    """One CCC stream's table (see the module docs); ``None`` without ok rows."""
-    chosen = [r for r in _ok(rows) if (r.model, r.batch_size, r.corruption) == (model, batch_size, corruption)]
+def _stream_of(row: Row) -> tuple[str, int, str, str]:
+    """What one table or panel holds: a model, a batch size, a CCC stream and a protocol."""
+    return row.model, row.batch_size, row.corruption, row.protocol
+
+
+def ccc_table(rows: Sequence[Row], model: str, batch_size: int, corruption: str, protocol: str = "online") -> Table | None:
+    """One CCC stream's table under one protocol (see the module docs); ``None`` without ok rows."""
+    chosen = [r for r in _ok(rows) if _stream_of(r) == (model, batch_size, corruption, protocol)]
     if not chosen:
         return None
     source = {r.seed: tenths(r) for r in chosen if r.variant == "source"}
@@ -78,40 +84,43 @@ def ccc_table(rows: Sequence[Row], model: str, batch_size: int, corruption: str)
     note = ("Accuracy (%) over the whole CCC stream, its first and its last tenth, and the drift: (method - Source) "
             "over the last tenth minus the same over the first (negative: falling behind Source); mean over seeds.")
     name = corruption.replace(":", "_").replace(",", "_").replace("=", "")
-    return Table(f"ccc_{model}_bs{batch_size}_{name}", f"{model}: {corruption}, batch size {batch_size}",
+    return Table(f"ccc_{model}_bs{batch_size}_{name}_{protocol}", f"{model}: {corruption}, batch size {batch_size}, "
+                 f"{protocol}",
                  ("Method", "stream", "first tenth", "last tenth", "drift vs Source"),
                  tuple(method_label(v) for v in variants), tuple(tuple(r) for r in entries), note)
 
 
 def ccc_tables(rows: Sequence[Row]) -> list[Table]:
-    """Every CCC stream's table, by model, batch size and stream."""
-    keys = sorted({(r.model, r.batch_size, r.corruption) for r in _ok(rows)})
+    """Every CCC stream's table, by model, batch size, stream and protocol."""
+    keys = sorted({_stream_of(r) for r in _ok(rows)})
     return [t for t in (ccc_table(rows, *key) for key in keys) if t is not None]
 
 
 def plot_ccc(rows: Sequence[Row], path: str | Path, window: int = WINDOW) -> list[Path]:
-    """Accuracy along each CCC stream (moving average over ``window`` images), one panel per stream (model,
+    """Accuracy along each CCC stream (moving average over ``window`` images, at most a tenth of the stream),
+    one panel per stream (model,
     batch size, stream), one line per method (the first seed), pair transitions marked; PNG and PDF."""
     ok = _ok(rows)
     if not ok:
         raise ValueError("no ok CCC rows to plot")
-    panels = group_by(sorted(ok, key=lambda r: (r.model, r.batch_size, r.corruption)),
-                      lambda r: (r.model, r.batch_size, r.corruption))
+    panels = group_by(sorted(ok, key=_stream_of), _stream_of)
     colors = plot_colors(sorted({r.variant for r in ok}, key=variant_order))
     fig, axes = axes_row(len(panels), (7.0 * len(panels), 3.8))
     handles: dict[str, Any] = {}
-    for ax, ((model, size, corruption), group) in zip(axes, panels.items()):
+    for ax, ((model, size, corruption, protocol), group) in zip(axes, panels.items()):
         seed = min(r.seed for r in group)
         for row in sorted((r for r in group if r.seed == seed), key=lambda r: variant_order(r.variant)):
-            curve = along_stream(row.detail, window)
+            shown = min(window, max(1, row.detail["n"] // 10))  # a short stream: a tenth of it
+            curve = along_stream(row.detail, shown)
             (handles[row.variant],) = ax.plot(np.arange(1, len(curve) + 1), curve, lw=0.9, color=colors[row.variant])
         for start, label in _pair_starts(group[0].detail)[1:]:
             ax.axvline(start, color="0.75", lw=0.6)
             ax.text(start, 1.0, label.replace("_", " "), rotation=90, va="top", ha="right", fontsize=6,
                     transform=ax.get_xaxis_transform(), color="0.4")
-        ax.set_title(f"{model}, batch size {size}, {corruption.removeprefix('ccc:')} (seed {seed})", fontsize=9)
+        ax.set_title(f"{model}, batch size {size}, {protocol}, {corruption.removeprefix('ccc:')} (seed {seed})",
+                     fontsize=9)
         ax.set_xlabel("images")
-        ax.set_ylabel(f"accuracy, last {window} images (%)")
+        ax.set_ylabel(f"accuracy, last {min(window, max(1, group[0].detail['n'] // 10))} images (%)")
         ax.grid(axis="y", alpha=0.3)
     return finish_figure(fig, axes, handles, path)
 
@@ -123,6 +132,6 @@ def write_ccc_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, lis
 
 def ccc_report(rows: Sequence[Row]) -> list[dict[str, Any]]:
     """The JSON-able numbers of the CCC rows: per row, its accuracy and the first and last tenth's."""
-    return [{"model": r.model, "variant": r.variant, "batch_size": r.batch_size, "seed": r.seed,
+    return [{"model": r.model, "variant": r.variant, "batch_size": r.batch_size, "seed": r.seed, "protocol": r.protocol,
              "stream": r.corruption, "accuracy": r.accuracy, "first_tenth": tenths(r)[0], "last_tenth": tenths(r)[1]}
             for r in _ok(rows)]
