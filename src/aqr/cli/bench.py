@@ -50,11 +50,19 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
                         "mixed_domains (the stream's images mixed), correlated (class-correlated order; the same "
                         "cells as --order delta=D), and mixed_domains_correlated, gradual_correlated, "
                         "reset_each_shift_correlated (those settings in class-correlated order); each *correlated "
-                        "setting needs --delta; the grid's name gets '-<setting>' appended")
+                        "setting needs --delta; ccc (Continuously Changing Corruptions: needs --baseline and --speed; "
+                        "--n-images is the stream's length); the grid's name gets '-<setting>' appended")
     p.add_argument("--delta", type=float, default=None,
                    help="the correlated settings: Dirichlet concentration of the class order (small: long runs of "
                         "one class; 0: sorted by class)")
+    p.add_argument("--baseline", type=amount(0, above=True), default=None,
+                   help="--setting ccc: the source model's accuracy (%%) the stream's corruptions hold it at")
+    p.add_argument("--speed", type=count(1), default=None,
+                   help="--setting ccc: images per severity step of the corruptions' walks")
     add_image_arguments(p, workers=False)
+
+
+CCC_IMAGES = 100_000  # --setting ccc: the stream's length without --n-images
 
 
 def grid_from_args(args: argparse.Namespace):
@@ -91,6 +99,12 @@ def grid_from_args(args: argparse.Namespace):
     if setting in CORRELATED_SETTINGS and delta is None:
         raise UsageError(f"--setting {setting} needs --delta D (e.g. 0.1; 0 sorts by class), the Dirichlet "
                          "concentration")
+    baseline, speed = getattr(args, "baseline", None), getattr(args, "speed", None)
+    if (baseline is not None or speed is not None) and setting != "ccc":
+        raise UsageError("--baseline and --speed go with --setting ccc")
+    if setting == "ccc" and (baseline is None or speed is None):
+        raise UsageError("--setting ccc needs --baseline A (the source model's accuracy, %) and --speed S "
+                         "(images per severity step)")
     if args.order:  # the report reads an experiment's rows by its name: keep orders apart
         from aqr.harness.cells import canonical_order, stream_corruptions
 
@@ -102,8 +116,12 @@ def grid_from_args(args: argparse.Namespace):
         changes.update(orders=(order,), name=f"{grid.name}-{order}",
                        parts=tuple(part.override(orders=(order,)) for part in grid.parts))
     changes.update(severities=args.severities, batch_sizes=args.batch_sizes, seeds=args.seeds,
-                   n_images=args.n_images)
+                   n_images=None if setting == "ccc" else args.n_images)
     grid = grid.override(**changes)
+    if setting == "ccc":
+        from aqr.harness.settings import apply_ccc
+
+        return apply_ccc(grid, baseline, speed, args.n_images or CCC_IMAGES)
     if setting:
         from aqr.harness.settings import apply_setting
 
@@ -140,6 +158,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="realtime protocol: JSON of each method's cost C (per model and batch size); entries it "
                         "lacks are measured by a timing round on this machine and added, so a resumed or repeated "
                         "run reuses them (default: <db>.costs.json beside the database)")
+    p.add_argument("--checkpoint-every", type=count(1), default=None, metavar="N",
+                   help="stream cells save their state every N images in --cache; rerunning a killed command "
+                        "resumes them mid-stream with the predictions of an uninterrupted run")
     p.add_argument("--limit", type=count(1), default=None, help="run at most this many new cells")
     p.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     p.add_argument("--no-progress", action="store_true")
@@ -187,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
         summary = run_grid(grid, db, args.cache, workers=args.workers, threads=args.threads, costs_file=costs,
                            progress=not args.no_progress, limit=args.limit,
                            log=lambda m: print(m, file=sys.stderr), device=args.device,
-                           loader_workers=args.loader_workers, executor=args.executor, ray=ray)
+                           loader_workers=args.loader_workers, executor=args.executor, ray=ray,
+                           checkpoint_every=args.checkpoint_every)
     others = f", {summary.by_others} run by another process on the database" if summary.by_others else ""
     print(f"{summary.ran} cells run ({summary.errors} errors, {summary.not_applicable} n/a), "
           f"{summary.skipped} skipped as finished{others}, {summary.wall_s:.1f} s", file=sys.stderr)

@@ -62,6 +62,39 @@ class ParamSet:
             raise ValueError(f"severity must be an integer in 1..5, got {severity!r}")
         return self.table[corruption][int(severity) - 1]
 
+    def interpolated(self, corruption: str, severity: float) -> Any:
+        """The parameter(s) of ``corruption`` at a severity anywhere in ``[1, 5]``: each entry linear between
+        the two levels around it (a photon count through its reciprocal, the noise's variance scale; integer
+        entries rounded), the table's own values at whole severities."""
+        if corruption not in self.table:
+            raise ValueError(f"unknown corruption {corruption!r}; expected one of {', '.join(CORRUPTIONS)}")
+        if isinstance(severity, bool) or not isinstance(severity, (int, float, np.integer, np.floating)) \
+                or not 1 <= float(severity) <= 5:
+            raise ValueError(f"severity must be a number in [1, 5], got {severity!r}")
+        low = int(np.floor(severity))
+        weight = float(severity) - low
+        if weight == 0:
+            return self.get(corruption, low)
+        a, b = self.table[corruption][low - 1], self.table[corruption][low]
+        if corruption in _RECIPROCAL_ENTRIES:
+            return 1.0 / ((1 - weight) / a + weight / b)
+        if not isinstance(a, tuple):
+            return _mix(a, b, weight, corruption in _INTEGER_ENTRIES)
+        integers = _INTEGER_ENTRIES.get(corruption, ())
+        return tuple(_mix(u, v, weight, k in integers) for k, (u, v) in enumerate(zip(a, b)))
+
+
+# entries that must stay integers when interpolated (by position in a tuple; () for a plain number), and
+# parameters interpolated through their reciprocal (shot noise's photon count)
+_INTEGER_ENTRIES: dict[str, tuple[int, ...]] = {"glass_blur": (1, 2), "jpeg_compression": (), "spatter": (5,)}
+_RECIPROCAL_ENTRIES = frozenset({"shot_noise"})
+
+
+def _mix(a: float, b: float, weight: float, integer: bool) -> float:
+    """``a`` and ``b`` mixed linearly (``weight`` on ``b``), rounded half up when ``integer``."""
+    value = (1 - weight) * a + weight * b
+    return int(np.floor(value + 0.5)) if integer else value
+
 
 _CIFAR: dict[str, tuple[Any, ...]] = {
     "gaussian_noise": (0.04, 0.06, 0.08, 0.09, 0.10),

@@ -530,7 +530,7 @@ assert set(_SIMPLE) | {"frost", "elastic_transform"} == set(CORRUPTIONS)
 def corrupt(
     image: np.ndarray,
     name: str,
-    severity: int,
+    severity: int | float,
     rng: np.random.Generator,
     *,
     params: str | ParamSet = "cifar",
@@ -538,6 +538,11 @@ def corrupt(
     frost_overlays: Sequence[np.ndarray] | None = None,
 ) -> np.ndarray:
     """Apply corruption ``name`` at ``severity`` (1..5) to a uint8 HWC RGB image.
+
+    A float severity may lie anywhere in ``[0, 5]`` (Continuously Changing Corruptions): from 1 up, the
+    parameters are interpolated between the two levels around it (:meth:`ParamSet.interpolated`); below 1,
+    the severity-1 image is mixed with the clean one, weight ``severity`` on the corrupted (0: the image
+    unchanged). An integer severity gives exactly the table's level.
 
     Returns a new uint8 array of the same shape; ``image`` is not modified. All randomness comes
     from ``rng``, so equal generator states give equal outputs. ``params`` picks the severity table
@@ -548,7 +553,20 @@ def corrupt(
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"expected a uint8 HxWx3 RGB image, got dtype {image.dtype} and shape {image.shape}")
     pset = get_param_set(params)
-    c = pset.get(name, severity)
+    if isinstance(severity, (float, np.floating)):
+        if not 0 <= severity <= 5:  # (NaN too)
+            raise ValueError(f"severity must be in [0, 5], got {severity!r}")
+        if severity < 1:
+            if name not in pset.table:
+                pset.get(name, 1)  # the unknown name's error
+            if severity == 0:
+                return image.copy()
+            level_one = corrupt(image, name, 1, rng, params=pset, frost_dir=frost_dir, frost_overlays=frost_overlays)
+            mixed = (1 - severity) * image.astype(np.float64) + severity * level_one.astype(np.float64)
+            return np.clip(np.floor(mixed + 0.5), 0, 255).astype(np.uint8)
+        c = pset.interpolated(name, float(severity))
+    else:
+        c = pset.get(name, severity)
     if name == "frost":
         if frost_overlays is None:
             if frost_dir is None:

@@ -18,13 +18,17 @@ import torch
 from torch import nn
 
 from aqr.core.stats import StatsError
+from aqr._version import __version__
 from aqr.harness import continual
-from aqr.harness.cells import REALTIME, Cell, CellResult, stream_corruptions
+from aqr.harness.cells import REALTIME, Cell, CellResult, is_ccc, stream_corruptions
 from aqr.harness.eval_loop import array_batches, image_correct
 from aqr.harness.inputs import (clear_input_caches, data_loader, eval_data, eval_folder, load_model, model_preprocess,
                                 source_loader, uses_image_folders)
+from aqr.harness.keys import cell_key
+from aqr.harness.provenance import fingerprints
 from aqr.harness.results import pack_correct
 from aqr.harness.source_stats import STATS_OPTIONS, ensure_stats, load_stats
+from aqr.harness.stream_checkpoint import StreamCheckpoint
 from aqr.util.threads import torch_threads
 
 
@@ -87,9 +91,11 @@ def needs_stats(cell: Cell) -> bool:
 
 def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False, device: str | None = None,
              loader_workers: int = 0, *, stats_file: str | Path | None = None,
-             threads: int | None = None) -> CellResult:
+             threads: int | None = None, checkpoint_every: int | None = None) -> CellResult:
     """Evaluate one cell (on ``device``; image folders decoded by ``loader_workers`` processes; ``threads``
     torch threads, restored after; ``stats_file``: see :func:`build_method`).
+    ``checkpoint_every``: a stream cell saves its state every that many images in ``cache_dir`` and a rerun
+    resumes from it (:mod:`aqr.harness.stream_checkpoint`); the file is removed when the cell completes.
     Never raises for a failing method: errors come back as ``status="error"``."""
     from aqr.methods import NotApplicable
 
@@ -100,8 +106,14 @@ def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False
             torch.manual_seed(cell.seed)
             method = build_method(cell, cache_dir, device, loader_workers, stats_file)
             desc = f"{cell.spec} {cell.corruption}-{cell.severity}"
+            if is_ccc(cell.corruption):
+                checkpoint = (None if checkpoint_every is None
+                              else stream_checkpoint(cell, cache_dir, checkpoint_every))
+                return _run_ccc(cell, method, progress, desc, t0, where, checkpoint)
             if stream_corruptions(cell.corruption) is not None:
-                return _run_continual(cell, method, progress, desc, t0, where)
+                checkpoint = (None if checkpoint_every is None
+                              else stream_checkpoint(cell, cache_dir, checkpoint_every))
+                return _run_continual(cell, method, progress, desc, t0, where, checkpoint)
             if uses_image_folders(cell.data):
                 folder = eval_folder(cell, model_preprocess(cell.model, load_model(cell.model)))
                 batches: Iterable[tuple[torch.Tensor, Any]] = data_loader(folder, cell.batch_size, loader_workers,
@@ -122,16 +134,42 @@ def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False
             return CellResult("error", None, None, time.perf_counter() - t0, msg, **where)
 
 
+def stream_checkpoint(cell: Cell, cache_dir: str | Path, every: int) -> StreamCheckpoint:
+    """The checkpoint file of a stream cell in ``cache_dir``, named by the cell's results-database key."""
+    return StreamCheckpoint.in_cache(cache_dir, cell_key(cell, fingerprints(cell), __version__), every)
+
+
 def _run_continual(cell: Cell, method: nn.Module, progress: bool, desc: str, t0: float,
-                   where: dict[str, Any]) -> CellResult:
+                   where: dict[str, Any], checkpoint: StreamCheckpoint | None = None) -> CellResult:
     """A continual cell: the whole stream through ``method``, the per-image results kept."""
     if uses_image_folders(cell.data):
         raise ValueError("continual cells read CIFAR-C arrays; image folders are not supported")
     blocks = continual.stream_blocks(cell)
     images, labels, starts = continual.stream_batches(cell, blocks)
     adapted = _realtime_batches(cell, len(starts))
-    correct = continual.evaluate_stream(method, images, labels, starts, progress, desc, adapted)
+    correct = continual.evaluate_stream(method, images, labels, starts, progress, desc, adapted, checkpoint)
+    if checkpoint is not None:
+        checkpoint.remove()
     detail = continual.stream_detail(correct, [name for name, _, _ in blocks], len(blocks[0][2]))
+    if adapted is not None:
+        detail.update(_realtime_detail(cell, adapted))
+    return CellResult("ok", 100.0 * float(correct.mean()), len(correct), time.perf_counter() - t0, **where,
+                      detail=detail)
+
+
+def _run_ccc(cell: Cell, method: nn.Module, progress: bool, desc: str, t0: float,
+             where: dict[str, Any], checkpoint: StreamCheckpoint | None = None) -> CellResult:
+    """A CCC cell: its stream, made on the fly, through ``method`` in batches of the cell's size; the
+    per-image results kept with one block per step of its walks."""
+    from aqr.harness import ccc
+
+    images, labels, steps = ccc.stream_of(cell)
+    starts = list(range(0, len(labels), cell.batch_size))
+    adapted = _realtime_batches(cell, len(starts))
+    correct = continual.evaluate_stream(method, images, labels, starts, progress, desc, adapted, checkpoint)  # type: ignore[arg-type]
+    if checkpoint is not None:
+        checkpoint.remove()
+    detail = continual.stream_detail(correct, ccc.step_names(steps), ccc.CCCSpec.parse(cell.corruption).speed)
     if adapted is not None:
         detail.update(_realtime_detail(cell, adapted))
     return CellResult("ok", 100.0 * float(correct.mean()), len(correct), time.perf_counter() - t0, **where,

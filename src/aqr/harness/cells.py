@@ -40,6 +40,9 @@ CONTINUAL_ORDER: tuple[str, ...] = CORRUPTIONS[:15]
 # A gradual cell's corruption: each corruption's severity rises to the cell's and falls back to 1
 GRADUAL = "gradual"
 
+# A CCC cell's corruption: "ccc:baseline=B,speed=S,images=N" (Continuously Changing Corruptions, aqr.harness.ccc)
+CCC = "ccc"
+
 # Cell protocols beyond the methods' own: online, adapting only on the batches a method has time for
 REALTIME = "realtime"
 CELL_PROTOCOLS = ("episodic", "online", REALTIME)
@@ -310,8 +313,15 @@ def block_name(corruption: str, severity: int, gradual: bool) -> str:
 
 
 def data_corruptions(corruptions: Sequence[str]) -> tuple[str, ...]:
-    """The corruption files a list of cell corruptions reads (continual streams expanded), each once."""
-    return tuple(dict.fromkeys(c for name in corruptions for c in (stream_corruptions(name) or (name,))))
+    """The corruption files a list of cell corruptions reads (continual streams expanded), each once; a CCC
+    stream reads none (its images are made on the fly from the clean ones)."""
+    return tuple(dict.fromkeys(c for name in corruptions if not is_ccc(name)
+                               for c in (stream_corruptions(name) or (name,))))
+
+
+def is_ccc(corruption: str) -> bool:
+    """Whether a cell's corruption is a CCC stream (``ccc:baseline=B,speed=S,images=N``; :mod:`aqr.harness.ccc`)."""
+    return corruption.startswith(CCC + ":")
 
 
 def canonical_order(order: "str | StreamOrder | None") -> str | None:

@@ -23,6 +23,7 @@ from torch import nn
 from aqr.data.arrays import to_float
 from aqr.data.streams import StreamOrder, take
 from aqr.harness.cells import Cell, block_name, eval_indices, is_gradual, parse_range, stream_schedule
+from aqr.harness.stream_checkpoint import StreamCheckpoint
 
 
 def stream_blocks(cell: Cell) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -66,20 +67,32 @@ def stream_batches(cell: Cell, blocks: Sequence[tuple[str, np.ndarray, np.ndarra
 
 
 def evaluate_stream(method: nn.Module, images: np.ndarray, labels: np.ndarray, starts: Sequence[int],
-                    progress: bool = False, desc: str = "", adapted: Sequence[bool] | None = None) -> np.ndarray:
+                    progress: bool = False, desc: str = "", adapted: Sequence[bool] | None = None,
+                    checkpoint: StreamCheckpoint | None = None) -> np.ndarray:
     """Whether each image of the stream was classified right, feeding ``method`` the batches that begin at
     ``starts`` in order (from the first image to the last). ``adapted`` (one per batch; realtime protocol):
-    the batches the method adapts on; the others get its ``forward_held`` predictions."""
+    the batches the method adapts on; the others get its ``forward_held`` predictions. ``checkpoint``: the
+    stream resumes from it where it exists (``method`` fresh) and is saved to it every ``checkpoint.every``
+    images; the caller removes it once the result is stored."""
     from tqdm.auto import tqdm
 
     correct = np.zeros(len(labels), dtype=bool)
+    first = 0
+    if checkpoint is not None:
+        resumed = checkpoint.resume(method, len(labels))
+        if resumed is not None:
+            first, correct = resumed.next_batch, resumed.correct
     ends = [*starts[1:], len(labels)]
     device = next((p.device for p in method.parameters()), torch.device("cpu"))
-    for k, (start, end) in enumerate(tqdm(list(zip(starts, ends)), desc=desc or "batches", leave=False,
-                                          disable=not progress, unit="batch")):
+    batches = list(zip(starts, ends))
+    for k in tqdm(range(first, len(batches)), desc=desc or "batches", leave=False, disable=not progress,
+                  unit="batch", initial=first, total=len(batches)):
+        start, end = batches[k]
         x = to_float(images[start:end]).to(device)
         logits = method(x) if adapted is None or adapted[k] else method.forward_held(x)
         correct[start:end] = logits.argmax(1).cpu().numpy() == labels[start:end]
+        if checkpoint is not None and end < len(labels) and checkpoint.due(start, end):
+            checkpoint.save(method, k + 1, correct, end)
     return correct
 
 

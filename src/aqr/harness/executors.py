@@ -24,11 +24,13 @@ from aqr.harness.source_stats import ensure_stats, stats_options
 @dataclass(frozen=True)
 class CellSettings:
     """How each cell runs, whatever runs it: torch threads (``None``: the process's), the device of
-    the model (``None``: CPU) and the processes decoding image folders."""
+    the model (``None``: CPU), the processes decoding image folders and how often (images) a stream cell
+    saves a checkpoint it resumes from (``None``: never; :mod:`aqr.harness.stream_checkpoint`)."""
 
     threads: int | None = None
     device: str | None = None
     loader_workers: int = 0
+    checkpoint_every: int | None = None
 
 
 class CellExecutor(Protocol):
@@ -60,7 +62,8 @@ class CellExecutor(Protocol):
 def run_cell_task(cell_dict: dict, cache_dir: str, stats_file: str | None, settings: CellSettings) -> CellResult:
     """:func:`aqr.harness.cell_run.run_cell` on a cell sent as plain data (what a worker process receives)."""
     return run_cell(Cell.from_dict(cell_dict), cache_dir, device=settings.device,
-                    loader_workers=settings.loader_workers, stats_file=stats_file, threads=settings.threads)
+                    loader_workers=settings.loader_workers, stats_file=stats_file, threads=settings.threads,
+                    checkpoint_every=settings.checkpoint_every)
 
 
 def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
@@ -128,7 +131,7 @@ class LocalExecutor:
             cell, stats = self._inline.pop(handle)
             s = self.settings
             return [(handle, run_cell(cell, self.cache_dir, self.progress, s.device, s.loader_workers,
-                                      stats_file=stats, threads=s.threads))]
+                                      stats_file=stats, threads=s.threads, checkpoint_every=s.checkpoint_every))]
         finished, _ = wait([h for h in handles if isinstance(h, Future)], timeout=timeout,
                            return_when=FIRST_COMPLETED)
         return [(fut, fut.result()) for fut in finished]

@@ -88,7 +88,7 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
              threads: int | None = None, progress: bool = True, limit: int | None = None,
              log: Callable[[str], None] = print, device: str | None = None, loader_workers: int = 0,
              executor: str = "local", ray: RayOptions | None = None, lease_s: float = 120.0,
-             costs_file: str | Path | None = None) -> GridSummary:
+             costs_file: str | Path | None = None, checkpoint_every: int | None = None) -> GridSummary:
     """Run every cell of ``grid`` not already in ``db``; each result is committed as it arrives.
 
     ``executor="local"`` runs cells in this process, or in ``workers`` processes; ``"ray"`` runs
@@ -100,10 +100,12 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
     after that many new cells (smoke tests). A method name or option no cell could run raises before
     anything is generated or recorded (:meth:`GridSpec.check_methods`). Realtime cells take their
     methods' costs from ``costs_file``, which a timing round completes first where it lacks one
-    (:func:`aqr.harness.realtime.timing.resolve_costs`).
+    (:func:`aqr.harness.realtime.timing.resolve_costs`). ``checkpoint_every``: stream cells save their
+    state every that many images in the cache folder where they run, and a rerun of a killed grid resumes
+    them mid-stream (:mod:`aqr.harness.stream_checkpoint`).
     """
     for name, value, least in (("workers", workers, 1), ("threads", threads, 1), ("limit", limit, 1),
-                               ("loader_workers", loader_workers, 0)):
+                               ("loader_workers", loader_workers, 0), ("checkpoint_every", checkpoint_every, 1)):
         if value is not None and (not isinstance(value, int) or value < least):
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     grid.check_methods()  # before any data is generated or any row written
@@ -131,7 +133,8 @@ def run_grid(grid: GridSpec, db: ResultsDB, cache_dir: str | Path = "cache", wor
         summary.wall_s = time.perf_counter() - t0
         return summary
 
-    settings = CellSettings(threads=threads, device=device, loader_workers=loader_workers)
+    settings = CellSettings(threads=threads, device=device, loader_workers=loader_workers,
+                            checkpoint_every=checkpoint_every)
     runner = make_executor(executor, cache_dir, settings, workers, ray, progress, log)
     try:
         with Claims(db.path, lease_s) as claims:

@@ -159,6 +159,8 @@ def ensure_data(data: DataSpec, corruptions: Sequence[str], progress: bool = Tru
                 severities: Sequence[int] = (1, 2, 3, 4, 5)) -> None:
     """Generate the corruptions missing from ``data.root`` when ``data.clean`` says how; else explain."""
     root = Path(data.root)
+    if not corruptions:  # (a grid of CCC streams, made from the clean images)
+        return
     if uses_image_folders(data):
         _ensure_folders(data, corruptions, severities, progress, workers)
         return

@@ -13,7 +13,8 @@ import torch
 
 from aqr._version import __version__
 from aqr.data.images import is_image_source, listing_fingerprint
-from aqr.harness.cells import Cell, CellResult, stream_corruptions
+from aqr.harness.ccc import ccc_files
+from aqr.harness.cells import Cell, CellResult, is_ccc, stream_corruptions
 from aqr.harness.inputs import model_file, uses_image_folders
 from aqr.util.files import sha256_cached
 
@@ -26,7 +27,9 @@ def cell_files(cell: Cell) -> dict[str, Path]:
         files["weights"] = weights
     files["source"] = Path(cell.model.source_data)
     streamed = stream_corruptions(cell.corruption)
-    if streamed is not None:  # a continual cell reads every corruption of its stream
+    if is_ccc(cell.corruption):  # images made from the clean ones, along walks read from the accuracy table
+        files.update(ccc_files(cell))
+    elif streamed is not None:  # a continual cell reads every corruption of its stream
         files.update({f"eval:{name}": Path(cell.data.root) / f"{name}.npy" for name in streamed})
         files["labels"] = Path(cell.data.root) / "labels.npy"
     elif uses_image_folders(cell.data):

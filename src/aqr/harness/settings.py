@@ -29,13 +29,15 @@ The setting is also read back from a cell (:func:`setting_of`), for reports.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from aqr.harness.cells import (CONTINUAL, CONTINUAL_ORDER, GRADUAL, Cell, canonical_order, is_gradual,
                                stream_corruptions)
+from aqr.harness.cells import is_ccc
 from aqr.harness.specs import GridSpec
 
 SETTINGS = ("reset_each_shift", "continual", "gradual", "mixed_domains", "correlated", "mixed_domains_correlated",
-            "gradual_correlated", "reset_each_shift_correlated")
+            "gradual_correlated", "reset_each_shift_correlated", "ccc")
 #: The settings that order each stream by class and so need ``delta``.
 CORRELATED_SETTINGS = tuple(s for s in SETTINGS if s.endswith("correlated"))
 
@@ -63,6 +65,8 @@ def apply_setting(grid: GridSpec, setting: str, delta: float | None = None) -> G
     """
     if setting not in SETTINGS:
         raise ValueError(f"unknown setting {setting!r}; expected one of {', '.join(SETTINGS)}")
+    if setting == "ccc":
+        raise ValueError("the ccc setting takes a baseline and a speed: use apply_ccc (--baseline A --speed S)")
     if (setting in CORRELATED_SETTINGS) != (delta is not None):
         raise ValueError(f"--delta D goes with --setting {'|'.join(CORRELATED_SETTINGS)} (and only there): the "
                          "Dirichlet concentration of the class-correlated order")
@@ -89,6 +93,21 @@ def apply_setting(grid: GridSpec, setting: str, delta: float | None = None) -> G
     return grid.override(**changes)
 
 
+def apply_ccc(grid: GridSpec, baseline: float, speed: int, images: int) -> GridSpec:
+    """``grid`` as CCC streams (:mod:`aqr.harness.ccc`): one cell per model, method, batch size and seed, a stream
+    of ``images`` images whose corruptions walk at ``speed`` images a severity step so that the source model
+    scores about ``baseline`` %; online (a realtime grid stays realtime), in the drawn order, the grid's
+    corruptions and severities replaced (a cell's severity is unused: 5). Named ``<grid>-ccc``."""
+    from aqr.harness.ccc import CCCSpec
+
+    name = CCCSpec(float(baseline), speed, images).name
+    parts = tuple(apply_ccc(part, baseline, speed, images) for part in grid.parts)
+    online = "online" if grid.protocol == "episodic" else grid.protocol
+    changed = grid.override(name=f"{grid.name}-ccc", protocol=online, orders=(None,), parts=parts,
+                            corruptions=(name,), severities=(5,))
+    return replace(changed, n_images=None)  # (the stream's length is in its name; override keeps a None's field)
+
+
 def setting_of(cell: Cell) -> str:
     """The setting a cell belongs to: ``mixed_domains`` (``_correlated`` with a class-correlated order),
     ``gradual_correlated``, ``gradual``, ``correlated`` (any other stream in class-correlated order, and an
@@ -96,6 +115,8 @@ def setting_of(cell: Cell) -> str:
     ``reset_each_shift`` (one corruption, online), else ``episodic``."""
     from aqr.data.streams import StreamOrder
 
+    if is_ccc(cell.corruption):
+        return "ccc"
     order = StreamOrder.parse(cell.order) if cell.order is not None else None
     correlated = order is not None and not order.iid
     if order is not None and order.mixed:

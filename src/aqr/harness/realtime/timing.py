@@ -98,7 +98,7 @@ def measure_cell_cost(cell: Cell, cache_dir: str | Path, device: str | None = No
     from aqr.data.arrays import to_float
     from aqr.harness import continual
     from aqr.harness.cell_run import build_method
-    from aqr.harness.cells import stream_corruptions
+    from aqr.harness.cells import is_ccc, stream_corruptions
     from aqr.harness.inputs import eval_data
 
     torch.manual_seed(cell.seed)
@@ -106,6 +106,10 @@ def measure_cell_cost(cell: Cell, cache_dir: str | Path, device: str | None = No
     plain = build_method(replace(cell, method="source", options=(), protocol="online", cost=None), cache_dir, device)
     if stream_corruptions(cell.corruption) is not None:
         images = continual.stream_batches(cell, continual.stream_blocks(cell))[0]
+    elif is_ccc(cell.corruption):  # made when sliced
+        from aqr.harness.ccc import stream_of
+
+        images = stream_of(cell)[0]  # type: ignore[assignment]
     else:
         images = eval_data(cell)[0]
     # full batches in stream order (across block ends: the cost does not depend on where a block ends)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from aqr.harness.report.ccc_tables import ccc_report, ccc_tables, is_ccc_row, write_ccc_figures
 from aqr.harness.report.field_tables import cost_points, plot_costs, row_setting, setting_tables
 from aqr.harness.report.field_target import choose_defaults, target_table
 from aqr.harness.report.figures import (architecture_bars, closest_severity, mean_se, plot_architectures,
@@ -95,8 +96,8 @@ def build_tables(rows: Sequence[Row]) -> list[Table]:
     (:data:`aqr.harness.presets.FIELD_DEFAULTS`) against the best field method
     (:mod:`aqr.harness.report.field_target`)."""
     rows_all = rows
-    streams = stream_tables(rows)
-    rows = [r for r in rows if not is_continual(r)]
+    streams = stream_tables(rows) + ccc_tables(rows)
+    rows = [r for r in rows if not is_continual(r) and not is_ccc_row(r)]
     models = sorted({r.model for r in rows})
     tables = [summary_table(rows, m) for m in models]
     if len(models) > 1:
@@ -115,8 +116,9 @@ def write_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Pa
     continual cells' figures (:mod:`aqr.harness.report.stream_tables`)."""
     out = Path(out_dir)
     figures: dict[str, list[Path]] = write_stream_figures(rows, out)
+    figures.update(write_ccc_figures(rows, out))
     figures.update(plot_costs(rows, out))
-    rows = [r for r in rows if not is_continual(r)]
+    rows = [r for r in rows if not is_continual(r) and not is_ccc_row(r)]
     if not has_ok(rows):
         return figures
     figures["severity"] = plot_severity(rows, out / "severity")
@@ -127,7 +129,7 @@ def write_figures(rows: Sequence[Row], out_dir: str | Path) -> dict[str, list[Pa
 
 def report_dict(rows: Sequence[Row], tables: Sequence[Table], superseded: int = 0) -> dict[str, Any]:
     """The JSON-able numbers of a report: row counts, provenance, tables and figure data."""
-    paper = [r for r in rows if not is_continual(r)]  # the paper's figures; continual cells have their own
+    paper = [r for r in rows if not is_continual(r) and not is_ccc_row(r)]  # the paper's; streams have their own
     severity = closest_severity(paper)
     return {
         "rows": dict(Counter(r.status for r in rows)),
@@ -140,6 +142,7 @@ def report_dict(rows: Sequence[Row], tables: Sequence[Table], superseded: int = 
                               "bars": architecture_bars(paper, severity) if severity is not None else {}},
         "streams": stream_report(rows),
         "costs": cost_points(rows),
+        "ccc": ccc_report(rows),
     }
 
 

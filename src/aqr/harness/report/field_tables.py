@@ -25,18 +25,20 @@ from aqr.harness.report.tables import (Entry, Table, bold_best, entry_of, flag_i
 from aqr.harness.results import Row
 from aqr.util.plots import axes_row, require_matplotlib, styles
 
-SETTING_ORDER = ("continual", "correlated", "mixed_domains", "gradual")
+SETTING_ORDER = ("continual", "correlated", "mixed_domains", "mixed_domains_correlated", "gradual",
+                 "gradual_correlated")
 
 
 def row_setting(row: Row) -> str:
-    """The setting of a continual row, by the names of :mod:`aqr.harness.settings` (``correlated`` with its delta)."""
+    """The setting of a continual row, by the names of :mod:`aqr.harness.settings` (a correlated one with its delta)."""
     order = row_order(row)
     parsed = StreamOrder.parse(order) if order is not None else None
+    correlated = f" (delta={parsed.delta:g})" if parsed is not None and not parsed.iid else ""
     if parsed is not None and parsed.mixed:
-        return "mixed_domains"
-    if parsed is not None and not parsed.iid:
-        return f"correlated (delta={parsed.delta:g})"
-    return "gradual" if is_gradual(row.corruption) else "continual"
+        return f"mixed_domains_correlated{correlated}" if correlated else "mixed_domains"
+    if is_gradual(row.corruption):
+        return f"gradual_correlated{correlated}" if correlated else "gradual"
+    return f"correlated{correlated}" if correlated else "continual"
 
 
 def _setting_rank(setting: str) -> tuple[int, str]:

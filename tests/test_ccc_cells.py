@@ -1,0 +1,118 @@
+"""``--setting ccc``: CCC cells made from the clean images along walks of a measured accuracy table, run by
+the bench, keyed by the table's content, checkpointed and resumed like other stream cells."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aqr.data.arrays import load_npz_arrays
+from aqr.data.ccc import ccc_corruptions
+from aqr.harness import ccc
+from aqr.harness.ccc_table import measure_table
+from aqr.harness.cell_run import run_cell
+from aqr.harness.grid_driver import keyed_cells, run_grid
+from aqr.harness.inputs import load_model
+from aqr.harness.report import report
+from aqr.harness.results import ResultsDB
+from aqr.harness.settings import SETTINGS, apply_ccc, apply_setting, setting_of
+from aqr.harness.specs import MethodSpec
+from aqr.harness.stream_checkpoint import StreamCheckpoint
+from tests.cli_lines import one_error_line
+from tests.test_bench import _tiny_setup
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASELINE = 15.0  # CCC's hardest corruptions: noises and contrast, no frost overlays needed
+
+
+@pytest.fixture()
+def ccc_grid(tmp_path: Path):
+    grid, _ = _tiny_setup(tmp_path)
+    data = replace(grid.data, clean=str(tmp_path / "clean.npz"))
+    grid = replace(grid, data=data, models=grid.models[:1], batch_sizes=(8,),
+                   methods=(MethodSpec("source"), MethodSpec.parse("tent"), MethodSpec.parse("aqr:target=stream")))
+    images, labels = load_npz_arrays(data.clean)
+    table = measure_table(load_model(grid.models[0]), images[:48], labels[:48], ccc_corruptions(BASELINE),
+                              grid=(0.0, 2.5, 5.0), per_cell=16)
+    table.save(ccc.table_path(data, grid.models[0]))
+    return apply_ccc(grid, BASELINE, speed=10, images=60)
+
+
+def test_the_ccc_setting_makes_one_online_stream_cell_per_method(ccc_grid) -> None:
+    assert "ccc" in SETTINGS and ccc_grid.name == "tiny-ccc" and ccc_grid.protocol == "online"
+    cells = list(ccc_grid.cells())
+    assert [c.corruption for c in cells] == ["ccc:baseline=15,speed=10,images=60"] * 3
+    assert all(c.n_images is None and c.order is None and setting_of(c) == "ccc" for c in cells)
+    assert ccc.CCCSpec.parse(cells[0].corruption) == ccc.CCCSpec(15.0, 10, 60)
+    for bad in ("ccc:baseline=15,speed=10", "ccc:baseline=15,speed=ten,images=6", "ccc:baseline=150,speed=1,images=6"):
+        with pytest.raises(ValueError, match="CCC"):
+            ccc.CCCSpec.parse(bad)
+    with pytest.raises(ValueError, match="apply_ccc"):
+        apply_setting(ccc_grid, "ccc")
+
+
+def test_a_ccc_cells_key_holds_its_accuracy_tables_content(ccc_grid) -> None:
+    before = [key for key, _, _ in keyed_cells(ccc_grid)]
+    path = ccc.table_path(ccc_grid.data, ccc_grid.models[0])
+    table = ccc.AccuracyTable.load(path)
+    changed = {pair: m + 1.0 for pair, m in table.pairs.items()}
+    ccc.AccuracyTable(table.grid, changed, table.about).save(path)
+    after = [key for key, _, _ in keyed_cells(ccc_grid)]
+    assert len(set(before)) == 3 and not set(before) & set(after)
+
+
+def test_the_bench_runs_ccc_cells_on_the_fly_and_resumes_one_mid_stream(ccc_grid, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    with ResultsDB(tmp_path / "r.db") as db:
+        summary = run_grid(ccc_grid, db, tmp_path / "cache", progress=False, log=lambda m: None)
+        assert summary.ran == 3 and summary.errors == 0, summary.error_messages
+        rows = {r.variant: r for r in db.rows()}
+    assert all(r.n_images == 60 and r.detail["n"] == 60 and r.detail["block_size"] == 10 for r in rows.values())
+    cell = next(c for c in ccc_grid.cells() if c.method == "tent")
+    images, labels, steps = ccc.stream_of(cell)
+    assert len(images) == len(labels) == 60 and sum(s.count for s in steps) == 60
+    assert rows["tent"].detail["corruptions"] == ccc.step_names(steps)
+    assert images[10:20].shape == (10, 16, 16, 3) and np.array_equal(images[10:20], images[10:20])
+    # killed after its second checkpoint (an exception in the cell), the cell resumes and scores the same
+    saves, original = [0], StreamCheckpoint.save
+
+    def save_then_fail(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        saves[0] += 1
+        if saves[0] == 2:
+            raise RuntimeError("killed")
+
+    monkeypatch.setattr(StreamCheckpoint, "save", save_then_fail)
+    failed = run_cell(cell, tmp_path / "cache", checkpoint_every=16)
+    assert failed.status == "error" and "killed" in failed.message
+    resumed = run_cell(cell, tmp_path / "cache", checkpoint_every=16)
+    assert resumed.status == "ok" and resumed.detail == rows["tent"].detail and saves[0] >= 3
+    assert not list((tmp_path / "cache" / "stream_checkpoints").glob("*"))
+    # the report: a table per stream (whole, first and last tenth, drift against Source) and the figure along it
+    result = report(tmp_path / "r.db", tmp_path / "report")
+    table = next(t for t in result["tables"] if t["name"].startswith("ccc_tiny_bn_bs8") and t["name"].endswith("_online"))
+    assert table["header"] == ["Method", "stream", "first tenth", "last tenth", "drift vs Source"]
+    by_label = {row["label"]: row["cells"] for row in table["rows"]}
+    assert by_label["Source (NA)"][3]["mean"] == 0.0 and len(by_label) == 3
+    assert by_label["Source (NA)"][0]["mean"] == pytest.approx(rows["source"].accuracy)
+    assert not any("ccc:" in str(t["header"]) for t in result["tables"] if not t["name"].startswith("ccc_"))
+    assert (tmp_path / "report" / "figures" / "ccc_along_stream.png").is_file()
+    assert {r["variant"] for r in result["ccc"]} == {"source", "tent", "aqr[target=stream]"}
+
+
+def test_a_ccc_cell_without_its_table_says_how_to_measure_it(ccc_grid, tmp_path: Path) -> None:
+    ccc.table_path(ccc_grid.data, ccc_grid.models[0]).unlink()
+    cell = next(iter(ccc_grid.cells()))
+    with pytest.raises(FileNotFoundError, match="python -m aqr.harness.ccc_table --model tiny_bn --baseline 15"):
+        ccc.stream_of(cell)
+
+
+def test_the_cli_asks_for_baseline_and_speed_with_the_ccc_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    for extra, status, words in ((["--setting", "ccc", "--baseline", "40"], 2, ("--setting ccc needs --baseline",)),
+                                 (["--setting", "continual", "--speed", "10"], 2, ("--baseline and --speed go with",)),
+                                 (["--setting", "ccc", "--baseline", "40", "--speed", "0"], 2, ("--speed",))):
+        one_error_line(capsys, ["bench", "--preset", "smoke", "--dry-run", *extra], status, *words)
