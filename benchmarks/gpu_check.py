@@ -7,7 +7,7 @@ autocast, channels_last and compiled AQR. ``--out`` holds, after every step, the
 step's command, exit status, seconds and output tail, and the timing rows (``model``, ``batch``, ``method``,
 ``dtype``, ``layout``, ``compiled``, ``seconds``, ``ratio``) of the steps that time.
 
-    python benchmarks/gpu_check.py --out gpu_check.json            # every step
+    python benchmarks/gpu_check.py --out gpu_check.json            # every step, within --budget seconds
     python benchmarks/gpu_check.py --only triton-tests stream-tests  # some of them
     python benchmarks/gpu_check.py --dry-run                       # the steps' commands (no GPU needed)
 """
@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="the JSON written after every step")
     parser.add_argument("--only", nargs="+", default=None, help="run these steps only (names: see --dry-run)")
     parser.add_argument("--repeats", type=int, default=10, help="timing rounds per row")
-    parser.add_argument("--step-timeout", type=float, default=900.0, help="seconds one step may take")
+    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds one step may take")
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="seconds for the whole run: a step gets what is left, none starts with under 30 s left")
     parser.add_argument("--stream-models", nargs="+", default=["resnet20-bn", "resnet50"])
     parser.add_argument("--stream-methods", nargs="+", default=["aqr-stream", "aqr-robust", "aqr"])
     parser.add_argument("--dry-run", action="store_true", help="print the steps' commands and stop")
@@ -107,9 +109,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     result: dict[str, object] = {"device": torch.cuda.get_device_name(0), "versions": versions(), "steps": []}
+    start = time.perf_counter()
     for name, command, timing in plan:
+        left = args.budget - (time.perf_counter() - start)
+        if left < 30:
+            result["skipped"] = [*result.get("skipped", []), name]  # type: ignore[list-item]
+            args.out.write_text(json.dumps(result, indent=2))
+            continue
         print(f"== {name}", flush=True)
-        record = run_step(name, command, timing, args.step_timeout)
+        record = run_step(name, command, timing, min(args.step_timeout, left))
         result["steps"].append(record)  # type: ignore[union-attr]
         result["rows"] = [row for step in result["steps"] for row in step.get("rows", [])]  # type: ignore[union-attr]
         args.out.write_text(json.dumps(result, indent=2))
