@@ -256,18 +256,21 @@ def small_batches(args: argparse.Namespace) -> list[dict]:
     """Per model and small batch size: the per-image cost of each method against the plain forward,
     each round streaming the same images through every method in turn (see the module docs)."""
     rows = []
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     for name in args.models:
-        model = MODELS[name]().eval()
+        model = MODELS[name]().eval().to(args.device)
         source, labels = labelled_images(2000)
-        stats = aqr.calibrate(model, source.split(500))
+        stats = aqr.calibrate(model, source.split(500), device=args.device)
         grouped = None
         if "aqr-robust-classes" in args.methods:
-            grouped = aqr.calibrate(model, list(zip(source.split(500), labels.split(500))), groups=16)
+            grouped = aqr.calibrate(model, list(zip(source.split(500), labels.split(500))), groups=16,
+                                    device=args.device)
         total = args.stream_warmup + args.stream_images
         x, y = labelled_images(total, seed=1)
         x = (x + 0.1 * torch.randn(total, 3, 32, 32, generator=torch.Generator().manual_seed(2))).clamp(0, 1)
         if args.stream_runs:  # every method sees the images in class runs
             x = x[class_runs(y, args.stream_runs)]
+        x = x.to(args.device)
         for batch in args.stream_batch_sizes:
             runners = {"source": build("source", model, stats, batch)}
             for method in args.methods:
@@ -283,8 +286,10 @@ def small_batches(args: argparse.Namespace) -> list[dict]:
                 part = x[args.stream_warmup :]
                 for _ in range(args.repeats):
                     for method, runner in runners.items():
+                        sync()
                         start = CLOCKS[args.clock]()
                         feed(runner, part)
+                        sync()  # a GPU's batches are done when their kernels are
                         times[method].append((CLOCKS[args.clock]() - start) / len(part))
             for method in runners:
                 ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))

@@ -30,6 +30,8 @@ from torch import nn
 
 from aqr.adapt.config import AQRConfig, SmallBatchWarning, config_from_options
 from aqr.adapt.layer_maps import MAP_CLASSES, LayerMap
+from aqr.adapt.stream.base import all_finite
+from aqr.adapt.stream.batch import host_outcome
 from aqr.adapt.stream.saved import load_running_state, load_stream_record, running_state, stream_record
 from aqr.adapt.stream.stream_maps import SharedStream, StreamBatch, StreamLayerMap
 from aqr.backends import SubsetCache
@@ -140,6 +142,11 @@ def _check_reachable(model: nn.Module, maps: Mapping[str, LayerMap]) -> None:
                     return
 
 
+def _are_logits(out: object, images: int) -> bool:
+    """Whether ``out`` is logits ``(images, classes)``, whose argmax gives each image's predicted class."""
+    return isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[0] == images and out.shape[1] >= 1
+
+
 def _check_input(x: object) -> None:
     """Refuse images stored as integers (token ids, 2-D, pass): torch would only say the dtypes differ;
     and refuse being recorded by ``torch.jit.trace`` (or an exporter built on it), whose graph would be wrong."""
@@ -223,13 +230,22 @@ class AQR(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]  # nn.Module's signature
         """Refuse a conversion (``.half()``, ``.double()``, ``.to(dtype or device)``, ``.cuda()``) that would change
-        the user's model in place; one that changes none of its tensors (``.to`` where it already is) passes."""
+        the user's model in place; one that changes none of its tensors (``.to`` where it already is) passes.
+        A stream's running state moves with a move of device (``model.cuda()``, then ``adapter.cuda()``: the
+        stream continues there); it stays float32 whatever the dtype asked."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
         if any(fn(t) is not t for t in tensors):
             raise ValueError("aqr.AQR never converts the user's model in place: this conversion would change its "
                              "parameters' dtype or device; convert the model itself and wrap it again, e.g. "
                              "aqr.AQR(model.double(), stats)")
-        return super()._apply(fn, recurse)
+        result = super()._apply(fn, recurse)
+        if self._batch is not None:
+            with self._exclusive():
+                for layer_map in self._maps.values():
+                    for device in list(layer_map.streams):  # type: ignore[attr-defined]
+                        target = fn(torch.empty(0, device=device)).device  # where the conversion sends a tensor
+                        layer_map.move_stream(device, target)  # type: ignore[attr-defined]
+        return result
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x)
@@ -263,11 +279,16 @@ class AQR(nn.Module):
     def _stream_forward(self, x: torch.Tensor) -> torch.Tensor:
         """One batch of the stream: mapped with the running estimate, which it updates if all was finite."""
         with self._stream_batch(x, held=False) as batch:
-            out, finite = self._mapped(x, batch)
+            out, flag = self._mapped(x, batch)
+            labels = None
+            if self._target.needs_classes and flag is not False and _are_logits(out, batch.images):
+                labels = out.argmax(dim=1)  # type: ignore[union-attr]
+            finite, host_labels = host_outcome(flag, labels)  # the forward's one read on the host
             if finite:
-                labels = self._predicted(out, batch.images) if self._target.needs_classes else None
+                if self._target.needs_classes and labels is None:
+                    labels = self._predicted(out, batch.images)  # (raises: not logits)
                 with self._state_lock:
-                    self._batch.commit(labels)  # type: ignore[union-attr]
+                    self._batch.commit(labels, host_labels)  # type: ignore[union-attr]
                 if self.config.passes == 2:  # the batch again, mapped with the state it just updated
                     self._batch.again()  # type: ignore[union-attr]
                     with torch.no_grad():
@@ -291,14 +312,17 @@ class AQR(nn.Module):
             finally:
                 self._owner = None
 
-    def _mapped(self, x: torch.Tensor, batch: StreamBatch) -> tuple[object, bool]:
-        """The twin's output for ``x`` (no gradient) and whether it, and every layer's values, were finite."""
+    def _mapped(self, x: torch.Tensor, batch: StreamBatch) -> tuple[object, bool | torch.Tensor]:
+        """The twin's output for ``x`` (no gradient) and whether it, and every layer's values, were finite: a
+        ``bool``, or a 0-d bool tensor on the device, not read (:func:`aqr.adapt.stream.batch.host_outcome` reads it)."""
         with torch.no_grad():
             out = self._twin(x)
         if not self._reach_checked:
             self._check_every_layer_called()
-        finite = batch.finite and (not isinstance(out, torch.Tensor) or bool(torch.isfinite(out).all()))
-        return out, finite
+        flag = batch.flag
+        if flag is False or not isinstance(out, torch.Tensor):
+            return out, flag
+        return out, all_finite(flag, torch.isfinite(out).all())
 
     def forward_held(self, x: torch.Tensor) -> torch.Tensor:
         """The output for a batch mapped with the running state as it stands, which the batch leaves as it
@@ -317,7 +341,8 @@ class AQR(nn.Module):
     def _held_forward(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward_held` of a running target."""
         with self._stream_batch(x, held=True) as batch:
-            out, finite = self._mapped(x, batch)
+            out, flag = self._mapped(x, batch)
+            finite, _ = host_outcome(flag)
             if not finite and self.config.on_nonfinite == "raise":
                 raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
                                                "unchanged (on_nonfinite='skip' returns them)")
@@ -325,7 +350,7 @@ class AQR(nn.Module):
 
     def _predicted(self, out: object, images: int) -> torch.Tensor:
         """Each image's predicted class from the logits (``target="robust"``)."""
-        if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != images or out.shape[1] < 1:
+        if not _are_logits(out, images):
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(f"target='robust' needs the model to return logits (N, classes) for N = {images} "
                              f"images, got {shape}; the stream's state is unchanged")

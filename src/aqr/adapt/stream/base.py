@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 import torch
 
+from aqr.adapt.layer_maps import host_reads_are_cheap
 from aqr.backends.base import Affine
 
+Flag = Union[bool, torch.Tensor]  # whether values were finite: a bool, or a 0-d bool tensor not read on the host
 MAP, COUNT, IMAGE_COUNT, PAIRED = 1, 2, 4, 8  # scan modes, as _stream_kernels.c reads them
 EDGE_BINS = 4  # the histogram's bins outside the inner cells: below p0, [p0, p1), [p_{K-2}, p_{K-1}), above
 
@@ -117,13 +119,49 @@ def cloned(state: object) -> object:
 class ScanResult(NamedTuple):
     """What :meth:`StreamKernels.scan` returns: the map ``y`` (``None`` unless asked), each image's
     extremes ``lo``/``hi`` ``(N, C)``, the histogram ``counts`` (``None`` unless asked) and whether every
-    value was finite (if not, the rest is meaningless)."""
+    value was finite (if not, the rest is meaningless): a ``bool``, or a 0-d bool tensor on the device
+    where the kernels do not read it on the host (:func:`all_finite` combines them)."""
 
     y: torch.Tensor | None
     lo: torch.Tensor
     hi: torch.Tensor
     counts: torch.Tensor | None
-    finite: bool
+    finite: Flag
+
+
+def per_row(weight: float | torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` (a number, or a 0-d tensor kept on its device) for each of ``rows`` rows, float64."""
+    if isinstance(weight, torch.Tensor):
+        return weight.double().expand(rows)
+    return torch.full((rows,), weight, dtype=torch.float64)
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (host values: weights, indices) on ``device``, copied without waiting for the device's queue (a
+    blocking copy to a GPU waits for every kernel before it)."""
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
+def settled(flag: Flag) -> Flag:
+    """``flag`` as a ``bool`` where reading it costs nothing (a CPU tensor), else as it is: a GPU's flag stays on
+    the GPU, so its queue of kernels never waits for the host inside a forward pass."""
+    if isinstance(flag, torch.Tensor) and host_reads_are_cheap(flag.device):
+        return bool(flag)
+    return flag
+
+
+def all_finite(*flags: Flag) -> Flag:
+    """Whether every flag is true, without reading one on the host: ``False`` if a ``bool`` is, else the
+    tensors' conjunction (``True`` where there is none)."""
+    if any(f is False for f in flags):
+        return False
+    tensors = [f for f in flags if isinstance(f, torch.Tensor)]
+    if not tensors:
+        return True
+    out = tensors[0]
+    for f in tensors[1:]:
+        out = out & f
+    return out
 
 
 def check_scan(x: torch.Tensor, images: int, knots: torch.Tensor, source: torch.Tensor, table: StreamTable,
@@ -194,11 +232,22 @@ class StreamKernels(abc.ABC):
         """A batch merged into copies of the state, then mapped with them: ``x`` counted (:meth:`scan`, ``COUNT``,
         on ``knots``' bins; ``table`` is not read), then :meth:`merge_map`. Returns ``(y, knots, window)`` (the
         copies), or ``None`` when a value was NaN or Inf. Nothing passed in changes."""
+        y, knots, window, finite = self.large_flagged(x, images, pre, knots, source, table, window, group, weight,
+                                                      tail_weights, stride, cells)
+        return (y, knots, window) if finite else None  # type: ignore[return-value]
+
+    def large_flagged(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor,
+                      source: torch.Tensor, table: StreamTable, window: TailWindow, group: PendingGroup,
+                      weight: float, tail_weights: torch.Tensor, stride: int,
+                      cells: int) -> tuple[torch.Tensor | None, torch.Tensor | None, TailWindow | None, Flag]:
+        """:meth:`large` with whether the values were finite returned as a flag (:class:`ScanResult`'s ``finite``),
+        which it does not read: ``(y, knots, window, finite)``, meaningless where ``finite`` is false."""
         r = self.scan(x, images, pre, knots, source, table, COUNT, stride, cells)
-        if not r.finite:
-            return None
-        return self.merge_map(x, images, pre, knots, source, table.grid, window, group, r.counts, r.lo, r.hi, weight,
-                              tail_weights, stride, cells)
+        if r.finite is False:
+            return None, None, None, False
+        y, knots, window, finite = self.merge_map_flagged(x, images, pre, knots, source, table.grid, window, group,
+                                                          r.counts, r.lo, r.hi, weight, tail_weights, stride, cells)
+        return y, knots, window, all_finite(r.finite, finite)
 
     def merge_map(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
                   grid: int, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor, lo: torch.Tensor,
@@ -209,24 +258,42 @@ class StreamKernels(abc.ABC):
         ``knots`` merged with the group at ``weight`` with the window copy's :meth:`tails` by ``tail_weights``,
         and ``x`` mapped with a ``grid``-cell table of the result. Returns ``(y, knots, window)`` (the copies),
         or ``None`` when a value was NaN or Inf. Nothing passed in changes."""
+        y, knots, window, finite = self.merge_map_flagged(x, images, pre, knots, source, grid, window, group, counts,
+                                                          lo, hi, weight, tail_weights, stride, cells)
+        return (y, knots, window) if finite else None  # type: ignore[return-value]
+
+    def merge_map_flagged(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor,
+                          source: torch.Tensor, grid: int, window: TailWindow, group: PendingGroup | None,
+                          counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, weight: float | torch.Tensor,
+                          tail_weights: torch.Tensor, stride: int,
+                          cells: int) -> tuple[torch.Tensor | None, torch.Tensor, TailWindow, Flag]:
+        """:meth:`merge_map` with whether the values were finite returned as a flag, not read:
+        ``(y, knots, window, finite)``. ``weight`` may be a 0-d float64 tensor (:meth:`merge`'s)."""
+        knots, window = self.merged(knots, grid, window, group, counts, lo, hi, weight, tail_weights, cells)
+        table = StreamTable.empty(knots.shape[0], grid, knots.device)
+        self.tables(knots, source, table)
+        r = self.scan(x, images, pre, knots, source, table, MAP, stride, cells)
+        return r.y, knots, window, r.finite
+
+    def merged(self, knots: torch.Tensor, grid: int, window: TailWindow, group: PendingGroup | None,
+               counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, weight: float | torch.Tensor,
+               tail_weights: torch.Tensor, cells: int) -> tuple[torch.Tensor, TailWindow]:
+        """:meth:`merge_map`'s copies of ``knots`` and ``window`` with the counted batch merged, without the map."""
         knots, window = knots.clone(), cloned(window)
         group = PendingGroup.empty(knots.shape[0], cells, knots.device) if group is None else cloned(group)
         self.push(window, group, counts, lo, hi)
         p0, p100 = self.tails(window, tail_weights)
         self.merge(knots, group, weight, p0, p100)
-        table = StreamTable.empty(knots.shape[0], grid, knots.device)
-        self.tables(knots, source, table)
-        r = self.scan(x, images, pre, knots, source, table, MAP, stride, cells)
-        return (r.y, knots, window) if r.finite else None
+        return knots, window
 
     def idle_rebuild(self, marginal: torch.Tensor, knots: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
-                     gmax: torch.Tensor, weight: float, window: TailWindow, tail_weights: torch.Tensor) -> None:
+                     gmax: torch.Tensor, weight: float | torch.Tensor, window: TailWindow, tail_weights: torch.Tensor) -> None:
         """In place, ``target="robust"``'s rebuild of one batch alone while its groups weigh nothing: the
         ``marginal`` ``(C, K)`` takes the batch's histogram ``counts`` (on ``knots``' bins) spread to ``gmin``/
         ``gmax`` at ``weight`` (:meth:`group_merge`); ``knots``' inner knots become the marginal's, its ends
         the :meth:`tails` of ``window`` by ``tail_weights`` (:meth:`merge` with no group)."""
         c = knots.shape[0]
-        self.group_merge(marginal, knots, counts, gmin, gmax, torch.full((c,), weight, dtype=torch.float64))
+        self.group_merge(marginal, knots, counts, gmin, gmax, per_row(weight, c))
         knots[:, 1:-1].copy_(marginal[:, 1:-1])
         p0, p100 = self.tails(window, tail_weights)
         self.merge(knots, None, 0.0, p0, p100)
@@ -245,7 +312,8 @@ class StreamKernels(abc.ABC):
     def merge(self, knots: torch.Tensor, group: PendingGroup | None, weight: float, p0: torch.Tensor,
               p100: torch.Tensor) -> None:
         """In place: ``knots``' inner knots become the quantiles of ``(1 - weight) F_knots + weight F_group``
-        (a channel whose group is empty keeps them); the ends become ``p0``/``p100``, kept outside."""
+        (a channel whose group is empty keeps them); the ends become ``p0``/``p100``, kept outside. ``weight``:
+        a number, or (the torch kernels) a 0-d float64 tensor, which no host read decides on."""
 
     @abc.abstractmethod
     def tables(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable) -> None:

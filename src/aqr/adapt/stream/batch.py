@@ -43,6 +43,7 @@ class StreamBatch:
         self._values = values
         self._staged: list[tuple[LayerStream, object]] = []
         self._nonfinite = False
+        self._flags: torch.Tensor | None = None  # the layers' finite flags left on their device (note_finite)
 
     @property
     def values(self) -> BatchValues:
@@ -58,8 +59,21 @@ class StreamBatch:
 
     @property
     def finite(self) -> bool:
-        """Whether every layer found the batch's values finite so far."""
+        """Whether no layer has marked the batch's values non-finite so far (:meth:`mark_nonfinite`; the flags
+        left on a device, :meth:`note_finite`, are :attr:`flag`'s)."""
         return not self._nonfinite
+
+    @property
+    def flag(self) -> bool | torch.Tensor:
+        """Whether every layer found the batch's values finite so far: ``False`` once one marked it, else the
+        conjunction of the flags the layers left on their device (a 0-d bool tensor, not read), else ``True``."""
+        if self._nonfinite:
+            return False
+        return True if self._flags is None else self._flags
+
+    def note_finite(self, flag: torch.Tensor) -> None:
+        """A layer's finite flag (0-d bool tensor), left on its device: the commit reads it with the logits' once."""
+        self._flags = flag if self._flags is None else self._flags & flag
 
     @property
     def staged(self) -> tuple[tuple[LayerStream, object], ...]:
@@ -87,17 +101,22 @@ class StreamBatch:
 
     def __getstate__(self) -> dict[str, object]:
         # a copy made while the batch runs holds the state before it: nothing staged is copied
-        return {"_values": self._values, "_staged": [], "_nonfinite": False}
+        return {"_values": self._values, "_staged": [], "_nonfinite": False, "_flags": None}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_flags", None)
 
 
 class BatchCommit:
     """What the commit of one finite batch gives every layer's stream: each image's predicted class
     (``labels``, or ``None`` where the target takes none), the batch's ``runs``, and values worked out from
-    them once for every layer (:meth:`once`)."""
+    them once for every layer (:meth:`once`); ``host_labels``: the classes on the CPU where they were read there."""
 
-    def __init__(self, labels: torch.Tensor | None, runs: float) -> None:
+    def __init__(self, labels: torch.Tensor | None, runs: float, host_labels: torch.Tensor | None = None) -> None:
         self.labels = labels
         self.runs = runs
+        self.host_labels = host_labels  # the same classes on the CPU, where the caller read them already
         self._once: dict[object, Any] = {}
 
     def once(self, key: object, make: Callable[[], Any]) -> Any:
@@ -105,3 +124,17 @@ class BatchCommit:
         if key not in self._once:
             self._once[key] = make()
         return self._once[key]
+
+
+def host_outcome(finite: bool | torch.Tensor, labels: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None]:
+    """The one read a stream's forward pass makes on the host: whether the batch was finite (``finite``, a
+    ``bool`` or a 0-d bool tensor) and, with ``labels`` (the predicted classes, on the logits' device), those
+    classes on the CPU (int64), in one copy; ``None`` where ``labels`` is or the batch was not finite."""
+    if labels is None:
+        return bool(finite), None
+    if finite is False:
+        return False, None
+    if finite is True:
+        return True, labels.long().cpu()
+    both = torch.cat([finite.to(labels.device, torch.long).view(1), labels.long().view(-1)]).cpu()
+    return bool(both[0]), (both[1:] if both[0] else None)

@@ -167,6 +167,16 @@ class NativeStreamKernels(StreamKernels):
         middle = dict(G=grid, stride=stride, GC=cells, counts=counts.data_ptr(), lo=lo.data_ptr(), hi=hi.data_ptr())
         return self._merged("merge_map", x, images, pre, knots, source, middle, window, group, weight, tail_weights)
 
+    def large_flagged(self, *args: object) -> tuple[torch.Tensor | None, torch.Tensor | None, TailWindow | None, bool]:
+        # the C kernels' flag is read on the CPU anyway: large's answer with it
+        done = self.large(*args)  # type: ignore[arg-type]
+        return (None, None, None, False) if done is None else (*done, True)
+
+    def merge_map_flagged(self, *args: object) -> tuple[torch.Tensor | None, torch.Tensor | None, TailWindow | None,
+                                                        bool]:
+        done = self.merge_map(*args)  # type: ignore[arg-type]
+        return (None, None, None, False) if done is None else (*done, True)
+
     def _merged(self, name: str, x: torch.Tensor, images: int, pre: Affine | None,
                 knots: torch.Tensor, source: torch.Tensor, middle: dict[str, int], window: TailWindow,
                 group: PendingGroup | None, weight: float,

@@ -68,7 +68,9 @@ import torch
 
 from aqr.adapt.config import AQRConfig, check_balance, check_groups, check_images
 from aqr.adapt.stream.batch import BatchCommit, BatchValues
-from aqr.adapt.stream.base import EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, StreamKernels, StreamTable, TailWindow, copy_into
+from aqr.adapt.stream.base import (EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, Flag, StreamKernels, StreamTable, TailWindow,
+                                   all_finite, copy_into, on_device,
+                                   per_row)
 from aqr.adapt.stream.running import (COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StagedFirst, StreamSettings,
                                       batch_weight)
 from aqr.backends import Affine
@@ -130,10 +132,12 @@ class RobustStaged:
     counts: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
-    shift: float = 0.0  # the own-batch share times the shift test's share (0: not measured)
+    shift: float | torch.Tensor = 0.0  # the own-batch share times the shift test's share (0: not measured; a 0-d
+    # float64 tensor where the step ran off the CPU)
     window: TailWindow | None = None  # the tail window with the batch's extremes pushed, where the step made it
     total: torch.Tensor | None = None  # the per-image histograms summed (int32), where the step summed them
     paired: bool = False  # counts holds the even and the odd images' sums only: the batch is absorbed alone
+    most: int | None = None  # a bound on each per-image count (from the shapes), where the step knew one
 
 
 @dataclass(frozen=True)
@@ -146,9 +150,12 @@ class BatchGroups:
     weights: torch.Tensor
 
     @classmethod
-    def of_labels(cls, labels: torch.Tensor, groups: int, device: torch.device) -> BatchGroups:
+    def of_labels(cls, labels: torch.Tensor, groups: int, device: torch.device,
+                  host_labels: torch.Tensor | None = None) -> BatchGroups:
+        """The groups of ``labels``; their sizes from ``host_labels`` (the same classes, on the CPU) where given, so
+        a GPU's are not read back once more."""
         group_of = labels.to(device).long() % groups
-        sizes = torch.bincount(group_of, minlength=groups)
+        sizes = torch.bincount(group_of if host_labels is None else host_labels.long() % groups, minlength=groups)
         return cls(group_of, sizes.tolist(), sizes.double().cpu())
 
 
@@ -202,9 +209,9 @@ class RobustLayerStream(LayerStream):
         return False
 
     def batch_step(self, x: torch.Tensor, batch: BatchValues,
-                   pre: Affine | None = None) -> tuple[torch.Tensor | None, RobustStaged | None]:
-        """:meth:`step` with the batch's ``own`` and ``runs``."""
-        return self.step(x, batch.images, pre, batch.own, batch.runs)
+                   pre: Affine | None = None) -> tuple[torch.Tensor | None, RobustStaged | None, Flag]:
+        """:meth:`flagged_step` with the batch's ``own`` and ``runs``."""
+        return self.flagged_step(x, batch.images, pre, batch.own, batch.runs)
 
     def commit_batch(self, staged: RobustStaged, commit: BatchCommit) -> None:  # type: ignore[override]
         """:meth:`commit` with the batch's predicted classes and ``runs``; the classes as groups are worked out
@@ -212,12 +219,15 @@ class RobustLayerStream(LayerStream):
         labels, grouped = commit.labels, None
         if labels is not None:
             device, groups = staged.counts.device, self.robust.groups
-            grouped = commit.once((BatchGroups, device, groups), lambda: BatchGroups.of_labels(labels, groups, device))
+            grouped = commit.once((BatchGroups, device, groups),
+                                  lambda: BatchGroups.of_labels(labels, groups, device, commit.host_labels))
         self.commit(staged, labels, commit.runs, grouped)
 
     def __setstate__(self, state: dict[str, object]) -> None:
         if "group_knots" in state:  # a copy made before the groups' copies of the marginal were written lazily
             state["_group_knots"] = state.pop("group_knots")
+        if "pending_shift" in state:  # a copy made before the shift could stay on the device
+            state["_pending_shift"] = state.pop("pending_shift")
         super().__setstate__(state)
         self.__dict__.setdefault("_groups_behind", False)
 
@@ -249,6 +259,15 @@ class RobustLayerStream(LayerStream):
             self.group_max.fill_(float("-inf"))
         self.group_pending = [0] * self.robust.groups
         self.pending_shift = 0.0  # the largest shift share among the batches since the last rebuild
+
+    @property
+    def pending_shift(self) -> float:
+        """The largest shift share among the batches since the last rebuild (read on the host: for the state)."""
+        return float(self._pending_shift)
+
+    @pending_shift.setter
+    def pending_shift(self, value: float) -> None:
+        self._pending_shift: float | torch.Tensor = value
 
     @property
     def groups_idle(self) -> bool:
@@ -290,22 +309,30 @@ class RobustLayerStream(LayerStream):
         """Map ``x`` (A, C, B) with the target knots; stage its per-image histograms and extremes.
         ``own`` in [0, 1]: a batch of ``rebuild_every`` or more images is mapped with the target knots
         merged with its own histogram at ``own`` times :func:`shift_share` times streaming AQR's batch
-        weight."""
-        first = None
+        weight. ``(None, None)`` when a value was NaN or Inf."""
+        y, staged, finite = self.flagged_step(x, images, pre, own, runs)
+        return (y, staged) if finite else (None, None)
+
+    def flagged_step(self, x: torch.Tensor, images: int, pre: Affine | None = None, own: float = 0.0,  # type: ignore[override]
+                     runs: float = 1.0) -> tuple[torch.Tensor | None, RobustStaged | None, Flag]:
+        """:meth:`step` with whether the values were finite as a flag it does not read (off the CPU a 0-d tensor):
+        ``(y, staged, finite)``."""
         if not self.started:
-            y, first = self._first(x, images, pre)
-            if first is None:
-                return None, None
+            y, first, finite = self._first(x, images, pre)
+            if finite is False:
+                return None, None, False
             r = self.kernels.scan(x, images, pre, first.knots, self.source, first.table, IMAGE_COUNT, COUNT_STRIDE,
                                   COUNT_CELLS)
-            return y, RobustStaged(first, compact_counts(r.counts, x, images), first.lo, first.hi)
+            return y, RobustStaged(first, compact_counts(r.counts, x, images), first.lo, first.hi,
+                                   most=count_bound(x, images)), finite
         if own > 0 and images >= self.settings.rebuild_every:
-            return self._step_own(x, images, pre, own, self._absorbed_alone(runs))
+            return self._flagged_step_own(x, images, pre, own, self._absorbed_alone(runs))
         r = self.kernels.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP | IMAGE_COUNT,
                               COUNT_STRIDE, COUNT_CELLS)
-        if not r.finite:
-            return None, None
-        return r.y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi)
+        if r.finite is False:
+            return None, None, False
+        return r.y, RobustStaged(None, compact_counts(r.counts, x, images), r.lo, r.hi,
+                                   most=count_bound(x, images)), r.finite
 
     def _absorbed_alone(self, runs: float) -> bool:
         """Whether :meth:`commit` takes a batch that rebuilds (``rebuild_every`` images or more), committed with
@@ -316,27 +343,63 @@ class RobustLayerStream(LayerStream):
     def _step_own(self, x: torch.Tensor, images: int, pre: Affine | None, own: float,
                   alone: bool = False) -> tuple[torch.Tensor | None, RobustStaged | None]:
         """The batch counted on the target knots' bins, merged into a copy of them, then mapped with it; ``alone``:
-        the commit absorbs it alone (:meth:`_absorbed_alone`), so only its even and odd images' sums are counted."""
+        the commit absorbs it alone (:meth:`_absorbed_alone`), so only its even and odd images' sums are counted.
+        ``(None, None)`` when a value was NaN or Inf."""
+        y, staged, finite = self._flagged_step_own(x, images, pre, own, alone)
+        return (y, staged) if finite else (None, None)
+
+    def _flagged_step_own(self, x: torch.Tensor, images: int, pre: Affine | None, own: float,
+                          alone: bool = False) -> tuple[torch.Tensor | None, RobustStaged | None, Flag]:
+        """:meth:`_step_own` with whether the values were finite as a flag it does not read."""
         kern = self.kernels
         r = kern.scan(x, images, pre, self.knots, self.source, self.table, IMAGE_COUNT | (PAIRED if alone else 0),
                       COUNT_STRIDE, COUNT_CELLS)  # counting reads no table
-        if not r.finite:
-            return None, None
+        if r.finite is False:
+            return None, None, False
         # the distances (of the even and the odd images' sums: the same as of their histograms), the batch's
         # histogram (its own merge's and the marginal's) and the staged copy, in one pass
         distances, total, counts = kern.shift_test(r.counts, self.knots, not alone and small_counts(x, images))
+        tail_weights = self._weights(min(self.window.filled + images, self.window.size))
+        if isinstance(distances[0], torch.Tensor):  # off the CPU: decided on the device
+            return self._step_own_on_device(x, images, pre, own, alone, r, distances, total, counts, tail_weights)
         shift = own * shift_share(shift_ratio(distances, images))
         weight = shift * batch_weight(images, self.seen, self.settings.horizon)
         if weight <= 0:  # the batch is as close to the target as sampling allows: map it as it is
-            return kern.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP, COUNT_STRIDE,
-                             COUNT_CELLS).y, RobustStaged(None, counts, r.lo, r.hi, total=total, paired=alone)
-        tail_weights = self._weights(min(self.window.filled + images, self.window.size))
-        done = kern.merge_map(x, images, pre, self.knots, self.source, self.settings.grid, self.window, None, total,
-                              r.lo, r.hi, weight, tail_weights, COUNT_STRIDE, COUNT_CELLS)
-        if done is None:
-            return None, None
-        y, _, window = done
-        return y, RobustStaged(None, counts, r.lo, r.hi, shift, window, total, alone)
+            m = kern.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP, COUNT_STRIDE, COUNT_CELLS)
+            return m.y, RobustStaged(None, counts, r.lo, r.hi, total=total, paired=alone,
+                                     most=count_bound(x, images)), all_finite(r.finite, m.finite)
+        y, _, window, finite = kern.merge_map_flagged(x, images, pre, self.knots, self.source, self.settings.grid,
+                                                      self.window, None, total, r.lo, r.hi, weight, tail_weights,
+                                                      COUNT_STRIDE, COUNT_CELLS)
+        if finite is False:
+            return None, None, False
+        return y, RobustStaged(None, counts, r.lo, r.hi, shift, window, total, alone,
+                               count_bound(x, images)), all_finite(r.finite, finite)
+
+    def _step_own_on_device(self, x: torch.Tensor, images: int, pre: Affine | None, own: float, alone: bool,
+                            r: object, distances: tuple[torch.Tensor, torch.Tensor], total: torch.Tensor,
+                            counts: torch.Tensor,
+                            tail_weights: torch.Tensor) -> tuple[torch.Tensor | None, RobustStaged | None, Flag]:
+        """:meth:`_step_own` after the shift test where its distances stay on the device: the merged copy of the knots
+        and the committed ones each give a table, and one map reads the knots and table the weight picks (the
+        values the host's choice gives), so no host read decides between them."""
+        kern = self.kernels
+        shift = own * shift_share_tensor(distances, images)
+        weight = shift * batch_weight(images, self.seen, self.settings.horizon)
+        knots, window = kern.merged(self.knots, self.settings.grid, self.window, None, total, r.lo, r.hi,  # type: ignore[attr-defined]
+                                    weight, tail_weights, COUNT_CELLS)
+        merged_table = StreamTable.empty(self.channels, self.settings.grid, knots.device)
+        kern.tables(knots, self.source, merged_table)
+        use = weight > 0
+        current = self.current_table()
+        table = StreamTable(*(torch.where(use, a, b) for a, b in ((merged_table.pairs, current.pairs),
+                                                                  (merged_table.glo, current.glo),
+                                                                  (merged_table.ginv, current.ginv))))
+        m = kern.scan(x, images, pre, torch.where(use, knots, self.knots), self.source, table, MAP, COUNT_STRIDE,
+                      COUNT_CELLS)
+        staged = RobustStaged(None, counts, r.lo, r.hi, torch.where(use, shift, torch.zeros_like(shift)), window,  # type: ignore[attr-defined]
+                              total, alone, count_bound(x, images))
+        return m.y, staged, all_finite(r.finite, m.finite)  # type: ignore[attr-defined]
 
     def commit(self, staged: RobustStaged, labels: torch.Tensor | None = None,  # type: ignore[override]
                runs: float = 1.0, grouped: BatchGroups | None = None) -> None:
@@ -352,7 +415,11 @@ class RobustLayerStream(LayerStream):
         if grouped is None:
             grouped = BatchGroups.of_labels(labels, self.robust.groups, staged.counts.device)
         self.runs = min(1.0, max(0.0, float(runs)))
-        self.pending_shift = max(self.pending_shift, staged.shift)
+        if isinstance(staged.shift, torch.Tensor) or isinstance(self._pending_shift, torch.Tensor):
+            self._pending_shift = torch.maximum(torch.as_tensor(self._pending_shift, dtype=torch.float64),
+                                                torch.as_tensor(staged.shift, dtype=torch.float64))
+        else:
+            self.pending_shift = max(self.pending_shift, staged.shift)
         if staged.first is not None:
             self.knots.copy_(staged.first.knots)
             self.started, self.seen = True, 0
@@ -368,7 +435,7 @@ class RobustLayerStream(LayerStream):
             total = staged.counts.sum(0, dtype=torch.int32) if staged.total is None else staged.total
             alone = (total, staged.lo.amin(0), staged.hi.amax(0))
         else:
-            add_counts(self.group_counts, group_of, staged.counts)
+            add_counts(self.group_counts, group_of, staged.counts, staged.most)
             idx = group_of[:, None].expand(-1, staged.lo.shape[1])
             self.group_min.scatter_reduce_(0, idx, staged.lo, "amin")
             self.group_max.scatter_reduce_(0, idx, staged.hi, "amax")
@@ -409,11 +476,11 @@ class RobustLayerStream(LayerStream):
                                      weights.repeat_interleave(c))
         alone = (counts.sum(0, dtype=torch.int32), lo.amin(0), hi.amax(0))
         weight = self._absorb_pending(present)
-        self.kernels.group_merge(self.marginal[0], self.knots, *alone, torch.full((c,), weight, dtype=torch.float64))
+        self.kernels.group_merge(self.marginal[0], self.knots, *alone, per_row(weight, c))
         if idle:
             self._idle_groups()
 
-    def _absorb_pending(self, present: list[int]) -> float:
+    def _absorb_pending(self, present: list[int]) -> float | torch.Tensor:
         """The pending images counted as seen by their groups (``present``: those with any); the marginal's
         weight for them all (``seen`` already counts them)."""
         for g in present:
@@ -421,8 +488,14 @@ class RobustLayerStream(LayerStream):
         images = self.pending
         before = self.seen - images
         weight = group_step(images, before, MARGINAL_HORIZON)
-        if self.pending_shift > 0 and before > 0:  # a shift the test saw: follow at the stream's pace
-            fast = self.pending_shift * batch_weight(images, before, self.settings.horizon)
+        shift = self._pending_shift
+        if isinstance(shift, torch.Tensor):  # off the CPU: decided on the device, as below
+            if before > 0:
+                fast = shift * batch_weight(images, before, self.settings.horizon)
+                weight = torch.where(shift > 0, fast.clamp(max=MAX_GROUP_STEP).clamp(min=weight),
+                                     torch.full_like(fast, weight))
+        elif shift > 0 and before > 0:  # a shift the test saw: follow at the stream's pace
+            fast = shift * batch_weight(images, before, self.settings.horizon)
             weight = max(weight, min(fast, MAX_GROUP_STEP))
         return weight
 
@@ -459,7 +532,7 @@ class RobustLayerStream(LayerStream):
             if last - first == len(seen):  # one span (the usual case: the classes 0..n-1 seen): one copy
                 self._group_knots[first:last].copy_(self.marginal.expand(last - first, -1, -1))
             else:
-                self._group_knots[seen] = self.marginal
+                self._group_knots[on_device(torch.tensor(seen), self.marginal.device)] = self.marginal
 
     def _rebuild_balanced(self) -> None:
         """The target knots from the marginal and the groups seen so far (:meth:`component_weights`), the
@@ -518,7 +591,8 @@ def _components(first: torch.Tensor, groups: torch.Tensor, keep_first: bool, kep
     ``groups``; no copy where ``first`` is all of it."""
     if not kept:
         return first
-    return torch.cat([first, groups[kept]]) if keep_first else groups[kept]
+    rows = groups[on_device(torch.tensor(kept), groups.device)]
+    return torch.cat([first, rows]) if keep_first else rows
 
 
 # A count is at most the values of one image and channel; below this bound a batch's per-image histograms
@@ -533,6 +607,12 @@ def small_counts(x: torch.Tensor, images: int) -> bool:
     return x.numel() // max(1, x.shape[1] * images) < INT16_COUNTS
 
 
+def count_bound(x: torch.Tensor, images: int) -> int:
+    """The most any count of ``x``'s (A, C, B) per-image histograms (``images`` images) can be: every
+    ``COUNT_STRIDE``-th of an image's values in one channel."""
+    return -(-(x.shape[0] // images * x.shape[2]) // COUNT_STRIDE)
+
+
 def compact_counts(counts: torch.Tensor, x: torch.Tensor, images: int) -> torch.Tensor:
     """``counts`` (int32 per-image histograms of ``x`` (A, C, B), ``images`` images) as int16 where no
     count can reach :data:`INT16_COUNTS`, else as they are; the same values either way."""
@@ -543,14 +623,15 @@ def compact_counts(counts: torch.Tensor, x: torch.Tensor, images: int) -> torch.
 FLOAT_EXACT = 1 << 24
 
 
-def add_counts(totals: torch.Tensor, index: torch.Tensor, counts: torch.Tensor) -> None:
+def add_counts(totals: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, most: int | None = None) -> None:
     """``totals[index[i]] += counts[i]`` for int32 totals and int16 or int32 counts, exactly: summed in
     float32 where no sum can reach :data:`FLOAT_EXACT` (torch's float ``index_add_`` is vectorized, its
-    int32 one is not), else in int32."""
+    int32 one is not), else in int32. ``most``: a bound on the counts (>= 0) known from their shapes, which
+    spares reading them back (from a GPU a wait); without it their extremes are read."""
     n = counts.shape[0]
     if n == 0:
         return
-    low, high = (int(v) for v in torch.aminmax(counts))
+    low, high = (0, most) if most is not None else (int(v) for v in torch.aminmax(counts))
     if high < FLOAT_EXACT // n and low >= 0:
         sums = torch.zeros(totals.shape, dtype=torch.float32, device=totals.device)
         totals.add_(sums.index_add_(0, index, counts.float()).to(torch.int32))
@@ -598,6 +679,19 @@ def shift_ratio(distances: tuple[float, float], images: int) -> float:
     if not noise > 0:
         return math.inf if to_target > 0 else 0.0
     return to_target / noise
+
+
+def shift_share_tensor(distances: tuple[torch.Tensor, torch.Tensor], images: int) -> torch.Tensor:
+    """:func:`shift_share` of :func:`shift_ratio` of 0-d float64 ``distances``, as a 0-d tensor on their device
+    (the same operations: no host read)."""
+    to_target, between = distances
+    if images < 2:
+        return torch.ones_like(to_target)  # ratio inf
+    a, b = (images + 1) // 2, images // 2
+    noise = between * math.sqrt(a * b) / images
+    zero = torch.zeros_like(to_target)
+    ratio = torch.where(noise > 0, to_target / noise, torch.where(to_target > 0, torch.full_like(zero, math.inf), zero))
+    return torch.where(ratio > 1, 1.0 - 1.0 / (ratio * ratio), zero)
 
 
 def shift_share(ratio: float) -> float:

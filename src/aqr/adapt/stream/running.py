@@ -68,7 +68,8 @@ import torch
 
 from aqr.adapt.config import AQRConfig, check_estimator, check_horizon, check_stream_count
 from aqr.adapt.stream.batch import BatchCommit, BatchValues
-from aqr.adapt.stream.base import COUNT, MAP, PendingGroup, StreamKernels, StreamTable, TailWindow, cloned, copy_into
+from aqr.adapt.stream.base import (COUNT, MAP, Flag, PendingGroup, StreamKernels, StreamTable, TailWindow, all_finite,
+                                   cloned, copy_into, settled)
 from aqr.backends import Affine, Targets
 from aqr.core.stats import SourceStats
 
@@ -233,10 +234,10 @@ class LayerStream:
         return self.settings.estimator == "cdf-ema"
 
     def batch_step(self, x: torch.Tensor, batch: BatchValues,
-                   pre: Affine | None = None) -> tuple[torch.Tensor | None, Staged | None]:
-        """:meth:`step` of the layer output ``x`` (A, C, B) of the batch ``batch`` (what this state reads of
-        it: its images)."""
-        return self.step(x, batch.images, pre)
+                   pre: Affine | None = None) -> tuple[torch.Tensor | None, Staged | None, Flag]:
+        """:meth:`flagged_step` of the layer output ``x`` (A, C, B) of the batch ``batch`` (what this state reads
+        of it: its images)."""
+        return self.flagged_step(x, batch.images, pre)
 
     def commit_batch(self, staged: Staged, commit: BatchCommit) -> None:
         """:meth:`commit` of what :meth:`batch_step` staged, for the finite batch ``commit`` (whose predicted
@@ -373,41 +374,50 @@ class LayerStream:
         Returns the mapped output and what the batch leaves to :meth:`commit`, or ``(None, None)``
         when a value was NaN or Inf (nothing to commit). The state is not changed.
         """
+        y, staged, finite = self.flagged_step(x, images, pre)
+        return (y, staged) if finite else (None, None)
+
+    def flagged_step(self, x: torch.Tensor, images: int,
+                     pre: Affine | None = None) -> tuple[torch.Tensor | None, Staged | None, Flag]:
+        """:meth:`step`, with whether the values were finite returned as a flag it does not read
+        (:class:`~aqr.adapt.stream.base.ScanResult`'s ``finite``: a 0-d tensor on the torch kernels, so a GPU's
+        queue never waits on the host): ``(y, staged, finite)``, both meaningless where ``finite`` is false."""
         s, kern = self.settings, self.kernels
         if not self.started:
             return self._first(x, images, pre)
-        batch = None
+        batch, finite = None, True
         if s.estimator == "knot-ema":
             targets = self.batch_knots(x, pre)
-            if not bool(targets.finite):
-                return None, None
+            finite = settled(targets.finite)
+            if finite is False:
+                return None, None, False
             batch = targets.knots.to(self.knots)
         if images < s.rebuild_every:  # map with the committed state; the update waits for the commit
             mode = MAP | (COUNT if batch is None else 0)
             r = kern.scan(x, images, pre, self.knots, self.source, self.current_table(), mode, COUNT_STRIDE,
                           COUNT_CELLS)
-            if not r.finite:
-                return None, None
-            return r.y, StagedSmall(r.lo, r.hi, r.counts, batch)
+            if r.finite is False:
+                return None, None, False
+            return r.y, StagedSmall(r.lo, r.hi, r.counts, batch), all_finite(finite, r.finite)
         # a large batch: merged into a tentative state first, then mapped with it (counting reads no table)
         if batch is None:
             weight = batch_weight(self.group.images + images, self.seen, s.horizon)
             tail_weights = self._weights(min(self.window.filled + images, self.window.size))
-            done = kern.large(x, images, pre, self.knots, self.source, self.table, self.window, self.group, weight,
-                              tail_weights, COUNT_STRIDE, COUNT_CELLS)
-            if done is None:
-                return None, None
-            y, knots, window = done
-            return y, StagedLarge(knots, window, images)
+            y, knots, window, done = kern.large_flagged(x, images, pre, self.knots, self.source, self.table,
+                                                        self.window, self.group, weight, tail_weights, COUNT_STRIDE,
+                                                        COUNT_CELLS)
+            if done is False:
+                return None, None, False
+            return y, StagedLarge(knots, window, images), done  # type: ignore[arg-type]
         r = kern.scan(x, images, pre, self.knots, self.source, self.table, 0, COUNT_STRIDE, COUNT_CELLS)
-        if not r.finite:
-            return None, None
+        if r.finite is False:
+            return None, None, False
         knots, window = self.knots.clone(), cloned(self.window)
         kern.push(window, None, None, r.lo, r.hi)
         weight = batch_weight(images, self.seen + self.group.images, s.horizon)
         knots[:, 1:-1] = torch.lerp(knots[:, 1:-1], batch[:, 1:-1], weight)
-        y = self._map_tentative(x, images, pre, knots, window)
-        return y, StagedLarge(knots, window, images)
+        y, mapped = self._map_tentative(x, images, pre, knots, window)
+        return y, StagedLarge(knots, window, images), all_finite(finite, r.finite, mapped)
 
     def bound(self) -> object | None:
         """The state bound to its kernels for the calls of a small batch (:meth:`StreamKernels.bind`), or
@@ -433,12 +443,17 @@ class LayerStream:
         """``x`` (A, C, B) mapped with the committed state alone, as a batch of fewer than ``rebuild_every``
         images is, but staging nothing: the batch leaves no trace. ``None`` when a value was NaN or Inf.
         Needs a started state (before the first batch there is no running estimate to map with)."""
+        y, finite = self.flagged_held(x, images, pre)
+        return y if finite else None
+
+    def flagged_held(self, x: torch.Tensor, images: int, pre: Affine | None = None) -> tuple[torch.Tensor | None, Flag]:
+        """:meth:`held`, with whether the values were finite as a flag it does not read: ``(y, finite)``."""
         r = self.kernels.scan(x, images, pre, self.knots, self.source, self.current_table(), MAP, COUNT_STRIDE,
                               COUNT_CELLS)
-        return r.y if r.finite else None
+        return r.y, r.finite
 
     def _map_tentative(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor,
-                       window: TailWindow) -> torch.Tensor:
+                       window: TailWindow) -> tuple[torch.Tensor | None, Flag]:
         """``x`` mapped with tentative knots (``"knot-ema"``'s: their inner knots moved already): ``knots`` (a
         copy, changed in place) take their ends from ``window`` (the batch's extremes already pushed). A
         ``"cdf-ema"`` batch merges its histogram too, in :meth:`StreamKernels.large`."""
@@ -448,19 +463,22 @@ class LayerStream:
         table = StreamTable.empty(self.channels, self.settings.grid, knots.device)
         kern.tables(knots, self.source, table)
         mapped = kern.scan(x, images, pre, knots, self.source, table, MAP, COUNT_STRIDE, COUNT_CELLS)
-        return mapped.y
+        return mapped.y, mapped.finite
 
-    def _first(self, x: torch.Tensor, images: int, pre: Affine | None) -> tuple[torch.Tensor | None, Staged | None]:
+    def _first(self, x: torch.Tensor, images: int,
+               pre: Affine | None) -> tuple[torch.Tensor | None, StagedFirst | None, Flag]:
+        """The first batch after a reset, mapped with its own knots: ``(y, staged, finite)`` as :meth:`flagged_step`."""
         targets = self.batch_knots(x, pre)
-        if not bool(targets.finite):
-            return None, None
+        finite = settled(targets.finite)
+        if finite is False:
+            return None, None, False
         knots = targets.knots.to(self.knots).contiguous()
         table = StreamTable.empty(self.channels, self.settings.grid, knots.device)
         self.kernels.tables(knots, self.source, table)
         r = self.kernels.scan(x, images, pre, knots, self.source, table, MAP, COUNT_STRIDE, COUNT_CELLS)
-        if not r.finite:
-            return None, None
-        return r.y, StagedFirst(knots, table, r.lo, r.hi)
+        if r.finite is False:
+            return None, None, False
+        return r.y, StagedFirst(knots, table, r.lo, r.hi), all_finite(finite, r.finite)
 
     def _weights(self, filled: int) -> torch.Tensor:
         """The tails' weights for a window holding ``filled`` images (kept for the last ``filled`` asked:

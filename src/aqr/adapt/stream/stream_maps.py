@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from aqr.adapt.config import AQRConfig, StreamTarget
-from aqr.adapt.layer_maps import PLAIN_BATCH_NORMS, LayerMap, batch_norm_tensors
+from aqr.adapt.layer_maps import PLAIN_BATCH_NORMS, LayerMap, batch_norm_tensors, host_reads_are_cheap
 from aqr.adapt.stream.base import StreamKernels
 from aqr.adapt.stream.batch import BatchCommit, BatchValues, StreamBatch
 from aqr.adapt.stream.build import layer_stream, stream_class, stream_kernels, stream_settings
@@ -73,14 +73,15 @@ class SharedStream:
         finally:
             self.end()
 
-    def commit(self, labels: torch.Tensor | None = None) -> None:
+    def commit(self, labels: torch.Tensor | None = None, host_labels: torch.Tensor | None = None) -> None:
         """Apply every update the batch in flight staged (it was finite everywhere); ``labels``: each image's
-        predicted class, which class-balanced layers (``target="robust"``) need."""
-        commit = BatchCommit(labels, self.current.values.runs)
+        predicted class, which class-balanced layers (``target="robust"``) need; ``host_labels``: the same on
+        the CPU where the caller has them (:func:`aqr.adapt.stream.batch.host_outcome`), else read here."""
+        commit = BatchCommit(labels, self.current.values.runs, host_labels)
         for stream, staged in self.current.take_staged():
             stream.commit_batch(staged, commit)
         if labels is not None:
-            self.recent = (self.recent + labels.tolist())[-MARGINAL_WINDOW:]
+            self.recent = (self.recent + (labels if host_labels is None else host_labels).tolist())[-MARGINAL_WINDOW:]
 
     def reset(self) -> None:
         """Forget the recent predicted classes."""
@@ -175,6 +176,18 @@ class StreamLayerMap(LayerMap):
             stream.kernels = TorchStreamKernels()  # a copy unpickled where the C kernels cannot be built
         return stream
 
+    def move_stream(self, source: torch.device, target: torch.device) -> None:
+        """The running state on ``source`` moves to ``target``: a state there built as :meth:`stream` builds one,
+        which takes every value of it (:meth:`LayerStream.export_state`, :meth:`LayerStream.load_state`) and
+        replaces any state ``target`` had; nothing where ``source`` has none or is ``target``."""
+        if source == target or source not in self.streams:
+            return
+        old = self.streams.pop(source)
+        self.streams.pop(target, None)
+        if self._small is old:
+            self._small = self._small_kernels = None
+        self.stream(target).load_state(old.export_state())
+
     def batch_knots(self, x: torch.Tensor, pre: Affine | None) -> Targets:
         """The batch's own knots of ``x`` (A, C, B) from the layer's fast-path backend on ``x``'s device
         (looked up on each call, so a copy of the stream re-creates the backend it cannot copy)."""
@@ -212,12 +225,26 @@ class StreamLayerMap(LayerMap):
             stream = _with_torch_kernels(stream)
         elif self._small is None:
             self._note_small(stream, x.device, pre)
-        y, staged = stream.batch_step(acb, batch.values, pre)
-        if staged is None:
+        y, staged, finite = stream.batch_step(acb, batch.values, pre)
+        if isinstance(finite, torch.Tensor) and not host_reads_are_cheap(x.device):
+            # left on the device: the commit reads it with the logits' (a NaN/Inf batch is staged, never committed)
+            batch.note_finite(finite)
+            batch.stage(state, staged)
+            return self._flagged(x, y.reshape(x.shape), finite, unmapped)  # type: ignore[union-attr]
+        if not finite:
             batch.mark_nonfinite()
             return self._nonfinite(x if unmapped is None else unmapped())
         batch.stage(state, staged)
-        return y.reshape(x.shape)
+        return y.reshape(x.shape)  # type: ignore[union-attr]
+
+    def _flagged(self, x: torch.Tensor, y: torch.Tensor, finite: torch.Tensor,
+                 unmapped: Callable[[], torch.Tensor] | None) -> torch.Tensor:
+        """The map ``y`` of ``x`` whose finite flag stays on the device: with ``on_nonfinite="skip"`` the layer's
+        own output where it is false (as the host's check gives), else ``y`` (a NaN reaches the logits, which
+        :class:`aqr.AQR` checks with the flags once)."""
+        if self.on_nonfinite != "skip":
+            return y
+        return torch.where(finite, y, x if unmapped is None else unmapped())
 
     def _held(self, x: torch.Tensor, batch: StreamBatch, pre: Affine | None,
               unmapped: Callable[[], torch.Tensor] | None) -> torch.Tensor:
@@ -229,11 +256,14 @@ class StreamLayerMap(LayerMap):
         acb = as_acb(x, self.info.channel_dim)
         if not stream.kernels.takes(acb):
             stream = _with_torch_kernels(stream)
-        y = stream.held(acb, batch.images, pre)
-        if y is None:
+        y, finite = stream.flagged_held(acb, batch.images, pre)
+        if isinstance(finite, torch.Tensor) and not host_reads_are_cheap(x.device):
+            batch.note_finite(finite)
+            return self._flagged(x, y.reshape(x.shape), finite, unmapped)  # type: ignore[union-attr]
+        if not finite:
             batch.mark_nonfinite()
             return self._nonfinite(x if unmapped is None else unmapped())
-        return y.reshape(x.shape)
+        return y.reshape(x.shape)  # type: ignore[union-attr]
 
 
 def _with_torch_kernels(stream: LayerStream) -> LayerStream:

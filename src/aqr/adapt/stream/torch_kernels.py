@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from aqr.adapt.layer_maps import host_reads_are_cheap
 from aqr.backends.base import Affine
 from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, PendingGroup, ScanResult,
-                                   StreamKernels, StreamTable, TailWindow, check_mixture_weights, check_scan)
+                                   StreamKernels, StreamTable, TailWindow, check_mixture_weights, check_scan,
+                                   on_device, settled)
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -167,6 +169,12 @@ def mixture_quantiles(knots: torch.Tensor, k: int, grid: int, weights: torch.Ten
 
 def shift_distances(counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
     """:meth:`~aqr.adapt.stream.base.StreamKernels.shift_distances` (``aqr_stream_shift_distances``)."""
+    to_target, between = shift_distance_tensors(counts, knots)
+    return float(to_target), float(between)
+
+
+def shift_distance_tensors(counts: torch.Tensor, knots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`shift_distances` as 0-d float64 tensors on ``counts``' device (no host read)."""
     c, k = knots.shape
     counts = counts.clamp(min=0)  # (as the merges read a histogram)
     ends = knots[:, 0], knots[:, k - 1]
@@ -174,16 +182,14 @@ def shift_distances(counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, f
     (z, even, n_even), (_, odd, n_odd) = (histogram_points(knots, counts[h::2].sum(0, dtype=torch.int64), *ends)
                                           for h in (0, 1))
     counted = ((n_even > 0) & (n_odd > 0))[:, 0]
-    m = int(counted.sum())
-    if m == 0:
-        return 0.0, 0.0
+    m = counted.sum().double()
     edges, even, odd = z[:, 1:-1].contiguous(), even[:, 1:-1], odd[:, 1:-1]
     pooled = (even * n_even + odd * n_odd) / (n_even + n_odd).clamp(min=1)
     _, target = cdf_at(knots.double().contiguous(), knot_levels(k, c, knots.device), edges)
     weight = counted.double()
-    to_target = float(((pooled - target).abs().amax(1) * weight).sum()) / m
-    between = float(((even - odd).abs().amax(1) * weight).sum()) / m
-    return to_target, between
+    zero = torch.zeros((), dtype=torch.float64, device=m.device)
+    mean = lambda d: torch.where(m > 0, (d * weight).sum() / m.clamp(min=1), zero)  # noqa: E731  (0 where none counted)
+    return mean((pooled - target).abs().amax(1)), mean((even - odd).abs().amax(1))
 
 
 class TorchStreamKernels(StreamKernels):
@@ -203,7 +209,8 @@ class TorchStreamKernels(StreamKernels):
             v = v * pre[0].view(1, c, 1) + pre[1].view(1, c, 1)
         per_image = v.reshape(images, a // images, c, b)
         lo, hi = per_image.amin(dim=(1, 3)), per_image.amax(dim=(1, 3))
-        if not bool(torch.isfinite(v).all()):
+        finite = settled(torch.isfinite(v).all())  # read on CPU only: a GPU's queue would wait at every layer
+        if finite is False:
             return ScanResult(None, lo, hi, None, False)
         col = lambda t: t.view(1, c, 1)  # noqa: E731
         k0, k1, kb, kl = (col(knots[:, j]) for j in (0, 1, -2, -1))
@@ -237,7 +244,7 @@ class TorchStreamKernels(StreamKernels):
             if mode & PAIRED:  # the even images' histograms summed, then the odd images'
                 halves = torch.zeros(2, c, cells + EDGE_BINS, dtype=torch.int32, device=v.device)
                 counts = halves.index_add_(0, torch.arange(images, device=v.device) % 2, counts)
-        return ScanResult(None if y is None else y.to(x.dtype), lo, hi, counts, True)
+        return ScanResult(None if y is None else y.to(x.dtype), lo, hi, counts, finite)
 
     def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,
              lo: torch.Tensor, hi: torch.Tensor) -> None:
@@ -249,10 +256,11 @@ class TorchStreamKernels(StreamKernels):
             if n:
                 torch.minimum(group.gmin, lo.amin(0), out=group.gmin)
                 torch.maximum(group.gmax, hi.amax(0), out=group.gmax)
-        for i in range(n):
-            row = (window.head + i) % size
-            window.ring_lo[row] = lo[i]
-            window.ring_hi[row] = hi[i]
+        if n:  # image i into row (head + i) % size; of more than size images, the last size ones stay
+            first = max(0, n - size)
+            rows = (window.head + torch.arange(first, n, device=window.ring_lo.device)) % size
+            window.ring_lo.index_copy_(0, rows, lo[first:].to(window.ring_lo))
+            window.ring_hi.index_copy_(0, rows, hi[first:].to(window.ring_hi))
         window.filled = min(window.filled + n, size)
         window.head = (window.head + n) % size
         f = window.filled
@@ -263,13 +271,17 @@ class TorchStreamKernels(StreamKernels):
         k = len(weights)
         if k > window.filled:
             raise ValueError(f"{k} tail weights for a window holding {window.filled} images")
-        w = weights.to(window.sorted_lo.device, torch.float64)
+        w = on_device(weights, window.sorted_lo.device).double()
         return saturate(window.sorted_lo[:, :k].double() @ w), saturate(-(window.sorted_hi[:, :k].double() @ w))
 
     def merge(self, knots: torch.Tensor, group: PendingGroup | None, weight: float, p0: torch.Tensor,
               p100: torch.Tensor) -> None:
         k = knots.shape[1]
-        if group is not None and weight > 0:
+        if isinstance(weight, torch.Tensor):  # decided on the device: merged, then kept where the weight is > 0
+            if group is not None:
+                fresh = merged_inner(knots, knots, group.counts, group.gmin, group.gmax, weight.double())
+                knots[:, 1 : k - 1] = torch.where(weight > 0, fresh, knots[:, 1 : k - 1])
+        elif group is not None and weight > 0:
             knots[:, 1 : k - 1] = merged_inner(knots, knots, group.counts, group.gmin, group.gmax, float(weight))
         knots[:, 0] = torch.minimum(p0.to(knots), knots[:, 1])
         knots[:, -1] = torch.maximum(p100.to(knots), knots[:, -2])
@@ -309,7 +321,7 @@ class TorchStreamKernels(StreamKernels):
     def group_merge(self, knots: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor, gmin: torch.Tensor,
                     gmax: torch.Tensor, weights: torch.Tensor) -> None:
         k = knots.shape[1]
-        w = weights.to(knots.device, torch.float64)[:, None]
+        w = on_device(weights, knots.device).double()[:, None]
         old = knots.double()
         new = knots.clone()
         new[:, 1 : k - 1] = merged_inner(knots, bins, counts, gmin, gmax, w)
@@ -327,6 +339,15 @@ class TorchStreamKernels(StreamKernels):
                                             and weights.sum() > 0):
             raise ValueError("mixture: the weights must be finite, >= 0 and not all 0")
         knots[:, 1 : k - 1] = mixture_quantiles(groups.double(), k, grid, weights)
+
+    def shift_test(self, counts: torch.Tensor, knots: torch.Tensor,
+                   small: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """As :meth:`StreamKernels.shift_test`; off the CPU the distances stay 0-d float64 tensors on the device
+        (:func:`shift_distance_tensors`), read by no one here."""
+        distances = shift_distance_tensors(counts, knots)
+        if host_reads_are_cheap(counts.device):
+            distances = (float(distances[0]), float(distances[1]))  # type: ignore[assignment]
+        return distances, counts.sum(0, dtype=torch.int32), counts.to(torch.int16) if small else counts
 
     def shift_distances(self, counts: torch.Tensor, knots: torch.Tensor) -> tuple[float, float]:
         return shift_distances(counts, knots)

@@ -1,0 +1,240 @@
+"""Streaming and robust AQR off the CPU: no host read inside a forward pass, the same values as the CPU's path.
+
+A GPU's kernels queue up behind the host; a read of a device value on the host (``.item()``, ``bool(t)``,
+``.tolist()``, a data-dependent shape) makes the host wait for the queue to drain, at every layer it happens.
+On the ``meta`` device every such read raises, so a forward on ``meta`` runs the path a GPU takes (the torch
+kernels, every flag left on the device) and fails on any read. The one read a stream's forward pass makes,
+after its last layer, is :func:`aqr.adapt.stream.batch.host_outcome` (whether the batch was finite, and
+robust AQR's predicted classes, in one copy): it is counted here, once per forward. On CPU, with
+``host_reads_are_cheap`` patched to say no, the same path runs on real values and must give the CPU's
+outputs and state bit for bit. With CUDA, ``torch.cuda.set_sync_debug_mode("error")`` checks it on the GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import aqr
+import aqr.adapt.model as model_module
+from aqr.adapt.stream import base, stream_maps, torch_kernels
+from aqr.adapt.stream.batch import host_outcome
+from aqr.adapt.stream.robust import RobustLayerStream
+from tests import batch_reference
+from tests.models_tiny import images
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# batch sizes that take every step: the first batch, small ones (mapped with the state), large ones (merged
+# first), a rebuild at every 4 images, and, for robust AQR, more than 256 predicted classes (its own-batch share)
+SIZES = [2, 1, 3, 16, 64, 64, 2, 64, 64, 64, 64, 64, 3, 64]
+CASES = {
+    "stream": {"target": "stream"},
+    "knot-ema": {"target": "stream", "estimator": "knot-ema"},
+    "robust": {"target": "robust"},
+    "robust-skip-2-passes": {"target": "robust", "on_nonfinite": "skip", "passes": 2},
+}
+
+
+def calibrated(name: str = "bn") -> tuple[torch.nn.Module, aqr.SourceStats]:
+    model = batch_reference.BUILDERS[name]().eval()
+    return model, aqr.calibrate(model, [images(64, seed=s) for s in range(2)], num_quantiles=21, compile=False)
+
+
+class CountedSteps:
+    """Counts robust AQR's own-batch steps decided on the device (so a test knows that path ran)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = RobustLayerStream._step_own_on_device
+
+        def counted(stream: RobustLayerStream, *args: object, **kwargs: object) -> object:
+            self.calls += 1
+            return original(stream, *args, **kwargs)
+
+        monkeypatch.setattr(RobustLayerStream, "_step_own_on_device", counted)
+
+
+@pytest.mark.parametrize("name", ["bn", "vit"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_stream_forward_on_the_device_path_reads_back_once(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                             case: str) -> None:
+    model, stats = calibrated(name)
+    monkeypatch.setattr(aqr.SourceStats, "check_model", lambda self, m: None)  # reads the weights: a constructor's
+    reads: list[object] = []
+    classes = torch.Generator().manual_seed(0)
+
+    def outcome(flag: object, labels: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None]:
+        # the one read, which meta cannot give: finite, and classes drawn i.i.d. (no runs: robust's own share)
+        reads.append(flag)
+        assert flag is not False and (flag is True or flag.device.type == "meta")
+        return True, None if labels is None else torch.randint(0, 5, (labels.shape[0],), generator=classes)
+
+    monkeypatch.setattr(model_module, "host_outcome", outcome)
+    steps = CountedSteps(monkeypatch)
+    adapter = aqr.AQR(copy.deepcopy(model).to("meta"), stats, rebuild_every=4, compile=False, **CASES[case])
+    for i, n in enumerate(SIZES):
+        out = adapter(torch.empty(n, 3, 8, 8, device="meta"))  # any read of a meta tensor raises
+        assert out.device.type == "meta" and out.shape[0] == n
+        assert len(reads) == i + 1, "one read per forward pass"
+    adapter.forward_held(torch.empty(3, 3, 8, 8, device="meta"))
+    assert len(reads) == len(SIZES) + 1
+    streams = [s for m in adapter._maps.values() for s in m.streams.values()]
+    assert streams and all(s.started and s.knots.device.type == "meta" for s in streams)
+    # every batch committed: a robust state counts its pending images as seen, a stream's group holds them
+    assert all((s.seen if isinstance(s, RobustLayerStream) else s.seen + s.group.images) == sum(SIZES)
+               for s in streams)
+    if case.startswith("robust"):
+        assert steps.calls > 0, "the own-batch step decided on the device ran"
+
+
+def run_stream(options: dict[str, object], device_path: bool, monkeypatch: pytest.MonkeyPatch,
+               batches: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, object], int]:
+    """Outputs and final state of a torch-kernel stream over ``batches``, on the device path where asked."""
+    with monkeypatch.context() as patch:
+        if device_path:
+            for module in (base, torch_kernels, stream_maps):
+                patch.setattr(module, "host_reads_are_cheap", lambda device: False)
+        steps = CountedSteps(patch)
+        model, stats = calibrated()
+        adapter = aqr.AQR(model, stats, native=False, compile=False, **options)
+        outs = [adapter(x) for x in batches]
+        outs.append(adapter.forward_held(batches[0][:3]))
+        return outs, adapter.state_dict()["_extra_state"], steps.calls
+
+
+def same_values(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_device_path_gives_the_cpu_values_bit_for_bit(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    options = {"rebuild_every": 4, **CASES[case]}
+    batches = [images(n, seed=100 + i) * (1 + 0.05 * i) for i, n in enumerate(SIZES)]
+    if options.get("on_nonfinite") == "skip":
+        batches[5] = batches[5].clone()
+        batches[5][0, 0, 0, 0] = float("nan")  # skipped: its outputs as the CPU gives them, the state unchanged
+    host_outs, host_state, host_steps = run_stream(options, False, monkeypatch, batches)
+    device_outs, device_state, device_steps = run_stream(options, True, monkeypatch, batches)
+    assert host_steps == 0
+    if case.startswith("robust"):
+        assert device_steps > 0
+    for i, (a, b) in enumerate(zip(host_outs, device_outs)):
+        assert same_values(a, b), f"batch {i}"
+    assert same_values(host_state, device_state)
+
+
+def test_host_outcome_reads_the_flag_and_the_classes_in_one_copy() -> None:
+    labels = torch.tensor([3, 1, 4])
+    assert host_outcome(torch.tensor(True)) == (True, None)
+    assert host_outcome(torch.tensor(False), labels) == (False, None)
+    assert host_outcome(False, labels) == (False, None)
+    finite, host = host_outcome(torch.tensor(True), labels)
+    assert finite and host.tolist() == [3, 1, 4] and host.device.type == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the sync debug mode of a GPU")
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_stream_forward_on_a_gpu_synchronizes_once(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    model, stats = calibrated()
+    cuda = copy.deepcopy(model).cuda()
+    adapter = aqr.AQR(cuda, stats, rebuild_every=4, **CASES[case])
+    reads = []
+
+    def outcome(flag: object, labels: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None]:
+        reads.append(flag)
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return host_outcome(flag, labels)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(model_module, "host_outcome", outcome)
+    batches = [images(n, seed=100 + i).cuda() for i, n in enumerate(SIZES)]
+    adapter(batches[0])  # the first batch builds the per-batch backend (its subsets) once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in batches[1:]:
+            adapter(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(reads) == len(SIZES)
+
+
+def paramless_model() -> torch.nn.Module:
+    """A model without parameters or buffers: ``AQR.to`` may move it to any device (it converts no tensor of
+    the user's), so its stream's move can be seen on CPU (to ``meta``)."""
+    return torch.nn.Sequential(torch.nn.GroupNorm(1, 3, affine=False), torch.nn.ReLU(),
+                               torch.nn.GroupNorm(3, 3, affine=False), torch.nn.AdaptiveAvgPool2d(1),
+                               torch.nn.Flatten()).eval()
+
+
+HOST_PARTS = ("seen", "started", "window.filled", "window.head", "group.images")
+
+
+@pytest.mark.parametrize("target", ["stream", "robust"])
+def test_to_moves_a_streams_running_state_to_the_new_device(target: str) -> None:
+    model = paramless_model()
+    stats = aqr.calibrate(model, [images(32, seed=s) for s in range(2)], num_quantiles=21, compile=False)
+    adapter = aqr.AQR(model, stats, target=target, rebuild_every=4, compile=False)
+    for i, n in enumerate([4, 2, 16, 3]):
+        adapter(images(n, seed=10 + i))
+    cpu = torch.device("cpu")
+    before = {name: m.streams[cpu].export_state() for name, m in adapter._maps.items()}
+    assert adapter.to("cpu") is adapter and all(set(m.streams) == {cpu} for m in adapter._maps.values())
+    assert all(same_values(before[name], m.streams[cpu].export_state()) for name, m in adapter._maps.items())
+    adapter.to("meta")  # every state tensor moves; the counters come along
+    meta = torch.device("meta")
+    for name, layer_map in adapter._maps.items():
+        assert set(layer_map.streams) == {meta}
+        moved = layer_map.streams[meta]
+        assert isinstance(moved.kernels, torch_kernels.TorchStreamKernels)
+        values = moved.export_state()
+        assert values.keys() == before[name].keys()
+        for part, value in values.items():
+            if part == "group_recent":  # robust AQR's host bookkeeping (CPU float64) stays on the host
+                assert value.device == cpu and torch.equal(value, before[name][part])
+            elif isinstance(value, torch.Tensor):
+                assert value.device == meta and value.shape == before[name][part].shape, part
+            else:  # the counters (HOST_PARTS and robust's lists) come along
+                assert value == before[name][part], part
+        assert all(part in values for part in HOST_PARTS)
+        assert moved.started and moved.seen > 0
+
+
+def test_a_conversion_that_moves_nothing_keeps_the_state_objects() -> None:
+    model = paramless_model()
+    stats = aqr.calibrate(model, [images(32, seed=s) for s in range(2)], num_quantiles=21, compile=False)
+    adapter = aqr.AQR(model, stats, target="stream", compile=False)
+    adapter(images(8, seed=1))
+    streams = {name: dict(m.streams) for name, m in adapter._maps.items()}
+    adapter.float().to(torch.device("cpu"))
+    assert all(m.streams == streams[name] for name, m in adapter._maps.items())
+    with pytest.raises(ValueError, match="never converts the user's model"):
+        aqr.AQR(batch_reference.BUILDERS["bn"]().eval(), calibrated()[1], target="stream").double()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("target", ["stream", "robust"])
+def test_a_stream_moved_to_the_gpu_continues_as_on_the_cpu(target: str) -> None:
+    model, stats = calibrated()
+    batches = [images(n, seed=100 + i) for i, n in enumerate(SIZES)]
+    reference = aqr.AQR(copy.deepcopy(model), stats, target=target, rebuild_every=4, native=False, compile=False)
+    moved_model = copy.deepcopy(model)
+    moved = aqr.AQR(moved_model, stats, target=target, rebuild_every=4, native=False, compile=False)
+    for x in batches[:5]:
+        torch.testing.assert_close(moved(x), reference(x), rtol=0, atol=0)
+    moved_model.cuda()
+    moved.cuda()
+    assert all(set(m.streams) == {torch.device("cuda", torch.cuda.current_device())} for m in moved._maps.values())
+    for x in batches[5:]:
+        torch.testing.assert_close(moved(x.cuda()).cpu(), reference(x), rtol=1e-4, atol=1e-4)
