@@ -8,14 +8,24 @@ load a planted library."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
+import json
+import os
+import stat
+import subprocess
 import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
+from aqr.backends import build as kernel_build
+from aqr.harness import ray_executor
 from aqr.methods import create
+from aqr.util.ownership import untrusted_reason
 from tests.test_forward_held import CASES, IDS, NET, STATS, build, images, method_state, same
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,3 +178,100 @@ def test_threads_leave_the_callers_random_state_alone(name: str, busy_switching)
             t.join()
         # each forward forked the global RNG and seeded it; two at once restored each other's seeded state
         assert torch.equal(torch.randn(4), torch.randn(4, generator=expected)), (name, trial)
+
+
+# ---- 2. a kernel cache or node cache another user could have written --------------------------------------
+
+QUICK = ["-O0"]  # the same library logic, a quicker build
+needs_compiler = pytest.mark.skipif(kernel_build.compile_command() is None, reason="no C compiler")
+LOAD_KERNELS = textwrap.dedent(f"""
+    import json, warnings
+    from aqr.backends import build
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lib = build.warned(*build.try_load(lambda _: build.load(build.compile_command({QUICK!r}))))
+    print(json.dumps({{"loaded": lib is not None, "warnings": [str(w.message) for w in caught]}}))
+""")
+
+
+def load_kernels_in_subprocess(cache: Path) -> dict:
+    """Load the quick build of the per-batch kernels in a fresh process on the kernel cache ``cache``."""
+    env = {**os.environ, "AQR_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, "-c", LOAD_KERNELS], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def plant_library(cache: Path, marker: Path) -> Path:
+    """A library under the quick build's cached name, beside a stamp of its own size and SHA-256, whose
+    constructor writes ``marker`` when it is loaded (as another user's planted library would run its code)."""
+    source = cache.parent / "planted.c"
+    source.write_text('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) '
+                      f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    library = cache / kernel_build.library_path(kernel_build.compile_command(QUICK)).name
+    subprocess.run([*kernel_build.compiler(), "-shared", "-fPIC", "-o", str(library), str(source)], check=True,
+                   timeout=120)
+    kernel_build.stamp_path(library).write_text(json.dumps(kernel_build.file_stamp(library)))
+    return library
+
+
+@needs_compiler
+@pytest.mark.parametrize("attack", ["folder writable by others", "library writable by others",
+                                    "library of another user"])
+def test_a_planted_library_is_never_loaded(tmp_path, attack):
+    if attack == "library of another user" and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    cache, marker = tmp_path / "cache", tmp_path / "constructor-ran"
+    cache.mkdir(mode=0o700)
+    library = plant_library(cache, marker)
+    if attack == "folder writable by others":
+        cache.chmod(0o777)  # the planted library's folder: anyone could have put it there
+    elif attack == "library writable by others":
+        library.chmod(0o666)
+    else:
+        os.chown(library, 12345, 12345)
+        os.chown(kernel_build.stamp_path(library), 12345, 12345)
+    result = load_kernels_in_subprocess(cache)
+    assert not marker.exists(), attack  # the planted constructor used to run before any check
+    assert result["loaded"], result  # rebuilt (in a private folder where the cache's is not private)
+    (warning,) = result["warnings"]
+    assert ("is not used" if attack.startswith("folder") else "another user could have written") in warning, warning
+    if not attack.startswith("folder"):  # rebuilt in place, this user's alone
+        assert untrusted_reason(library) is None and kernel_build.verified(library)
+
+
+@needs_compiler
+def test_a_new_kernel_cache_is_private(tmp_path):
+    cache = tmp_path / "new" / "kernels"
+    assert load_kernels_in_subprocess(cache) == {"loaded": True, "warnings": []}
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700  # was 0755
+    for path in cache.iterdir():
+        assert not path.stat().st_mode & 0o022, path
+
+
+def test_the_ray_node_cache_is_per_user_and_checks_each_files_hash(tmp_path, monkeypatch):
+    monkeypatch.setattr(ray_executor.tempfile, "tempdir", str(tmp_path))
+    cache = ray_executor.node_cache()
+    assert cache == tmp_path / f"aqr-ray-{os.geteuid()}" and stat.S_IMODE(cache.stat().st_mode) == 0o700  # was /tmp/aqr-ray
+    data = b"the driver's statistics"
+    name = f"{hashlib.sha256(data).hexdigest()[:24]}.aqr.safetensors"
+    sent: list[bytes] = []
+
+    def fetch() -> bytes:
+        sent.append(data)
+        return data
+
+    planted = cache / "stats" / name
+    planted.parent.mkdir(mode=0o700)
+    planted.write_bytes(b"someone else's statistics")  # under the right name: used to be read as it was
+    path = ray_executor.node_stats_file(cache, name, fetch)
+    assert path.read_bytes() == data and len(sent) == 1
+    assert ray_executor.node_stats_file(cache, name, fetch).read_bytes() == data and len(sent) == 1  # kept
+    path.chmod(0o666)
+    assert ray_executor.node_stats_file(cache, name, fetch).read_bytes() == data and len(sent) == 2
+    with pytest.raises(ValueError, match="SHA-256"):
+        ray_executor.node_stats_file(cache, f"{'0' * 24}.aqr.safetensors", fetch)
+    with pytest.raises(ValueError, match="not a node statistics file name"):
+        ray_executor.node_stats_file(cache, "../../etc/passwd", fetch)
+    (tmp_path / f"aqr-ray-{os.geteuid()}").chmod(0o777)  # another user could write there now: not used
+    assert ray_executor.node_cache() != cache
