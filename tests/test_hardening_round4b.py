@@ -275,3 +275,39 @@ def test_the_ray_node_cache_is_per_user_and_checks_each_files_hash(tmp_path, mon
         ray_executor.node_stats_file(cache, "../../etc/passwd", fetch)
     (tmp_path / f"aqr-ray-{os.geteuid()}").chmod(0o777)  # another user could write there now: not used
     assert ray_executor.node_cache() != cache
+
+
+# ---- the user's model left alone by the wrapper's state and gradient flags ----------------------------------
+
+def test_loading_a_state_never_writes_into_the_users_model() -> None:
+    import aqr
+
+    model = copy.deepcopy(NET)
+    adapted = aqr.AQR(model, STATS, target="stream", horizon=16)
+    adapted(images(seed=2))
+    state = adapted.state_dict()
+    versions = {k: p._version for k, p in model.state_dict().items()}
+    fresh = aqr.AQR(model, STATS, target="stream", horizon=16)
+    fresh.load_state_dict(state)  # the model's entries equal the model: compared, not copied in
+    assert {k: p._version for k, p in model.state_dict().items()} == versions
+    assert torch.equal(fresh(images(seed=3)), adapted(images(seed=3)))
+    other = dict(state)
+    other["model.conv1.weight"] = state["model.conv1.weight"] + 1.0  # another model's weights
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"other values of the user's model \(model.conv1.weight\)"):
+        aqr.AQR(model, STATS, target="stream", horizon=16).load_state_dict(other)  # used to copy them into it
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(RuntimeError, match="Missing key"):
+        aqr.AQR(model, STATS, target="stream", horizon=16).load_state_dict(
+            {k: v for k, v in state.items() if k != "model.conv1.weight"})
+
+
+def test_the_wrappers_requires_grad_leaves_the_users_flags_alone() -> None:
+    import aqr
+
+    model = copy.deepcopy(NET).requires_grad_(True)
+    adapted = aqr.AQR(model, STATS)
+    assert adapted.requires_grad_(True) is adapted  # changes nothing: passes
+    with pytest.raises(ValueError, match="never changes the user's model"):
+        adapted.requires_grad_(False)  # used to turn every parameter of the user's model off
+    assert all(p.requires_grad for p in model.parameters())
