@@ -67,6 +67,9 @@ class ProtocolConfig:
             model in eval mode (no dropout); most draw no random numbers, so on CPU their outputs
             are deterministic anyway, while ROID's augmentation and DeYO's patch shuffle draw
             theirs here. The seed makes any randomness inside a user's model reproducible too.
+            Seeded sections of methods in different threads take turns (one process-wide lock), so
+            each restores what it found; a caller drawing from the global RNG in another thread
+            during a forward pass still shares it.
             ``None`` leaves the global RNG alone.
     """
 

@@ -1,7 +1,7 @@
 """What a method carries from one batch to the next beyond its modules' tensors, as plain values.
 
 :func:`pack_carried` turns a method's carried attributes (tensors, numbers, strings, ``None``, lists,
-tuples and string-keyed dicts of them, numpy arrays, ``torch.Generator``\\ s and the few helper objects
+tuples and string-keyed dicts of them, numpy arrays, torch generators and the few helper objects
 listed in :data:`CARRIED_CLASSES`) into copies that ``torch.load(..., weights_only=True)`` reads back;
 :func:`unpack_carried` rebuilds them. No object is unpickled: a helper object is rebuilt only from a class
 of that list, its attributes set one by one.
