@@ -92,3 +92,14 @@ def test_one_image_through_batch_statistics_of_a_vector_is_refused_naming_the_sm
         assert m(x[:2]).shape == (2, 5)
         windowed = create(name, net, protocol="online", window=64, **extra)
         assert torch.isfinite(one_at_a_time(windowed, x)).all()
+
+
+def test_a_saved_state_continues_through_the_window_bit_for_bit() -> None:
+    net, x = conv_net("bn"), images(n=11)
+    whole = create("tent", net, protocol="online", window=4, lr=0.05, batch_size=4)
+    expected = one_at_a_time(whole, x)
+    first = create("tent", net, protocol="online", window=4, lr=0.05, batch_size=4)
+    one_at_a_time(first, x[:6])  # mid-window: slots 0 and 1 replaced since the last step
+    resumed = create("tent", net, protocol="online", window=4, lr=0.05, batch_size=4)
+    resumed.load_state_dict(first.state_dict())
+    assert torch.equal(one_at_a_time(resumed, x[6:]), expected[6:])

@@ -24,6 +24,7 @@ import types
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -147,6 +148,12 @@ def _are_logits(out: object, images: int) -> bool:
     return isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[0] == images and out.shape[1] >= 1
 
 
+def same_values(saved: object, current: torch.Tensor) -> bool:
+    """Whether ``saved`` is a tensor of ``current``'s shape, dtype and values."""
+    return (isinstance(saved, torch.Tensor) and saved.shape == current.shape and saved.dtype == current.dtype
+            and torch.equal(saved.to(current.device), current))
+
+
 def _check_input(x: object) -> None:
     """Refuse images stored as integers (token ids, 2-D, pass): torch would only say the dtypes differ;
     and refuse being recorded by ``torch.jit.trace`` (or an exporter built on it), whose graph would be wrong."""
@@ -246,6 +253,49 @@ class AQR(nn.Module):
                         target = fn(torch.empty(0, device=device)).device  # where the conversion sends a tensor
                         layer_map.move_stream(device, target)  # type: ignore[attr-defined]
         return result
+
+    def requires_grad_(self, requires_grad: bool = True) -> "AQR":
+        """Refuse to change the user's model's ``requires_grad`` flags (the wrapper has no parameters of its own);
+        a call that changes none of them passes."""
+        if any(p.requires_grad != requires_grad for p in self.model.parameters()):
+            raise ValueError("aqr.AQR never changes the user's model: requires_grad_ would change its parameters' "
+                             "flags; set them on the model itself (model.requires_grad_(...))")
+        return self
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a state :meth:`state_dict` gave (the running state of a streaming target). Its ``model.*``
+        entries are the user's model's: they are compared with it, never written into it, and a state whose
+        values differ is refused (``ValueError`` naming the first entry) before anything changes. A state of
+        another target (a running state where this one keeps none, none where it keeps one, or another running
+        target's) is refused in one line naming both."""
+        if strict:
+            saved = state_dict.get(STATE_KEY)
+            theirs = (saved.get("target") if isinstance(saved, Mapping) else "stream or robust") if saved is not None \
+                else "batch"
+            if theirs != self.config.target:
+                held = "a running state" if saved is not None else f"no running state ({STATE_KEY!r})"
+                raise RuntimeError(f"the state holds {held}, of target={theirs!r}; this aqr.AQR has "
+                                   f"target={self.config.target!r}: build it with target={theirs!r} to load it")
+        own = self.model.state_dict()
+        differ = [k for k, v in own.items() if f"model.{k}" in state_dict and not same_values(state_dict[f"model.{k}"], v)]
+        if differ:
+            raise ValueError(f"the state holds other values of the user's model (model.{differ[0]}"
+                             + (f" and {len(differ) - 1} more" if len(differ) > 1 else "") + "): aqr.AQR never "
+                             "changes the model; load those weights into the model itself and wrap it again")
+        # the wrapper's own entries only (torch's load would also write the model's, BatchNorm's counters included)
+        rest = {k: v for k, v in state_dict.items() if not k.startswith("model.")}
+        metadata = getattr(state_dict, "_metadata", None)
+        missing: list[str] = [f"model.{k}" for k in own if f"model.{k}" not in state_dict]
+        unexpected: list[str] = [k for k in state_dict if k.startswith("model.") and k[len("model."):] not in own]
+        errors: list[str] = []
+        self._load_from_state_dict(rest, "", {} if metadata is None else metadata.get("", {}), True, missing,
+                                   unexpected, errors)
+        checked = (("Missing", missing), ("Unexpected", unexpected)) if strict else ()
+        if errors or any(keys for _, keys in checked):  # torch's own message
+            quoted = {what: ", ".join(f'"{k}"' for k in keys) for what, keys in checked if keys}
+            parts = [*(f"{what} key(s) in state_dict: {keys}. " for what, keys in quoted.items()), *errors]
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t" + "\n\t".join(parts))
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x)
@@ -386,20 +436,6 @@ class AQR(nn.Module):
             with self._state_lock:
                 record = stream_record(self.config, self._maps, self._batch)  # type: ignore[arg-type]
             destination[prefix + STATE_KEY] = record
-
-    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True,  # type: ignore[override]
-                        assign: bool = False):  # noqa: ANN201 (nn.Module's return type)
-        """``nn.Module.load_state_dict``; a state of another target (a running state where this one keeps
-        none, none where it keeps one, or another running target's) is refused in one line naming both."""
-        if strict:
-            saved = state_dict.get(STATE_KEY)
-            theirs = (saved.get("target") if isinstance(saved, Mapping) else "stream or robust") if saved is not None \
-                else "batch"
-            if theirs != self.config.target:
-                held = "a running state" if saved is not None else f"no running state ({STATE_KEY!r})"
-                raise RuntimeError(f"the state holds {held}, of target={theirs!r}; this aqr.AQR has "
-                                   f"target={self.config.target!r}: build it with target={theirs!r} to load it")
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict: dict[str, object], prefix: str, local_metadata: dict[str, object],
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],

@@ -39,6 +39,7 @@ from torch import nn
 from aqr.adapt.config import AQRConfig, SmallBatchWarning
 from aqr.adapt.layer_maps import LayerMap
 from aqr.adapt.model import build_layer_maps
+from aqr.adapt.stream.saved import load_stream_record, stream_record
 from aqr.adapt.stream.stream_maps import SharedStream, StreamLayerMap
 from aqr.core.layers import NonFiniteActivationError, as_acb, check_named_layers, layer_info
 from aqr.core.points import PRE_AFFINE, affine, normalized
@@ -196,6 +197,22 @@ class PreAffineAQR:
                                                "unchanged (on_nonfinite='skip' returns them)")
         finally:
             self.batch.end()  # type: ignore[union-attr]
+
+    def running_record(self) -> dict[str, object] | None:
+        """The running state of a streaming target with what identifies it (as :meth:`aqr.AQR.state_dict` saves
+        it), ``None`` for a per-batch target; tensors are copies."""
+        if self.batch is None:
+            return None
+        return stream_record(self.config, self.maps, self.batch)  # type: ignore[arg-type]
+
+    def load_running_record(self, record: object) -> None:
+        """Continue from :meth:`running_record`'s ``record``; ``ValueError`` (nothing changed) for one of another
+        target, configuration or statistics."""
+        if self.batch is None:
+            if record is not None:
+                raise ValueError("the saved state holds a running state, which a per-batch target does not keep")
+            return
+        load_stream_record(record, self.config, self.maps, self.batch)  # type: ignore[arg-type]
 
     def reset(self) -> None:
         """Every streaming layer back to its state before the first batch (nothing to do for batches)."""

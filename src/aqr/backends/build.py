@@ -7,7 +7,10 @@ what else the kernels share in ``_shared.h``): :func:`load` builds the per-batch
 ``~/.cache/aqr``), named by a hash of its sources, the shared header, the compiler command and the
 flags, beside a build stamp (its size and SHA-256, written after it): a cached library that does not
 match its stamp (cut short, or another build copied under its name) is rebuilt before it is loaded, since
-loading a damaged library can crash the process. Without a working compiler, or where a library still
+loading a damaged library can crash the process. The cache folder is created ``0700``; a folder, library or
+stamp another user could have written (not owned by this user, or writable by group or others) is never
+loaded from: the library is rebuilt (in a private folder of the process where the folder is not this
+user's alone), with one warning. Without a working compiler, or where a library still
 does not load or lacks an entry point, :func:`load_kernels` says why, and the fast path runs through torch
 instead. Parallel work runs on the OpenMP team torch itself uses (:func:`openmp_entry_points`). Where the
 CPU has AVX-512, loading a library times its table lookups both ways and keeps the faster
@@ -24,6 +27,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,6 +36,7 @@ import torch
 
 from aqr.backends import layout
 from aqr.util.files import atomic_write, sha256_file
+from aqr.util.ownership import UntrustedPathError, keep_private, private_folder, untrusted_reason
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "_kernels.c"  # the per-batch kernels
@@ -97,16 +102,52 @@ def verified(library: Path) -> bool:
         return False
 
 
+def private_cache(folder: Path) -> Path:
+    """``folder`` made (``0700``) or checked as this user's alone; where it is not, a private folder of this
+    process instead (with one warning), so no library another user could have placed there is loaded."""
+    try:
+        return private_folder(folder)
+    except UntrustedPathError as err:
+        return _fallback_cache(str(err))
+
+
+@functools.lru_cache(maxsize=None)
+def _fallback_cache(reason: str) -> Path:
+    warnings.warn(f"aqr's kernel cache is not used: {reason}; the kernels are built in a private folder of "
+                  "this process instead", stacklevel=5)
+    return Path(tempfile.mkdtemp(prefix="aqr-kernels-"))
+
+
+def trusted(library: Path) -> bool:
+    """Whether ``library`` and its stamp are this user's alone and match (:func:`verified`); one warning
+    names a file that exists but another user could have written."""
+    for path in (library, stamp_path(library)):
+        try:
+            reason = untrusted_reason(path)
+        except OSError:
+            return False
+        if reason is not None:
+            if reason not in _WARNED:
+                _WARNED.add(reason)
+                warnings.warn(f"aqr does not load a kernel library another user could have written ({reason}); "
+                              "it builds it again", stacklevel=5)
+            return False
+    return verified(library)
+
+
 def build_library(command: list[str], name: str = "aqr_kernels", sources: Sequence[Path] = (SOURCE,)) -> Path:
     """Compile ``sources`` and the thread team with ``command`` into the cache (once per sources and
     command); returns the library.
 
     ``name`` starts the cached file's name (a sanitizer build is kept apart from the normal one). A
-    cached library that does not match its build stamp (:func:`verified`) is built again.
+    cached library that does not match its build stamp (:func:`verified`), or that another user could
+    have written (:func:`trusted`), is built again; a cache folder that is not this user's alone is not
+    used (:func:`private_cache`).
     """
     files = (*sources, PARALLEL)
     target = library_path(command, name, sources)
-    if verified(target):
+    target = private_cache(target.parent) / target.name
+    if trusted(target):
         return target
     stamp: dict[str, int | str] = {}
 
@@ -120,7 +161,9 @@ def build_library(command: list[str], name: str = "aqr_kernels", sources: Sequen
     # built beside the target and renamed: processes building at once never see a partial file; the
     # stamp comes last, so a library without one (a build cut short) is never trusted
     atomic_write(target, compile_into, suffix=".so")
+    keep_private(target)  # whatever the umask: a group-writable library would be refused next time
     atomic_write(stamp_path(target), lambda tmp: tmp.write_text(json.dumps(stamp)), suffix=".stamp")
+    keep_private(stamp_path(target))
     return target
 
 

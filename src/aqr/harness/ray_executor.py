@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -28,7 +29,8 @@ from typing import Any
 from aqr.harness.cells import Cell, CellResult
 from aqr.harness.executors import CellSettings, run_cell_task
 from aqr.harness.source_stats import compute_stats, stats_options
-from aqr.util.files import atomic_write
+from aqr.util.files import atomic_write, sha256_file
+from aqr.util.ownership import UntrustedPathError, private_folder, untrusted_reason
 
 # The aqr package folder this driver runs, shipped to the nodes with ship_code.
 AQR_PACKAGE = Path(__file__).resolve().parents[1]
@@ -103,8 +105,34 @@ def import_ray() -> Any:
 
 
 def node_cache() -> Path:
-    """This node's folder for statistics received from the driver."""
-    return Path(tempfile.gettempdir()) / "aqr-ray"
+    """This node's folder for statistics received from the driver: one per user (``aqr-ray-<uid>`` in the
+    temporary folder, created ``0700``); where that name is another user's or writable by others, a private
+    folder of this process (:func:`aqr.util.ownership.private_folder`)."""
+    try:
+        return private_folder(Path(tempfile.gettempdir()) / f"aqr-ray-{os.geteuid()}")
+    except UntrustedPathError:
+        return Path(tempfile.mkdtemp(prefix="aqr-ray-"))
+
+
+#: a statistics file's name on the nodes: the first 24 hex digits of its SHA-256 (``prepare_stats``)
+NODE_STATS_NAME = re.compile(r"([0-9a-f]{24})\.aqr\.safetensors")
+
+
+def node_stats_file(cache: Path, name: str, fetch: Callable[[], bytes]) -> Path:
+    """The statistics file ``name`` in the node cache ``cache``, used only if it is this user's alone and its
+    SHA-256 starts with the digits its name carries; otherwise written again from ``fetch()`` (the driver's
+    bytes), which must match them too."""
+    match = NODE_STATS_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"not a node statistics file name: {name!r}")
+    path = private_folder(cache / "stats") / name
+    if path.is_file() and untrusted_reason(path) is None and sha256_file(path).startswith(match[1]):
+        return path
+    data = fetch()
+    if not hashlib.sha256(data).hexdigest().startswith(match[1]):
+        raise ValueError(f"the statistics sent for {name} do not have the SHA-256 their name carries")
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    return path
 
 
 # ----------------------------------------------------------------------------- what runs on the nodes
@@ -118,13 +146,11 @@ def _cell_task(cell_dict: dict, stats: tuple[str, list] | None, settings: CellSe
     import ray
 
     stats_file = None
+    cache = node_cache()
     if stats is not None:
         name, (ref,) = stats  # the ref is wrapped in a list so that Ray ships the bytes only when needed
-        stats_file = node_cache() / "stats" / name
-        if not stats_file.is_file():
-            data = ray.get(ref)
-            atomic_write(stats_file, lambda tmp: tmp.write_bytes(data))
-    result = run_cell_task(cell_dict, str(node_cache()), None if stats_file is None else str(stats_file), settings)
+        stats_file = node_stats_file(cache, name, lambda: ray.get(ref))
+    result = run_cell_task(cell_dict, str(cache), None if stats_file is None else str(stats_file), settings)
     return replace(result, node=f"{result.node}/{ray.get_runtime_context().get_node_id()[:12]}")
 
 

@@ -39,15 +39,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 
 from aqr.util.seeds import check_seed
 
+from .carried import pack_carried, unpack_carried
 from .held import RebuiltCache, running_statistics, source_view
 
 PROTOCOLS = ("episodic", "online")
@@ -78,6 +80,9 @@ class ProtocolConfig:
             model in eval mode (no dropout); most draw no random numbers, so on CPU their outputs
             are deterministic anyway, while ROID's augmentation and DeYO's patch shuffle draw
             theirs here. The seed makes any randomness inside a user's model reproducible too.
+            Seeded sections of methods in different threads take turns (one process-wide lock), so
+            each restores what it found; a caller drawing from the global RNG in another thread
+            during a forward pass still shares it.
             ``None`` leaves the global RNG alone.
         window: images of the sliding window a method keeps when it is fed one image at a time (see the
             module docs); 1, the default, adapts on each image alone. The reference's batch-1 form; the
@@ -104,32 +109,34 @@ class ProtocolConfig:
         return self.protocol == "episodic"
 
 
-class SerializedCalls:
-    """Mixin for a method whose state is one stream of batches: a re-entrant lock, ``self._lock``,
-    that its ``forward`` and ``reset`` hold, so threads sharing one instance see the state of some
-    sequential order of their batches. Copies and pickles get a lock of their own."""
+#: The format of what :meth:`TTAMethod.get_extra_state` saves; a state of another format is refused.
+STATE_FORMAT = 1
 
-    _lock: threading.RLock
+#: The process's torch RNG is one for every thread: a seeded forward forks and reseeds it under this lock,
+#: so two methods in two threads never restore each other's seeded state into the caller's.
+_GLOBAL_RNG_LOCK = threading.RLock()
+
+#: The calls of a method that read or change its state, serialized on its lock (also where a subclass overrides them).
+SERIALIZED_CALLS = ("forward", "forward_held", "reset", "state_dict", "load_state_dict")
+
+
+def serialized(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` made to hold the method's re-entrant lock (``self._lock``) while it runs."""
+    @functools.wraps(call)
+    def locked(self: "TTAMethod", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return call(self, *args, **kwargs)
+
+    locked.serialized = True  # type: ignore[attr-defined]
+    return locked
+
+
+class SerializedCalls:
+    """Kept for methods written against it: every :class:`TTAMethod` now serializes its calls itself
+    (``self._lock``, created before ``configure_model``), so this mixin adds nothing."""
 
     def make_lock(self) -> None:
-        self._lock = threading.RLock()
-
-    def reset(self) -> None:
-        with self._lock:
-            super().reset()  # type: ignore[misc]
-
-    def forward_held(self, x: torch.Tensor) -> torch.Tensor:
-        with self._lock:
-            return super().forward_held(x)  # type: ignore[misc]
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_lock", None)  # locks cannot be copied; a copy gets its own
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)  # type: ignore[misc]
-        self.make_lock()
+        """Nothing to do: the lock exists from the start of ``TTAMethod.__init__``."""
 
 
 def softmax_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -151,15 +158,33 @@ class TTAMethod(nn.Module):
     :meth:`adapt`. What the declaration says it needs arrives here: ``stats`` (its
     :class:`aqr.SourceStats`, as :attr:`stats`) and ``source`` (clean source images, as
     :attr:`supplied_source` while :meth:`configure_model` runs).
+
+    Threads sharing one method see the outputs of some sequential order of their calls: ``forward``,
+    ``forward_held``, ``reset``, ``state_dict`` and ``load_state_dict`` hold the method's re-entrant lock,
+    also where a subclass overrides them. ``state_dict()`` carries everything a later batch reads (the
+    modules' tensors, the optimizer's state, the batch counter and the attributes a class lists in
+    :attr:`carried`); a fresh method of the same configuration that loads it continues bit for bit, and
+    a state of another configuration or format is refused (``ValueError``, one line).
     """
 
     name: ClassVar[str] = ""
     Config: ClassVar[type] = NoOptions
     declaration: ClassVar[Any] = None  # the MethodDeclaration, set by the registration
+    #: attributes of this class (beyond its modules' tensors and the optimizer) that carry over from one batch
+    #: to the next, saved by :meth:`get_extra_state`; a subclass lists its own, its bases' are added
+    carried: ClassVar[tuple[str, ...]] = ("_window", "_window_slot")  # the batch-1 sliding window
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for call in SERIALIZED_CALLS:  # an override holds the lock too (re-entrant: super() calls nest)
+            own = cls.__dict__.get(call)
+            if callable(own) and not getattr(own, "serialized", False):
+                setattr(cls, call, serialized(own))
 
     def __init__(self, model: nn.Module, config: Any = None, protocol: ProtocolConfig | None = None, *,
                  stats: Any = None, source: Any = None) -> None:
         super().__init__()
+        self._lock = threading.RLock()  # serializes the calls that read or change the state (SERIALIZED_CALLS)
         if self.declaration is None or self.declaration.cls is not type(self):
             raise TypeError(f"{type(self).__qualname__} is not a registered method (decorate it with "
                             "aqr.methods.method(name, Config, ...))")
@@ -219,6 +244,7 @@ class TTAMethod(nn.Module):
     def updates_weights(self) -> bool:
         return self.optimizer is not None
 
+    @serialized
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the scored logits for batch ``x`` (detached), adapting first if the method does."""
         if self.protocol.window > 1 and x.shape[0] == 1:
@@ -287,6 +313,7 @@ class TTAMethod(nn.Module):
         that adapts weights, statistics or a running estimate): :meth:`forward_held` predicts with it."""
         return not self.protocol.episodic and self.updates_weights
 
+    @serialized
     def forward_held(self, x: torch.Tensor) -> torch.Tensor:
         """Scored logits for a batch the method has no time to adapt on: the predictions of the state it
         holds from its last adapted batch; ``x`` leaves no trace.
@@ -320,6 +347,7 @@ class TTAMethod(nn.Module):
                                                                      device))
         return view
 
+    @serialized
     def reset(self) -> None:
         """Restore the original weights, buffers and optimizer state, clear extra state and the sliding window."""
         self.restore_initial_state()
@@ -348,9 +376,69 @@ class TTAMethod(nn.Module):
             fork = torch.random.fork_rng(devices=[])
         else:
             fork = torch.random.fork_rng(devices=[device], device_type=device.type)
-        with fork:
+        with _GLOBAL_RNG_LOCK, fork:  # no other method forks and reseeds it meanwhile
             torch.manual_seed(self.protocol.seed + self._batches_since_reset)
             yield
+
+    # ---- state ----------------------------------------------------------------------------
+    @serialized
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The modules' tensors and, under ``"_extra_state"``, the rest of the state (:meth:`get_extra_state`)."""
+        return super().state_dict(*args, **kwargs)
+
+    @serialized
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a state saved by a method of the same configuration (:meth:`set_extra_state` refuses another)."""
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def configuration(self) -> str:
+        """What a saved state must have been made under: the method, its options and its protocol."""
+        return f"{self.name} {self.config!r} {self.protocol!r}"
+
+    def carried_state(self) -> dict[str, Any]:
+        """The attributes listed in :attr:`carried` by this class and its bases (a subclass with state
+        outside attributes, as a composition's AQR stream, adds it here and in :meth:`load_carried_state`)."""
+        names = dict.fromkeys(n for cls in reversed(type(self).__mro__) for n in cls.__dict__.get("carried", ()))
+        return {name: getattr(self, name) for name in names}
+
+    def load_carried_state(self, state: dict[str, Any]) -> None:
+        """Set what :meth:`carried_state` returned (on a method of the same configuration)."""
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The state beyond the modules' tensors: the format, the configuration, the batch counter that seeds
+        ``forward``, the optimizer's state and the carried attributes; copies of tensors, readable by
+        ``torch.load(..., weights_only=True)``."""
+        optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
+        return {"format": STATE_FORMAT, "configuration": self.configuration(),
+                "batches_since_reset": self._batches_since_reset,
+                "optimizer": copy.deepcopy(optimizer), "carried": pack_carried(self.carried_state())}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Continue from ``state`` (:meth:`get_extra_state`'s); a state of another format or configuration is
+        refused with a ``ValueError`` of one line, before anything changes."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"the {self.name!r} method's saved state has format {found}; this version reads "
+                             f"format {STATE_FORMAT}")
+        if state.get("configuration") != self.configuration():
+            raise ValueError(f"the saved state is of another configuration ({state.get('configuration')}) than "
+                             f"this method's ({self.configuration()}); build the method with the same options")
+        carried = unpack_carried(state["carried"], self.carried_state())
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))  # optimizers adopt given tensors
+        self._batches_since_reset = int(state["batches_since_reset"])
+        self.load_carried_state(carried)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)  # locks cannot be copied; a copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._lock = threading.RLock()
 
     def train(self, mode: bool = True) -> "TTAMethod":
         """Only flips this wrapper's flag: the wrapped model's modes are fixed by the method."""

@@ -118,6 +118,15 @@ class PreAffineComposition:
         super().reset_extra_state()  # type: ignore[misc]
         self.aqr.reset()
 
+    def carried_state(self) -> dict[str, Any]:
+        """The partner's carried state and AQR's running state (a streaming target's; ``None`` for batches)."""
+        return {**super().carried_state(), "aqr_running_state": self.aqr.running_record()}  # type: ignore[misc]
+
+    def load_carried_state(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.aqr.load_running_record(state.pop("aqr_running_state"))  # checked before the partner's part is set
+        super().load_carried_state(state)  # type: ignore[misc]
+
     def predict_held(self, x: torch.Tensor) -> torch.Tensor:
         """The partner's held prediction (its current affine weights) over what the maps hold: a streaming
         target's committed state, no map for a per-batch target; nothing is staged or committed."""

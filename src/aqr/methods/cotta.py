@@ -127,6 +127,8 @@ def grads_finite(params: list[nn.Parameter]) -> bool:
 class CoTTA(TTAMethod):
     """CoTTA behind the common protocol (see the module docs)."""
 
+    carried = ("generators", "augmented_batches")
+
     def configure_model(self, model: nn.Module) -> nn.Module:
         model.eval().requires_grad_(False)
         use_batch_statistics(model)

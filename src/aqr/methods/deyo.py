@@ -147,6 +147,7 @@ def plpd(probs: torch.Tensor, probs_destroyed: torch.Tensor) -> torch.Tensor:
 class DeYO(NormTrainingMethod):
     """DeYO behind the common protocol (see :mod:`aqr.methods.base`)."""
 
+    carried = ("selected_entropy", "selected")
 
     def frozen_modules(self, model: nn.Module) -> frozenset[str]:
         self.frozen_rules = resolve_freeze_rules(model, self.config.freeze)

@@ -198,6 +198,8 @@ def fisher_penalty(params: Mapping[str, torch.Tensor], fisher: Mapping[str, torc
 class ETA(NormTrainingMethod):
     """ETA behind the common protocol: EATA's sample selection and weighting, no Fisher regularizer."""
 
+    carried = ("moving_probs", "selected_reliable", "selected")
+
     def setup(self, model: nn.Module) -> None:
         self.moving_probs: torch.Tensor | None = None
         self.selected_reliable = 0  # diagnostics since creation: samples past the entropy filter

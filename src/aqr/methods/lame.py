@@ -134,6 +134,8 @@ def laplacian_optimization(unary: torch.Tensor, kernel: torch.Tensor, bound_lamb
 class LAME(TTAMethod):
     """LAME behind the common protocol (see the module docs); no weights change."""
 
+    carried = ("iterations",)  # of the last batch (diagnostics)
+
     def configure_model(self, model: nn.Module) -> nn.Module:
         model.eval().requires_grad_(False)
         self.feature_layer_name = feature_layer_name(model, self.config.feature_layer)

@@ -46,6 +46,8 @@ class NormTrainingMethod(TTAMethod):
     :meth:`after_step` and :meth:`postprocess`.
     """
 
+    carried = ("skipped_steps",)
+
     # ---- hooks ------------------------------------------------------------------------
     def frozen_modules(self, model: nn.Module) -> frozenset[str]:
         """Names of modules whose norm layers are not trained (none by default)."""

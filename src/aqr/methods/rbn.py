@@ -122,6 +122,8 @@ def use_robust_batchnorm(model: nn.Module, momentum: float) -> list[RobustBatchN
 class RBN(SerializedCalls, TTAMethod):
     """RoTTA's robust BatchNorm fed by its class-balanced memory (see module docs); no weights change."""
 
+    carried = ("memory", "offered", "updates")
+
     def configure_model(self, model: nn.Module) -> nn.Module:
         if self.protocol.episodic:
             raise ValueError("rbn adapts across batches: create it with protocol='online' (the episodic protocol "

@@ -54,6 +54,8 @@ class RDumbConfig(ETAConfig):
 class RDumb(ETA):
     """ETA reset to the source every ``reset_every`` adaptation steps (see module docs)."""
 
+    carried = ("steps_since_reset", "scheduled_resets")
+
     def setup(self, model: nn.Module) -> None:
         super().setup(model)
         self.steps_since_reset = 0  # adaptation steps since the last reset, scheduled or asked for

@@ -122,6 +122,8 @@ def prior_correction(logits: torch.Tensor) -> torch.Tensor:
 class ROID(NormTrainingMethod):
     """ROID behind the common protocol (see :mod:`aqr.methods.base`)."""
 
+    carried = ("moving_probs",)
+
     def setup(self, model: nn.Module) -> None:
         self.source_weights = [p.detach().clone() for p in self.trained]
         self.moving_probs: torch.Tensor | None = None  # uniform, sized on the first batch

@@ -124,6 +124,8 @@ def set_updating(layers: list[RobustBatchNorm], on: bool) -> None:
 class RoTTA(SerializedCalls, TTAMethod):
     """RoTTA behind the common protocol (see the module docs); :class:`NotApplicable` without BatchNorm."""
 
+    carried = ("memory", "generators", "offered", "updates", "last_loss")
+
     def configure_model(self, model: nn.Module) -> nn.Module:
         if not batchnorm_layers(model):
             raise NotApplicable("rotta needs BatchNorm layers; this model has none")

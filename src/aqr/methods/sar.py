@@ -137,6 +137,8 @@ def _masked_mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 class SAR(TTAMethod):
     """SAR behind the common protocol (see :mod:`aqr.methods.base`)."""
 
+    carried = ("ema", "recoveries")
+
     def configure_model(self, model: nn.Module) -> nn.Module:
         model = configure_for_entropy_minimization(model)
         self.frozen_rules = resolve_freeze_rules(model, self.config.freeze)
