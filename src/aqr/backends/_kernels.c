@@ -447,14 +447,65 @@ static void extremes_rows_part(void *p, int part, int64_t r0, int64_t r1) {
     }
 }
 
+#ifdef __AVX2__
+/* dst[j * ds + k] = src[k][j] for j, k < 8: eight rows of eight floats (at any addresses) transposed
+   into eight rows ds apart. Moves only: the values keep their bits. */
+static inline void transpose8(const float *const src[8], float *dst, int64_t ds) {
+    __m256 r[8], t[8], u[8];
+    for (int k = 0; k < 8; k++) r[k] = _mm256_loadu_ps(src[k]);
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {
+        u[k] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(dst + j * ds, _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
+        _mm256_storeu_ps(dst + (j + 4) * ds, _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
+    }
+}
+#endif
+
+/* dst[c * ds + i] = rows[i][c * cs] for i < n rows and c < C channels: rows of channels-last values
+   transposed into channel-major ones (eight by eight where the channels sit side by side). */
+static void rows_to_channels(const float *const *rows, int64_t n, int64_t C, int64_t cs, float *dst, int64_t ds) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    if (cs == 1) {
+        for (; i + 8 <= n; i += 8) {
+            const float *src[8];
+            int64_t c = 0;
+            for (; c + 8 <= C; c += 8) {
+                for (int k = 0; k < 8; k++) src[k] = rows[i + k] + c;
+                transpose8(src, dst + c * ds + i, ds);
+            }
+            for (; c < C; c++) {
+                for (int k = 0; k < 8; k++) dst[c * ds + i + k] = rows[i + k][c];
+            }
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        for (int64_t c = 0; c < C; c++) dst[c * ds + i] = rows[i][c * cs];
+    }
+}
+
+/* Rows of the sample transposed at a time by the gather below. */
+enum { GATHER_BLOCK = 64 };
+
 /* The sampled values of every channel, channel-major into a->gathered (C, S). */
 static void transpose_part(void *p, int part, int64_t i0, int64_t i1) {
     (void)part;
     quant_args *a = (quant_args *)p;
-    float *out = a->gathered;
-    for (int64_t i = i0; i < i1; i++) {
-        const float *row = a->x + a->pos[i];
-        for (int64_t c = 0; c < a->C; c++) out[c * a->S + i] = row[c * a->stride];
+    const float *rows[GATHER_BLOCK];
+    for (int64_t i = i0; i < i1; i += GATHER_BLOCK) {
+        const int64_t n = i + GATHER_BLOCK < i1 ? GATHER_BLOCK : i1 - i;
+        for (int64_t k = 0; k < n; k++) rows[k] = a->x + a->pos[i + k];
+        rows_to_channels(rows, n, a->C, a->stride, a->gathered + i, a->S);
     }
 }
 
