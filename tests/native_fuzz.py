@@ -29,7 +29,8 @@ TINY = float(np.finfo(np.float32).smallest_subnormal)
 SPECIAL = [FLT_MAX, -FLT_MAX, 1e38, -1e38, 2e38, -2e38, TINY, -TINY, 3 * TINY, float(np.finfo(np.float32).tiny),
            0.0, -0.0, 1.0, -1.0, 1e-30, 65504.0]
 LAYOUTS = [(1, 1, 1), (7, 1, 1), (9, 3, 1), (5, 2, 3), (3, 4, 5), (2, 2, 16), (1, 3, 40), (4, 1, 23), (2, 2, 53),
-           (2, 9, 5), (3, 17, 3), (1, 8, 24)]  # the last: channels-last rows of 8+ channels (transposed 8 x 8)
+           (2, 9, 5), (3, 17, 3), (1, 8, 24), (2, 33, 3)]  # the last: channels-last rows of 8+ channels
+# (transposed 8 x 8) and of 32+ (mapped in tiles)
 
 
 def finite_floats(special_weight: int = 1) -> st.SearchStrategy[float]:

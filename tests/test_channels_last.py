@@ -42,10 +42,11 @@ def _backend(c: int, tail: str, samples: int, seed: int) -> NativeBackend:
 @needs_kernels
 @pytest.mark.parametrize("tail", aqr.TAILS)
 @pytest.mark.parametrize("shape, samples", [((6, 16, 8, 8), 128), ((3, 13, 5, 7), 8192), ((2, 24, 4, 4), 8192),
-                                            ((5, 9, 3, 2), 16)], ids=["sampled", "odd-channels", "every", "rows"])
+                                            ((5, 9, 3, 2), 16), ((3, 40, 8, 8), 512), ((2, 37, 5, 3), 8192)],
+                         ids=["sampled", "odd-channels", "every", "rows", "tiled", "tiled-odd"])
 def test_channels_last_outputs_map_to_the_contiguous_layouts_bits(tail, shape, samples):
-    """Sampled or every position, 8+ channels or not, with a folded affine or not: the same bits, in
-    ``torch.channels_last``."""
+    """Sampled or every position, 8+ channels or not, 32+ (mapped in tiles of rows) or not, with a folded
+    affine or not: the same bits, in ``torch.channels_last``."""
     x = _layer_output(shape, 3)
     backend = _backend(shape[1], tail, samples, 4)
     g = torch.Generator().manual_seed(5)
