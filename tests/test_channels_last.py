@@ -121,3 +121,29 @@ def test_aqr_on_channels_last_images_gives_the_contiguous_images_logits(target):
         want = layouts[0](x)
         got = layouts[1](x.contiguous(memory_format=CL))
         assert torch.equal(_bits(got), _bits(want)), f"batch of {size}"
+
+
+@needs_kernels
+def test_rows_of_many_channels_map_in_tiles_to_the_bits_of_fewer_channels():
+    """Rows of 32+ channels are mapped in tiles (transposed in cache), rows of fewer one row at a time with
+    every channel's table: each channel's map is its own, so the 40 channels mapped at once give the bits of
+    the same channels mapped 20 at a time (contiguous ``(A, C, 1)`` rows, as a transformer's layers give)."""
+    from aqr.backends.base import Targets
+    from aqr.backends.native import table_map
+
+    g = torch.Generator().manual_seed(13)
+    x = _layer_output((333, 40, 1), 14)
+    x[5, 7, 0], x[9, 33, 0] = float("nan"), float("inf")  # mapped value by value, in both
+    tq = torch.randn(40, 21, generator=g).sort(1).values
+    tq[3, 5:9] = tq[3, 5]  # tied knots: marked cells
+    source = LayerSource.create(torch.randn(40, 21, generator=g).sort(1).values, "gaussian", torch.randn(40, generator=g),
+                                torch.rand(40, generator=g) + 0.2, 0.01, 256)
+    mean, std = torch.randn(40, 1, generator=g), torch.rand(40, 1, generator=g) + 0.5
+    pre = (torch.randn(40, generator=g), torch.randn(40, generator=g))
+    whole = table_map(LIB, x, Targets(tq, mean, std, torch.tensor(True)), source, pre)
+    parts = []
+    for c in (slice(0, 20), slice(20, 40)):
+        part = LayerSource.create(source.knots[c], "gaussian", source.loc[c], source.scale[c], 0.01, 256)
+        parts.append(table_map(LIB, x[:, c].contiguous(), Targets(tq[c], mean[c], std[c], torch.tensor(True)), part,
+                               (pre[0][c].contiguous(), pre[1][c].contiguous())))
+    assert torch.equal(_bits(whole), _bits(torch.cat(parts, 1)))
