@@ -28,6 +28,13 @@ side in the same rounds, as rows named ``mode/lookup``:
 
     AQR_DATA_DIR=... python benchmarks/cost_check.py --rows batch:128 stream:16 --lookups avx2 avx512
 
+``--channels-last`` feeds every row, the plain forward included, twice in each round: once the images
+as they are (contiguous NCHW) and once made ``torch.channels_last`` (what a permuted NHWC array gives;
+the model itself is left as it is), as rows named ``mode [channels_last]``, each layout's ratios to
+the plain forward on the same layout:
+
+    AQR_DATA_DIR=... python benchmarks/cost_check.py --channels-last --rounds 3
+
 The CPU clock (``--clock cpu``, the default) counts the process's CPU time, which other jobs on a
 shared machine inflate much less than the wall time; with several threads, threads that spin
 waiting for each other count too.
@@ -111,6 +118,22 @@ def peak_bytes(fn, x: torch.Tensor) -> int:
 
 
 LOOKUPS = ("avx2", "avx512")
+LAYOUTS = ("contiguous", "channels_last")  # --channels-last: the images' memory formats, side by side
+
+
+def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x`` (N, C, H, W) in the memory format ``layout`` (channels_last: channels the fastest axis)."""
+    return x.contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+
+
+def with_layout(mode: str, layout: str) -> str:
+    """The row name of ``mode`` on images of ``layout``: the mode itself on contiguous ones."""
+    return mode if layout == LAYOUTS[0] else f"{mode} [{layout}]"
+
+
+def layout_of(name: str) -> str:
+    """The layout a row name (:func:`with_layout`) runs on."""
+    return name.split("[")[1].rstrip("]") if "[" in name else LAYOUTS[0]
 
 
 def set_lookup(name: str) -> None:
@@ -148,6 +171,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=0, help="images per run of one class (0: the test set's order)")
     parser.add_argument("--lookups", nargs="+", choices=LOOKUPS, default=[],
                         help="each AQR row once per table lookup (default: the one the kernels chose)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="every row also on channels_last images, in the same rounds")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     data = os.environ.get("AQR_DATA_DIR")
@@ -173,37 +198,47 @@ def main() -> None:
     print(f"threads {args.threads}, clock {args.clock}, torch {torch.__version__}, {args.rounds} rounds, "
           f"{per_round} images per mode and round, " + (f"runs of {args.runs} images of one class" if args.runs
                                                        else "the test set's order") + f", {lookup} lookups", flush=True)
+    layouts = [LAYOUTS[0], LAYOUTS[1]] if args.channels_last else [LAYOUTS[0]]
+    inputs = {layout: (in_layout(warm, layout), in_layout(timed, layout)) for layout in layouts}
     results = []
     for batch in sorted({b for _, b in rows}):
-        modes = ["plain"] + [m if not args.lookups else f"{m}/{name}" for m, b in rows if b == batch
+        kinds = ["plain"] + [m if not args.lookups else f"{m}/{name}" for m, b in rows if b == batch
                              for name in (args.lookups or [None])]
-        runners = {m: build(m.split("/")[0], model, stats) for m in modes}
+        # each mode once per layout, its own runner (a streaming state sees one layout's images only)
+        modes = [with_layout(m, layout) for layout in layouts for m in kinds]
+        runners = {m: build(m.split("/")[0].split(" ")[0], model, stats) for m in modes}
         n = (len(timed) // batch) * batch
 
         def use(mode: str) -> None:  # the lookup a mode/lookup row runs with (the same state for "plain")
             if "/" in mode:
-                set_lookup(mode.split("/")[1])
+                set_lookup(mode.split(" ")[0].split("/")[1])
 
         for m, fn in runners.items():
             use(m)
-            feed(fn, warm, batch)
+            feed(fn, inputs[layout_of(m)][0], batch)
         times: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(args.rounds):
             for m, fn in runners.items():
                 use(m)
+                xs = inputs[layout_of(m)][1][:n]
                 t0 = clock()
-                feed(fn, timed[:n], batch)
+                feed(fn, xs, batch)
                 times[m].append((clock() - t0) / n)
         with torch.no_grad():
             predicted = model(timed[:n]).argmax(1).unique().numel()
-        for m in modes[1:]:
-            ratio = statistics.median(t / p for t, p in zip(times[m], times["plain"]))
-            row = {"mode": m, "batch": batch, "ratio": ratio, "ms_per_image": statistics.median(times[m]) * 1e3,
-                   "plain_ms_per_image": statistics.median(times["plain"]) * 1e3,
-                   "ratios": [t / p for t, p in zip(times[m], times["plain"])], "classes_predicted": predicted}
+        for m in modes:
+            layout = layout_of(m)
+            plain = with_layout("plain", layout)
+            if m == plain:
+                continue
+            ratio = statistics.median(t / p for t, p in zip(times[m], times[plain]))
+            row = {"mode": m, "batch": batch, "layout": layout, "ratio": ratio,
+                   "ms_per_image": statistics.median(times[m]) * 1e3,
+                   "plain_ms_per_image": statistics.median(times[plain]) * 1e3,
+                   "ratios": [t / p for t, p in zip(times[m], times[plain])], "classes_predicted": predicted}
             if args.memory:
-                xb = timed[:batch]
-                plain_peak = peak_bytes(runners["plain"], xb)
+                xb = inputs[layout][1][:batch]
+                plain_peak = peak_bytes(runners[plain], xb)
                 row["extra_peak_bytes"] = peak_bytes(runners[m], xb)
                 row["plain_peak_bytes"] = plain_peak
                 if not m.startswith("batch"):
@@ -215,12 +250,15 @@ def main() -> None:
                   f"{row['plain_ms_per_image']:.3f} ms per image; {predicted} classes predicted){mem}", flush=True)
     by = {(r["mode"], r["batch"]): r["ratio"] for r in results}
     for b in sorted({b for _, b in rows}):
-        if ("robust", b) in by and ("stream", b) in by:
-            print(f"robust / stream at batch {b}: {by[('robust', b)] / by[('stream', b)]:.3f}")
+        for layout in layouts:
+            robust, stream = with_layout("robust", layout), with_layout("stream", layout)
+            if (robust, b) in by and (stream, b) in by:
+                print(f"{robust} / {stream} at batch {b}: {by[(robust, b)] / by[(stream, b)]:.3f}")
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "clock": args.clock, "torch": torch.__version__,
                                          "rounds": args.rounds, "images_per_round": per_round, "runs": args.runs,
-                                         "lookup": lookup, "lookups": args.lookups, "rows": results}, indent=2))
+                                         "lookup": lookup, "lookups": args.lookups, "layouts": layouts,
+                                         "rows": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ under AddressSanitizer and UBSan (``python native_fuzz.py --sanitized``).
 
 Every layer output and source is small enough that every position is sampled and the C kernels sort
 the sample whole, so both backends see the same target knots: their maps then agree to float32
-rounding, and p0 / p100 and the finite flag exactly.
+rounding, and p0 / p100 and the finite flag exactly. Each case also runs laid out channels-last
+(strided rows: the channels the fastest axis), which must give the contiguous layout's bits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ FLT_MAX = float(np.finfo(np.float32).max)
 TINY = float(np.finfo(np.float32).smallest_subnormal)
 SPECIAL = [FLT_MAX, -FLT_MAX, 1e38, -1e38, 2e38, -2e38, TINY, -TINY, 3 * TINY, float(np.finfo(np.float32).tiny),
            0.0, -0.0, 1.0, -1.0, 1e-30, 65504.0]
-LAYOUTS = [(1, 1, 1), (7, 1, 1), (9, 3, 1), (5, 2, 3), (3, 4, 5), (2, 2, 16), (1, 3, 40), (4, 1, 23), (2, 2, 53)]
+LAYOUTS = [(1, 1, 1), (7, 1, 1), (9, 3, 1), (5, 2, 3), (3, 4, 5), (2, 2, 16), (1, 3, 40), (4, 1, 23), (2, 2, 53),
+           (2, 9, 5), (3, 17, 3), (1, 8, 24), (2, 33, 3)]  # the last: channels-last rows of 8+ channels
+# (transposed 8 x 8) and of 32+ (mapped in tiles)
 
 
 def finite_floats(special_weight: int = 1) -> st.SearchStrategy[float]:
@@ -93,10 +96,29 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
+def check_channels_last(lib: ctypes.CDLL, x: torch.Tensor, source: LayerSource,
+                        pre: tuple[torch.Tensor, torch.Tensor] | None, every: SubsetCache) -> None:
+    """The native backend maps ``x`` (A, C, B) laid out channels-last (as ``(A, C, B, 1)`` in
+    ``torch.channels_last``: every channel's values ``C`` apart, the kernels' strided rows) to the same bits,
+    and the same finite flag, as the contiguous layout, and keeps the layout."""
+    native = NativeBackend(source, every, lib, TorchBackend(source, every, compile=False))
+    x4 = x.unsqueeze(-1)
+    strided = x4.contiguous(memory_format=torch.channels_last)
+    y_want, finite_want = native.recalibrate_output(x4, 1, pre)
+    y_got, finite_got = native.recalibrate_output(strided, 1, pre)
+    assert bool(finite_got) == bool(finite_want), "channels-last: finite flags differ"
+    if bool(finite_want):
+        assert y_got.is_contiguous(memory_format=torch.channels_last), "channels-last: output not channels-last"
+        assert torch.equal(y_got.contiguous().view(torch.int32), y_want.contiguous().view(torch.int32)), \
+            "channels-last: another map than the contiguous layout's"
+
+
 def check_against_torch(lib: ctypes.CDLL, x: torch.Tensor, source: LayerSource,
                         pre: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """The native backend equals the torch backend on ``x``: both one-pass and two-step paths."""
+    """The native backend equals the torch backend on ``x``: both one-pass and two-step paths; and on ``x``
+    laid out channels-last, the contiguous layout's bits (:func:`check_channels_last`)."""
     every = SubsetCache(x.shape[0] * x.shape[2])  # every position sampled, below 512: sorted whole
+    check_channels_last(lib, x, source, pre, every)
     reference = TorchBackend(source, every, compile=False)
     native = NativeBackend(source, every, lib, reference)
     y_ref, finite_ref = reference.recalibrate(x, pre)

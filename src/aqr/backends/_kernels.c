@@ -447,14 +447,65 @@ static void extremes_rows_part(void *p, int part, int64_t r0, int64_t r1) {
     }
 }
 
+#ifdef __AVX2__
+/* dst[j * ds + k] = src[k][j] for j, k < 8: eight rows of eight floats (at any addresses) transposed
+   into eight rows ds apart. Moves only: the values keep their bits. */
+static inline void transpose8(const float *const src[8], float *dst, int64_t ds) {
+    __m256 r[8], t[8], u[8];
+    for (int k = 0; k < 8; k++) r[k] = _mm256_loadu_ps(src[k]);
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {
+        u[k] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(dst + j * ds, _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
+        _mm256_storeu_ps(dst + (j + 4) * ds, _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
+    }
+}
+#endif
+
+/* dst[c * ds + i] = rows[i][c * cs] for i < n rows and c < C channels: rows of channels-last values
+   transposed into channel-major ones (eight by eight where the channels sit side by side). */
+static void rows_to_channels(const float *const *rows, int64_t n, int64_t C, int64_t cs, float *dst, int64_t ds) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    if (cs == 1) {
+        for (; i + 8 <= n; i += 8) {
+            const float *src[8];
+            int64_t c = 0;
+            for (; c + 8 <= C; c += 8) {
+                for (int k = 0; k < 8; k++) src[k] = rows[i + k] + c;
+                transpose8(src, dst + c * ds + i, ds);
+            }
+            for (; c < C; c++) {
+                for (int k = 0; k < 8; k++) dst[c * ds + i + k] = rows[i + k][c];
+            }
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        for (int64_t c = 0; c < C; c++) dst[c * ds + i] = rows[i][c * cs];
+    }
+}
+
+/* Rows of the sample transposed at a time by the gather below. */
+enum { GATHER_BLOCK = 64 };
+
 /* The sampled values of every channel, channel-major into a->gathered (C, S). */
 static void transpose_part(void *p, int part, int64_t i0, int64_t i1) {
     (void)part;
     quant_args *a = (quant_args *)p;
-    float *out = a->gathered;
-    for (int64_t i = i0; i < i1; i++) {
-        const float *row = a->x + a->pos[i];
-        for (int64_t c = 0; c < a->C; c++) out[c * a->S + i] = row[c * a->stride];
+    const float *rows[GATHER_BLOCK];
+    for (int64_t i = i0; i < i1; i += GATHER_BLOCK) {
+        const int64_t n = i + GATHER_BLOCK < i1 ? GATHER_BLOCK : i1 - i;
+        for (int64_t k = 0; k < n; k++) rows[k] = a->x + a->pos[i + k];
+        rows_to_channels(rows, n, a->C, a->stride, a->gathered + i, a->S);
     }
 }
 
@@ -1027,6 +1078,8 @@ typedef struct {
     float *tabs;            /* (C, 2 * (cells + 2)) */
     float *lo, *inv, *pa, *pb; /* (C) */
     int32_t *pair_base;     /* (C): c * (cells + 2), the first pair of channel c */
+    float *tiles; /* rows_tiled_part: per part, two (C, tile + 16) blocks; else NULL */
+    int64_t tile;
 } rows_args;
 
 static void tables_part(void *p, int part, int64_t c0, int64_t c1) {
@@ -1082,6 +1135,52 @@ static void rows_part(void *p, int part, int64_t r0, int64_t r1) {
     }
 }
 
+/* Rows of one value per channel (B == 1, e.g. a channels-last (N, H, W, C) convolution output) of
+   ROWS_TILED_CHANNELS channels or more, whose C tables do not stay in L2 while rows_part maps every
+   row with all of them: a tile of rows is transposed into a channel-major block in cache, each
+   channel's part of it mapped by map_row with its own table (the same operations as the
+   channel-major layouts, so the same bits) and transposed back into y. On a Zen 3 core at 128
+   images of 8 x 8 x 64 values, 1.9 ms against rows_part's 2.5; at 16 channels rows_part is faster. */
+enum { ROWS_TILED_CHANNELS = 32, ROWS_TILE_FLOATS = 16384 };
+
+static void rows_tiled_part(void *p, int part, int64_t r0, int64_t r1) {
+    rows_args *r = (rows_args *)p;
+    map_args *a = r->a;
+    const int64_t C = a->C, cells = a->cells, stride = 2 * (cells + 2), T = r->tile;
+    const int64_t L = T + 16; /* rows of the block: not a power of two apart (cache sets) */
+    float *in = r->tiles + part * 2 * C * L, *out = in + C * L;
+    const float *rows[8];
+    for (int64_t t0 = r0; t0 < r1; t0 += T) {
+        const int64_t n = t0 + T < r1 ? T : r1 - t0;
+        for (int64_t i = 0; i < n; i += 8) {
+            const int64_t m = i + 8 <= n ? 8 : n - i;
+            for (int64_t k = 0; k < m; k++) rows[k] = a->x + (t0 + i + k) * C;
+            rows_to_channels(rows, m, C, 1, in + i, L);
+        }
+        for (int64_t c = 0; c < C; c++) {
+            map_row(a, c, in + c * L, out + c * L, n, r->pa[c], r->pb[c], r->lo[c], r->inv[c], r->tabs + c * stride,
+                    cells, NULL);
+        }
+        int64_t i = 0;
+#ifdef __AVX2__
+        for (; i + 8 <= n; i += 8) { /* back: the (C, 8) block of rows i.. is eight rows of C values */
+            int64_t c = 0;
+            for (; c + 8 <= C; c += 8) {
+                const float *src[8];
+                for (int k = 0; k < 8; k++) src[k] = out + (c + k) * L + i;
+                transpose8(src, a->y + (t0 + i) * C + c, C);
+            }
+            for (; c < C; c++) {
+                for (int k = 0; k < 8; k++) a->y[(t0 + i + k) * C + c] = out[c * L + i + k];
+            }
+        }
+#endif
+        for (; i < n; i++) {
+            for (int64_t c = 0; c < C; c++) a->y[(t0 + i) * C + c] = out[c * L + i];
+        }
+    }
+}
+
 /* y (A, C, B) = the recalibration of pre_scale * x + pre_shift (per channel; NULL: x itself) with
    target knots tq and source knots sq (C, K), and the given tail strategy; mean, std, loc, scale
    (C) and z (2) are read by the parametric tails only. Returns 0, -1 when scratch memory failed, or
@@ -1102,14 +1201,21 @@ static int table_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, 
     }
     float *tabs = malloc(sizeof(float) * (size_t)(C * (2 * (cells + 2) + 4)));
     int32_t *pair_base = malloc(sizeof(int32_t) * (size_t)C);
+    const int tiled = B == 1 && C >= ROWS_TILED_CHANNELS, row_parts = num_parts(A, nthreads);
+    int64_t tile = ROWS_TILE_FLOATS / C / 8 * 8;
+    tile = tile < 16 ? 16 : tile;
+    /* per part: two (C, tile + 16) blocks (rows_tiled_part) */
+    float *tiles = tiled ? malloc(sizeof(float) * (size_t)(row_parts * 2 * C * (tile + 16))) : NULL;
     int status = -1;
-    if (tabs && pair_base) {
+    if (tabs && pair_base && (tiles || !tiled)) {
         float *per_channel = tabs + C * 2 * (cells + 2);
-        rows_args r = {&a, tabs, per_channel, per_channel + C, per_channel + 2 * C, per_channel + 3 * C, pair_base};
+        rows_args r = {&a, tabs, per_channel, per_channel + C, per_channel + 2 * C, per_channel + 3 * C, pair_base,
+                       tiles, tile};
         parallel_for(tables_part, &r, C, parts);
-        parallel_for(rows_part, &r, A, nthreads);
+        parallel_for(tiled ? rows_tiled_part : rows_part, &r, A, row_parts);
         status = 0;
     }
+    free(tiles);
     free(tabs);
     free(pair_base);
     free(scratch);

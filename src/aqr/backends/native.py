@@ -207,6 +207,18 @@ def recalibrate(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, sour
     return BoundRecalibrate(lib, x.shape, positions, source)(x, pre)
 
 
+def channels_last_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` (A, C, ...) with its channels as the fastest axis and the other axes in order (``torch.channels_last``
+    and its 3-d and 5-d forms) viewed as ``(A * ..., C, 1)`` rows, the kernels' channels-last layout; ``None``
+    where ``x`` is not laid out so (a contiguous ``x`` with ``C > 1`` included)."""
+    if x.ndim < 3 or x.shape[1] < 2:
+        return None
+    moved = x.movedim(1, -1)
+    if not moved.is_contiguous():
+        return None
+    return moved.view(-1, x.shape[1], 1)
+
+
 def native_takes(x: torch.Tensor) -> bool:
     """Whether the C kernels can map ``x``: float32 on CPU, with no gradient to keep."""
     return x.is_cpu and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
@@ -265,7 +277,22 @@ class NativeBackend(LayerBackend):
                 and native_takes(out) and out.is_contiguous()):
             y, finite = self._bound_to(out)(out, pre)
             return (y, True) if finite else (out, False)
+        if channel_dim % max(out.ndim, 1) == 1 and native_takes(out) and channels_last_rows(out) is not None:
+            return self._recalibrate_channels_last(out, pre)
         return super().recalibrate_output(out, channel_dim, pre)
+
+    def _recalibrate_channels_last(self, out: torch.Tensor, pre: Affine | None) -> tuple[torch.Tensor, bool]:
+        """:meth:`recalibrate_output` of a channels-last ``out`` (channels on dim 1, the fastest axis), read and
+        written in place of the ``(positions, C)`` rows: the same sample (each channel's values in the order of
+        the ``(A, C, B)`` view) and so the same bits as the contiguous layout, and an output in ``out``'s layout."""
+        rows = channels_last_rows(out)
+        positions = self.subsets.strided_positions(as_acb(out, 1))  # p * C: the contiguous layout's p-th value
+        tq, mean, std, finite = subset_quantiles(self.lib, rows, positions, self.source.num_quantiles,
+                                                 self.source.needs_moments, pre)
+        if not finite:
+            return out, False
+        y = table_map(self.lib, rows, Targets(tq, mean, std, self._all_finite), self.source, pre)
+        return y.view(out.movedim(1, -1).shape).movedim(-1, 1), True
 
     def _bound_to(self, x: torch.Tensor) -> BoundRecalibrate:
         """The bound call for batches of ``x``'s shape (channels on dim 1), made on first use."""

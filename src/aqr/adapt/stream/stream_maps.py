@@ -135,17 +135,20 @@ class StreamLayerMap(LayerMap):
                       x: torch.Tensor) -> torch.Tensor:
         """As :meth:`LayerMap.layer_forward`; an eval BatchNorm's batch of fewer than ``rebuild_every`` images
         on a started CPU stream of the C kernels goes straight to :meth:`LayerStream.small_step` (the same
-        values as the general path, in one call instead of its chain of checks)."""
+        values as the general path, in one call instead of its chain of checks), in any memory layout."""
         stream, batch = self._small, self.shared.current
         if (stream is not None and stream.started and 0 < batch.images < stream.settings.rebuild_every
                 and not batch.held and type(module) in PLAIN_BATCH_NORMS and not module.training
                 and module.track_running_stats and native_takes(x) and x.ndim >= 2
-                and x.shape[1] == self.info.channels and x.is_contiguous() and x.numel() > 0
+                and x.shape[1] == self.info.channels and x.numel() > 0
                 and stream.kernels is self._small_kernels):
             var, mean, weight, bias = batch_norm_tensors(module)
             if var is None or mean is None:  # not foldable
                 return super().layer_forward(module, forward, x)
-            y, staged = stream.small_step(x, batch.images, self._affine_of(module, var, mean, weight, bias))
+            # another layout (channels_last) is read as one contiguous block: the map's output is one, and so
+            # are the layers' after it (one copy per forward, not one per layer and a general step)
+            y, staged = stream.small_step(x.contiguous(), batch.images,
+                                          self._affine_of(module, var, mean, weight, bias))
             if staged is None:
                 batch.mark_nonfinite()
                 return self._nonfinite(forward(x))
