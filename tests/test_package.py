@@ -8,7 +8,7 @@ import sys
 import aqr
 
 PUBLIC = {"AQR", "AQRConfig", "LayerError", "LayerInfo", "LayerStats", "NonFiniteActivationError", "SourceStats",
-          "StatsError", "TAILS", "calibrate", "channel_quantiles", "dkw_epsilon", "norm_layers", "quantile_map",
+          "StatsError", "TAILS", "calibrate", "channel_quantiles", "dkw_epsilon", "export", "norm_layers", "quantile_map",
           "recalibrating"}
 
 
