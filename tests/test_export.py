@@ -252,3 +252,31 @@ def test_onnx_missing_names_the_extra(monkeypatch, tmp_path):
     stats = aqr.calibrate(model, [_images(16, 0)], tail_repeats=20, tail_batch=8)
     with pytest.raises(ImportError, match=r"pip install 'aqr\[export\]'"):
         export(aqr.AQR(model, stats), _images(2, 0), tmp_path / "x.onnx")
+
+
+# ------------------------------------------------------------------------------------------- the command
+
+
+@slow
+def test_cli_export_writes_a_graph_that_runs_without_aqr(tmp_path):
+    from aqr.cli import main
+
+    model = aqr.models.load("resnet20_gn")
+    layers = ["model.layer1.0.bn1", "model.layer3.2.bn2"]
+    stats = aqr.calibrate(model, [torch.rand(16, 3, 32, 32) for _ in range(2)], layers=layers, tail_repeats=20,
+                          tail_batch=8)
+    stats_file = stats.save(tmp_path / "gn.aqr.safetensors")
+    out = tmp_path / "gn.pt2"
+    assert main(["export", "resnet20_gn", "--stats", str(stats_file), "--out", str(out), "--format", "torch"]) == 0
+    x = torch.rand(3, 3, 32, 32)
+    want = aqr.AQR(model, stats, mode="exact")(x)
+    assert (torch.export.load(str(out)).module()(x) - want).abs().max().item() < LOGIT_BOUND
+
+
+def test_cli_export_refuses_a_bad_shape_in_one_line(tmp_path, capsys):
+    from aqr.cli import main
+
+    code = main(["export", "resnet20_gn", "--stats", str(tmp_path / "none.safetensors"), "--out",
+                 str(tmp_path / "x.onnx"), "--input-shape", "3,x,32"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--input-shape" in err and "\n" not in err
