@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 #: The layers of docs/architecture.md; a package imports only packages of lower layers (and itself).
 LAYERS: dict[str, int] = {
     "_version": 0, "util": 1, "core": 2, "data": 2, "backends": 3, "models": 3, "adapt": 4, "methods": 5,
-    "harness": 6, "experiments": 7, "cli": 8, "__main__": 9, "__init__": 9,
+    "harness": 6, "deploy": 6, "experiments": 7, "cli": 8, "__main__": 9, "__init__": 9,
 }
 
 

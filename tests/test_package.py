@@ -8,8 +8,8 @@ import sys
 import aqr
 
 PUBLIC = {"AQR", "AQRConfig", "LayerError", "LayerInfo", "LayerStats", "NonFiniteActivationError", "SourceStats",
-          "StatsError", "TAILS", "calibrate", "channel_quantiles", "dkw_epsilon", "norm_layers", "quantile_map",
-          "recalibrating", "SmallBatchWarning"}
+          "StatsError", "TAILS", "calibrate", "channel_quantiles", "dkw_epsilon", "export", "norm_layers",
+          "quantile_map", "recalibrating", "SmallBatchWarning"}
 
 
 def test_public_names() -> None:

@@ -23,8 +23,10 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from aqr.core.layers import LayerError, LayerInfo, NonFiniteActivationError, norm_layers
     from aqr.core.qmap import TAILS, channel_quantiles, quantile_map
     from aqr.core.stats import LayerStats, SourceStats, StatsError
+    from aqr.deploy import export
 
-SUBMODULES = ("adapt", "backends", "cli", "core", "data", "experiments", "harness", "methods", "models", "util")
+SUBMODULES = ("adapt", "backends", "cli", "core", "data", "deploy", "experiments", "harness", "methods", "models",
+              "util")
 
 # public name -> the module that defines it
 _NAMES = {
@@ -44,6 +46,7 @@ _NAMES = {
     "LayerStats": "aqr.core.stats",
     "SourceStats": "aqr.core.stats",
     "StatsError": "aqr.core.stats",
+    "export": "aqr.deploy",
 }
 
 __all__ = sorted(_NAMES)

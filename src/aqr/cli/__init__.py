@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "corrupt": "aqr.cli.corrupt",
     "train": "aqr.cli.train",
     "evaluate": "aqr.cli.evaluate",
+    "export": "aqr.cli.export",
     "bench": "aqr.cli.bench",
     "report": "aqr.cli.report",
     "demo": "aqr.cli.demo",
