@@ -41,8 +41,8 @@ Differences from the reference code: the momentum follows the size of the batch 
 reference uses its configured test batch size (they differ on a stream's last, shorter batch); images
 with NaN or Inf values are normalized like the others (their own outputs are not finite) but never
 move a component; the components are reset to their initial draw by ``reset()``, as the reference's
-reset reloads them. A lock serializes calls, so threads sharing one instance see the components of
-some sequential order of their batches.
+reset reloads them. Calls are serialized (as every method's), so threads sharing one instance see the
+components of some sequential order of their batches.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from aqr.core.twin import structural_twin
 
-from .base import NotApplicable, SerializedCalls, TTAMethod
+from .base import NotApplicable, TTAMethod
 from .declaration import method
-from .norm_layers import batchnorm_layers
+from .norm_layers import replace_batchnorms
 from .options import check_number, check_positive
 
 UNMIXTNS_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
@@ -211,31 +211,21 @@ class UnMixTNSBatchNorm(nn.Module):
 
 
 @method("unmixtns", UnMixTNSConfig, defaults=UNMIXTNS_DEFAULTS)
-class UnMixTNS(SerializedCalls, TTAMethod):
+class UnMixTNS(TTAMethod):
     """The source model with UnMix-TNS normalization layers in place of its BatchNorm2d layers (see module docs)."""
 
     def configure_model(self, model: nn.Module) -> nn.Module:
         model.eval().requires_grad_(False)
         generator = torch.Generator().manual_seed(self.protocol.seed if self.protocol.seed is not None else 0)
-        self.layers: list[UnMixTNSBatchNorm] = []
-        for name, bn in batchnorm_layers(model):
-            if isinstance(bn, nn.BatchNorm1d):
-                continue  # the reference keeps BatchNorm1d on its source statistics
-            if not name:
-                raise NotApplicable("unmixtns wraps a model containing BatchNorm layers, not a bare BatchNorm layer")
-            parent, _, child = name.rpartition(".")
-            layer = UnMixTNSBatchNorm(bn, self.config, generator)
-            setattr(model.get_submodule(parent), child, layer)
-            self.layers.append(layer)
+        # BatchNorm1d stays on its source statistics, as in the reference; the others draw their components in
+        # module order from one generator, as the reference draws them from its seeded global one
+        replaced = replace_batchnorms(model, lambda bn: bn if isinstance(bn, nn.BatchNorm1d) else
+                                      UnMixTNSBatchNorm(bn, self.config, generator), "unmixtns")
+        self.layers = [layer for layer in replaced if isinstance(layer, UnMixTNSBatchNorm)]
         if not self.layers:
             raise NotApplicable("unmixtns replaces BatchNorm2d layers; this model has none (GroupNorm and LayerNorm "
                                 "models have no running statistics to un-mix)")
-        self.make_lock()
         return model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self._lock:
-            return super().forward(x)
 
     @property
     def holds_state(self) -> bool:
