@@ -115,4 +115,6 @@ def test_the_cli_asks_for_baseline_and_speed_with_the_ccc_setting(capsys: pytest
     for extra, status, words in ((["--setting", "ccc", "--baseline", "40"], 2, ("--setting ccc needs --baseline",)),
                                  (["--setting", "continual", "--speed", "10"], 2, ("--baseline and --speed go with",)),
                                  (["--setting", "ccc", "--baseline", "40", "--speed", "0"], 2, ("--speed",))):
-        one_error_line(capsys, ["bench", "--preset", "smoke", "--dry-run", *extra], status, *words)
+        # a data folder that need not exist: the flags are checked before anything is read
+        one_error_line(capsys, ["bench", "--preset", "smoke", "--data-dir", "aqr-data", "--dry-run", *extra], status,
+                       *words)
