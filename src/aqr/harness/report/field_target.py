@@ -7,6 +7,10 @@ would flatter AQR, so one configuration per setting and protocol is fixed before
 configuration of the run itself is shown beside it as the *oracle*.
 
 :func:`target_table` compares, per setting, model and protocol, the default with the best field method.
+
+A user who does not know their stream gets one configuration per protocol for every setting and model:
+:func:`choose_recommended` picks it on the same seed-1 draw, over all the settings of
+:data:`RECOMMENDED_SETTINGS` at once, and :data:`aqr.methods.RECOMMENDED` holds its choice.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from aqr.harness.cells import REALTIME
-from aqr.harness.report.field_tables import field_rows, row_setting
+from aqr.harness.presets import FIELD_MODELS
+from aqr.harness.report.field_tables import field_rows, method_costs, row_setting
 from aqr.harness.report.tables import DIGITS, Entry, Table, method_label
 from aqr.harness.results import Row
 
 OFFLINE = "offline"
 PROTOCOLS = (OFFLINE, REALTIME)
+#: The settings (as :func:`~aqr.harness.report.field_tables.row_setting` names them) the recommended
+#: configuration is chosen over: the field's four, each on the three models of the ``field`` preset.
+RECOMMENDED_SETTINGS = ("continual", "correlated (delta=0.1)", "mixed_domains", "mixed_domains_correlated (delta=0.1)")
 
 
 def is_aqr_config(variant: str) -> bool:
@@ -65,6 +73,45 @@ def choose_defaults(rows: Sequence[Row], batch_size: int = 64) -> dict[str, dict
         if scores:
             best = max(scores.values())
             chosen.setdefault(setting, {})[protocol] = min(v for v, s in scores.items() if s == best)
+    return chosen
+
+
+def variant_spec(variant: str) -> str:
+    """A variant as the bench's method syntax spells it (``aqr[target=stream]`` -> ``aqr:target=stream``), the
+    form :func:`aqr.methods.create` takes."""
+    name, bracket, options = variant.partition("[")
+    return f"{name}:{options.removesuffix(']')}" if bracket else name
+
+
+def choose_recommended(rows: Sequence[Row], settings: Sequence[str] = RECOMMENDED_SETTINGS,
+                       models: Sequence[str] = FIELD_MODELS, batch_size: int = 64, seed: int = 1) -> dict[str, str]:
+    """protocol -> the one AQR configuration (a spec, :func:`variant_spec`) of highest mean accuracy over every
+    (setting, model) cell of ``settings`` x ``models`` at ``batch_size`` on the draw ``seed``.
+
+    Only a configuration with an ok result in every one of those cells is eligible; a tie goes to the lower
+    mean cost C over the models (from the realtime rows; unknown: last), then to the first in variant order.
+    ``ValueError`` naming what each configuration lacks when none is eligible for a protocol.
+    """
+    acc = _accuracies([r for r in rows if r.seed == seed], batch_size)
+    costs = method_costs([r for r in field_rows(rows) if r.seed == seed])
+    cells = [(s, m) for s in settings for m in models]
+    chosen: dict[str, str] = {}
+    for protocol in PROTOCOLS:
+        variants = sorted({v for (_, p, _, v) in acc if p == protocol and is_aqr_config(v)})
+        missing = {v: [f"{s} / {m}" for s, m in cells if (s, protocol, m, v) not in acc] for v in variants}
+        eligible = [v for v in variants if not missing[v]]
+        if not eligible:
+            lacks = "; ".join(f"{v} lacks {len(c)} ({', '.join(c[:2])}{', ...' if len(c) > 2 else ''})"
+                              for v, c in missing.items()) or "no AQR configuration has a row"
+            raise ValueError(f"no AQR configuration has an ok {protocol} cell at batch {batch_size}, seed {seed} "
+                             f"in every setting and model, so none is eligible: {lacks}")
+
+        def rank(v: str) -> tuple[float, float, str]:
+            mean = float(np.mean([acc[(s, protocol, m, v)] for s, m in cells]))
+            cost = [costs.get((m, v, batch_size)) for m in models]
+            return -mean, float(np.mean(cost)) if None not in cost else float("inf"), v
+
+        chosen[protocol] = variant_spec(min(eligible, key=rank))
     return chosen
 
 
