@@ -128,6 +128,15 @@ def test_choose_recommended_refuses_a_configuration_missing_a_cell():
         choose_recommended(grid_rows("roid", 50.0) + grid_rows("roid", 50.0, REALTIME))
 
 
+def test_choose_recommended_refuses_a_cell_with_two_rows():
+    rows = grid_rows("aqr", 60.0) + grid_rows("aqr", 60.0, REALTIME, cost=1.4)
+    assert choose_recommended(rows) == {"offline": "aqr", "realtime": "aqr"}
+    retimed = row(MODELS[0], "aqr", 61.0, protocol=REALTIME, cost=1.5)  # the same cell at another timing round's C
+    with pytest.raises(ValueError, match="two ok rows for continual / realtime / resnet20_trainstats / aqr"):
+        choose_recommended(rows + [retimed])
+    assert choose_recommended(rows + [row(MODELS[0], "aqr", None, protocol=REALTIME, status="error")])["realtime"] == "aqr"
+
+
 def test_choose_recommended_breaks_a_tie_by_the_lower_cost():
     offline = grid_rows("aqr+lame", 60.0) + grid_rows("aqr", 60.0)
     cheap_last = grid_rows("aqr+lame", 60.0, REALTIME, cost=1.2) + grid_rows("aqr", 60.0, REALTIME, cost=1.4)

@@ -90,10 +90,22 @@ def choose_recommended(rows: Sequence[Row], settings: Sequence[str] = RECOMMENDE
 
     Only a configuration with an ok result in every one of those cells is eligible; a tie goes to the lower
     mean cost C over the models (from the realtime rows; unknown: last), then to the first in variant order.
-    ``ValueError`` naming what each configuration lacks when none is eligible for a protocol.
+    ``ValueError`` naming what each configuration lacks when none is eligible for a protocol, and naming a
+    cell with two ok rows (e.g. realtime rows of two timing rounds' costs): which one counts is not the rule's
+    to guess.
     """
-    acc = _accuracies([r for r in rows if r.seed == seed], batch_size)
-    costs = method_costs([r for r in field_rows(rows) if r.seed == seed])
+    drawn = [r for r in field_rows(rows) if r.seed == seed and r.batch_size == batch_size and r.status == "ok"
+             and r.accuracy is not None]
+    seen: dict[tuple[str, str, str, str], Row] = {}
+    for r in drawn:
+        cell = (row_setting(r), protocol_of(r), r.model, r.variant)
+        if cell in seen:
+            raise ValueError(f"two ok rows for {' / '.join(cell)} at batch {batch_size}, seed {seed} (keys "
+                             f"{seen[cell].key[:12]}, {r.key[:12]}; C {seen[cell].config.get('cost')}, "
+                             f"{r.config.get('cost')}): keep one")
+        seen[cell] = r
+    acc = _accuracies(drawn, batch_size)
+    costs = method_costs(drawn)
     cells = [(s, m) for s in settings for m in models]
     chosen: dict[str, str] = {}
     for protocol in PROTOCOLS:
