@@ -10,8 +10,11 @@ from aqr.harness.cells import REALTIME
 from aqr.harness.presets import FIELD_AQR_CONFIGS, FIELD_DEFAULTS, FIELD_METHODS
 from aqr.harness.report import build_tables, load_rows
 from aqr.harness.report.field_tables import row_setting
+from aqr.harness.cells import Cell, DataSpec, ModelSpec, freeze_options
 from aqr.harness.report.field_target import (RECOMMENDED_SETTINGS, choose_defaults, choose_recommended, is_aqr_config,
-                                             is_field_method, target_table, variant_spec)
+                                             is_field_method, recommended_table, spec_variant, target_table,
+                                             variant_spec)
+from aqr.harness.specs import MethodSpec
 from aqr.harness.results import Row
 from aqr.methods import RECOMMENDED
 
@@ -72,7 +75,7 @@ def test_target_table_compares_the_default_with_the_best_field_method_and_shows_
 def test_build_tables_adds_the_target_table_for_field_rows():
     rows = [row("resnet20_trainstats", v, 50.0 + i, seed=0) for i, v in enumerate(["aqr", "roid"])]
     rows.append(row("resnet20_trainstats", "aqr", 40.0, protocol=REALTIME, seed=0))
-    assert "field_target" in [t.name for t in build_tables(rows)]
+    assert {"field_target", "field_recommended"} <= {t.name for t in build_tables(rows)}
 
 
 @pytest.mark.skipif(not SELECTION_DB.is_file(), reason="the selection run's database is not in this checkout")
@@ -145,9 +148,34 @@ def test_choose_recommended_breaks_a_tie_by_the_lower_cost():
     assert choose_recommended(offline + cheap_first) == {"offline": "aqr", "realtime": "aqr"}
 
 
-def test_variant_spec_is_the_bench_syntax():
+def test_variant_spec_is_the_bench_syntax_and_spec_variant_the_cells_label():
     assert variant_spec("aqr") == "aqr" and variant_spec("aqr+roid[target=robust]") == "aqr+roid:target=robust"
     assert variant_spec("aqr[K=11,target=stream]") == "aqr:K=11,target=stream"
+    for spec in ("aqr", "aqr:target=stream", "aqr+roid:target=robust", "aqr:target=stream,K=11,compile=false",
+                 "aqr:horizon=2.5", "unmixtns:num_components=128"):
+        parsed = MethodSpec.parse(spec)
+        cell = Cell(ModelSpec("m", "resnet20"), DataSpec(), parsed.name, freeze_options(parsed.options), "continual",
+                    5, 64, 1, 500)
+        assert spec_variant(spec) == cell.variant
+        assert spec_variant(variant_spec(cell.variant)) == cell.variant
+    assert {spec_variant(variant_spec(v)) for v in FIELD_AQR_CONFIGS} == set(FIELD_AQR_CONFIGS)
+
+
+def test_recommended_table_holds_one_configuration_in_every_setting_and_batch_size():
+    rows = [row("a", "aqr[target=robust]", 70.0, seed=0), row("a", "roid", 71.0, seed=0),
+            row("a", "aqr[target=robust]", 60.0, "delta=0.1", seed=0), row("a", "roid", 50.0, "delta=0.1", seed=0),
+            row("a", "aqr[target=stream]", 66.0, "delta=0.1", protocol=REALTIME, seed=0),
+            row("a", "tent", 65.0, "delta=0.1", protocol=REALTIME, seed=0),
+            row("a", "aqr[target=robust]", 55.0, "mixed", batch_size=16, seed=0),
+            row("a", "cotta", 54.0, "mixed", batch_size=16, seed=0)]
+    table = recommended_table(rows, {"offline": "aqr:target=robust", "realtime": "aqr:target=stream"})
+    assert table is not None and table.name == "field_recommended"
+    assert table.labels == ("continual · a · offline · batch 64", "correlated (delta=0.1) · a · offline · batch 64",
+                            "correlated (delta=0.1) · a · realtime · batch 64", "mixed_domains · a · offline · batch 16")
+    assert [[e.text for e in entry][-2:] for entry in table.entries] == [["-1.0", "no"], ["+10.0", "yes"],
+                                                                         ["+1.0", "yes"], ["+1.0", "yes"]]
+    assert recommended_table(rows, {"offline": "aqr"}) is not None  # named but absent: rows left blank
+    assert recommended_table([r for r in rows if r.protocol != REALTIME], {"offline": "aqr"}) is None  # not field rows
 
 
 @pytest.mark.skipif(not SELECTION_DB.is_file(), reason="the selection run's database is not in this checkout")

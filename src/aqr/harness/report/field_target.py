@@ -83,6 +83,15 @@ def variant_spec(variant: str) -> str:
     return f"{name}:{options.removesuffix(']')}" if bracket else name
 
 
+def spec_variant(spec: str) -> str:
+    """A spec as the results database labels its cells (``aqr:target=stream`` -> ``aqr[target=stream]``, the
+    options sorted as a cell sorts them): the inverse of :func:`variant_spec`."""
+    from aqr.methods.declaration import parse_spec
+
+    name, options = parse_spec(spec)
+    return f"{name}[{','.join(f'{k}={v}' for k, v in sorted(options.items()))}]" if options else name
+
+
 def choose_recommended(rows: Sequence[Row], settings: Sequence[str] = RECOMMENDED_SETTINGS,
                        models: Sequence[str] = FIELD_MODELS, batch_size: int = 64, seed: int = 1) -> dict[str, str]:
     """protocol -> the one AQR configuration (a spec, :func:`variant_spec`) of highest mean accuracy over every
@@ -169,3 +178,32 @@ def target_table(rows: Sequence[Row], defaults: Mapping[str, Mapping[str, str]],
               "difference", "met")
     return Table("field_target", "AQR's default configuration against the best field method", header,
                  tuple(labels), tuple(entries), note)
+
+
+def recommended_table(rows: Sequence[Row], recommended: Mapping[str, str],
+                      batch_sizes: Sequence[int] = (64, 16)) -> Table | None:
+    """:func:`target_table` for the recommended configuration (``recommended``: protocol -> spec, as
+    :data:`aqr.methods.RECOMMENDED`), the same one in every setting of the rows, at each of ``batch_sizes``.
+    ``None`` without such rows."""
+    settings = sorted({row_setting(r) for r in field_rows(rows)})
+    chosen = {protocol: spec_variant(spec) for protocol, spec in recommended.items()}
+    labels: list[str] = []
+    entries: list[tuple[Entry, ...]] = []
+    for batch_size in batch_sizes:
+        table = target_table(rows, {s: chosen for s in settings}, batch_size)
+        if table is not None:
+            labels += [f"{label} · batch {batch_size}" for label in table.labels]
+            entries += table.entries
+    if not entries:
+        return None
+    note = ("Accuracy (%) over the whole stream. Recommended: the one AQR configuration per protocol for every "
+            "setting and model (aqr.methods.RECOMMENDED), chosen before this run on another image draw (seed 1, "
+            "batch 64, over all settings and models at once); oracle: the best AQR configuration of this run, for "
+            "reference only. Best field method: the best of the methods AQR is compared with (the source model "
+            "included; AQR's moment-matching control excluded). Difference: recommended minus best field method; "
+            "met: the recommended configuration at or above it.")
+    header = ("Setting · model · protocol · batch", "recommended", "accuracy", "best field method", "oracle (AQR)",
+              "difference", "met")
+    return Table("field_recommended", "The recommended configuration against the best field method", header,
+                 tuple(labels), tuple(entries), note)
+
