@@ -273,11 +273,19 @@ def test_field_preset_shape() -> None:
     by = {(c.model.name, c.batch_size, c.order, c.protocol) for c in cells}
     models = {"resnet20_trainstats", "resnet20_gn", "vit_ln"}
     assert {m for m, *_ in by} == models
-    assert {(m, o) for m, b, o, p in by if p == REALTIME} == {(m, o) for m in models for o in (None, "delta=0.1")}
+    settings = (None, "delta=0.1", "mixed", "mixed,delta=0.1")  # continual, correlated and both mixed settings
+    for protocol in ("online", REALTIME):
+        assert {(m, o) for m, b, o, p in by if p == protocol and b == 64} == {(m, o) for m in models for o in settings}
+        assert {o for m, b, o, p in by if p == protocol and b == 16} == set(settings)
+    assert {setting_of(c) for c in cells} == {"continual", "correlated", "mixed_domains", "mixed_domains_correlated"}
     assert {m for m, b, *_ in by if b == 16} == {"resnet20_trainstats"}
     assert {c.method for c in cells} == {MethodSpec.parse(m).name for m in FIELD_OFFLINE_METHODS}
     assert {c.method for c in cells if c.protocol == REALTIME} == {MethodSpec.parse(m).name for m in FIELD_METHODS}
     assert {c.model.name for c in cells if c.method == "unmixtns"} == models  # n/a cells on GN and LN, recorded
+    assert {(c.protocol, c.batch_size) for c in cells if c.method == "unmixtns"} == {
+        ("online", 64), ("online", 16), (REALTIME, 64), (REALTIME, 16)}
+    # every method in every setting, protocol and batch size: 3 models at batch 64 and the BN one at 16
+    assert len(cells) == len(FIELD_METHODS) * len(settings) * 2 * (len(models) + 1)
     assert all(c.n_images == 500 and c.corruption == "continual" for c in cells)
     keys = [cell_key(c, FILES, "v") for c in cells]
     assert len(set(keys)) == len(keys)

@@ -32,13 +32,14 @@ NONIID_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "aqr", "aqr:target=s
                   "aqr:target=robust,balance=0.5")
 
 
-# The field preset: the field's methods beside AQR's targets, all online, on the continual stream in three
-# settings (i.i.d., class-correlated, mixed domains), offline and under the realtime protocol.
+# The field preset: the field's methods beside AQR's targets, all online, on the continual stream in four
+# settings (i.i.d., class-correlated, mixed domains, mixed domains in class-correlated order), offline and
+# under the realtime protocol.
 FIELD_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "sar", "eta", "eata", "cotta", "rotta", "lame", "roid",
                  "deyo", "moments", "aqr", "aqr:target=stream", "aqr:target=robust",
-                 "aqr+tent", "aqr+eta", "aqr+roid", "aqr+roid:target=robust", "aqr+lame")
-# The methods of the offline cells only: UnMix-TNS (its realtime cells wait for a timing round of every method)
-FIELD_OFFLINE_METHODS = (*FIELD_METHODS, "unmixtns")
+                 "aqr+tent", "aqr+eta", "aqr+roid", "aqr+roid:target=robust", "aqr+lame", "unmixtns")
+# The methods of the offline cells: every method of the field runs under both protocols
+FIELD_OFFLINE_METHODS = FIELD_METHODS
 # The batch-1 column (BN model, continual, offline): the methods that adapt on batches, per-batch AQR and its
 # compositions through the reference's sliding window of the 64 most recent images (ProtocolConfig.window); the
 # source model and the methods made for streams (bn-ema, rbn, streaming and robust AQR, UnMix-TNS) as they are
@@ -46,8 +47,9 @@ FIELD_WINDOW = 64
 FIELD_UNWINDOWED = ("source", "bn-ema", "rbn", "aqr:target=stream", "aqr:target=robust", "unmixtns")
 FIELD_BATCH1_METHODS = tuple(m if m in FIELD_UNWINDOWED else f"{m}{',' if ':' in m else ':'}window={FIELD_WINDOW}"
                              for m in FIELD_OFFLINE_METHODS)
-FIELD_ORDERS = (None, "delta=0.1", "mixed")       # continual (i.i.d.), correlated and mixed_domains
-FIELD_REALTIME_ORDERS = (None, "delta=0.1")      # the settings also run under the realtime protocol
+# continual (i.i.d.), correlated, mixed_domains and mixed_domains_correlated, all delta 0.1
+FIELD_ORDERS = (None, "delta=0.1", "mixed", "mixed,delta=0.1")
+FIELD_REALTIME_ORDERS = FIELD_ORDERS              # the settings that also run under the realtime protocol
 FIELD_MODELS = ("resnet20_trainstats", "resnet20_gn", "vit_ln")
 # AQR's configurations in the field preset (as tables label them), and the one of them per setting and
 # protocol reported as AQR's default: chosen before the final run by
@@ -176,8 +178,9 @@ def preset(name: str, data_dir: str | Path | None = None, cifar_c: str | Path = 
     (:data:`FIELD_METHODS`) on the third-party BN
     ResNet-20 (statistics from the 10,000 JPEG training images, as the zoo's models), the zoo's GN
     ResNet-20 and ViT: the continual stream at severity 5, blocks of 500 images, batch 64 (and 16 on the
-    BN model), online, in the continual, correlated (delta 0.1) and mixed_domains settings, and under
-    the realtime protocol (:mod:`aqr.harness.realtime`) in the first two (see docs/results/field);
+    BN model), online, in the continual, correlated (delta 0.1), mixed_domains and mixed_domains_correlated
+    (delta 0.1) settings, each also under the realtime protocol (:mod:`aqr.harness.realtime`; see
+    docs/results/field);
     ``field-batch1``: the field's batch-1 column, on the BN model in the continual setting, the methods that
     adapt on batches through a sliding window of 64 images (see :data:`FIELD_BATCH1_METHODS`).
     """

@@ -27,21 +27,18 @@ class MethodSpec:
 
     @classmethod
     def parse(cls, entry: str | Mapping[str, Any]) -> "MethodSpec":
-        """``"tent"``, ``"aqr:tail=clip,K=11"`` or ``{"method": "aqr", "tail": "clip"}``."""
+        """``"tent"``, ``"aqr:tail=clip,K=11"`` (:func:`aqr.methods.declaration.parse_spec`, the syntax
+        :func:`aqr.methods.create` takes too) or ``{"method": "aqr", "tail": "clip"}``."""
         if isinstance(entry, Mapping):
             entry = dict(entry)
             if "method" not in entry:
                 raise ValueError(f"method entry needs a 'method' key, got {entry}")
             name = entry.pop("method")
             return cls(str(name), entry)
-        name, _, rest = str(entry).partition(":")
-        options: dict[str, Any] = {}
-        for part in filter(None, rest.split(",")):
-            key, eq, value = part.partition("=")
-            if not eq:
-                raise ValueError(f"method option must be key=value, got {part!r} in {entry!r}")
-            options[key.strip()] = _parse_scalar(value.strip())
-        return cls(name.strip(), options)
+        from aqr.methods.declaration import parse_spec
+
+        name, options = parse_spec(entry)
+        return cls(name, options)
 
     @property
     def label(self) -> str:
@@ -85,15 +82,6 @@ def check_method(spec: MethodSpec, protocol: str = "episodic", batch_size: int =
         plan(spec.name, {**options, "protocol": protocol}, batch_size=batch_size)
     except (TypeError, ValueError) as err:
         raise ValueError(f"method {label!r}: {err}") from None
-
-
-def _parse_scalar(text: str) -> Any:
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def _check_integers(name: str, values: object, low: int, high: int | None = None, one: bool = False) -> None:

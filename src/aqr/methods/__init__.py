@@ -18,6 +18,8 @@ benchmark code.
 >>> method = create("lame", model)              # Laplacian-regularized output correction, no weight update
 >>> method = create("aqr+tent", model, stats=pre_affine_stats, protocol="online")  # AQR's map before TENT's affine
 >>> method = create("aqr+lame", model, stats=stats, target="stream")  # LAME on the AQR-recalibrated outputs
+>>> method = create("aqr:target=stream", model, stats=stats)  # a spec in the bench's method syntax
+>>> method = create(RECOMMENDED["offline"], model, stats=stats)  # when you do not know your stream
 
 ``create`` deep-copies ``model``; the user's model is never modified. Options are the fields of
 :class:`ProtocolConfig` (``protocol``, ``steps``, ``seed``) plus the method's own config dataclass
@@ -29,11 +31,14 @@ Every method is declared once, in its own file, by ``@method(name, Config, defau
 (:mod:`aqr.methods.declaration`): :func:`declaration` reads it (what a caller must supply: ``needs.stats``,
 the point where its statistics are taken, for AQR, moments and the compositions; ``needs.batch_size`` for
 TENT and SAR; ``needs.source`` for EATA), and :func:`plan` checks options against it without a model.
+:func:`create` and :func:`plan` also take a method as ``aqr bench --methods`` spells it, ``"aqr:target=stream"``
+(:func:`~aqr.methods.declaration.parse_spec`); an option may be set in the spec or as a keyword, not both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from torch import nn
@@ -48,7 +53,7 @@ from .bn_ema import BNEma, BNEmaConfig, EmaBatchNorm
 from .compose import (AQRETA, AQRLAME, AQRROID, AQRETAConfig, AQRLAMEConfig, AQRROIDConfig, AQRTent,
                       AQRTentConfig)
 from .cotta import CoTTA, CoTTAConfig
-from .declaration import REGISTRY, MethodDeclaration, MethodPlan, Needs, method
+from .declaration import REGISTRY, MethodDeclaration, MethodPlan, Needs, method, parse_spec
 from .deyo import DeYO, DeYOConfig
 from .eata import EATA, ETA, EATAConfig, ETAConfig
 from .lame import LAME, LAMEConfig
@@ -65,6 +70,17 @@ from .rdumb import RDumb, RDumbConfig
 
 #: The registered methods by name, a read-only view of the registry (:func:`declaration` for what each declares).
 METHODS: Mapping[str, MethodDeclaration] = REGISTRY.view
+
+RECOMMENDED: Mapping[str, str] = MappingProxyType({"offline": "aqr:target=robust", "realtime": "aqr:target=stream"})
+"""What to pick when you do not know your stream: one AQR configuration per protocol, as a spec for
+:func:`create` (``"offline"``: every batch adapted on; ``"realtime"``: the stream does not wait for the method).
+
+Chosen by :func:`aqr.harness.report.field_target.choose_recommended` (the highest mean accuracy over every
+setting and model of the ``field`` preset's seed-1 draw at batch 64) on ``docs/results/field/selection.db``,
+and a test checks it against that database. Until that draw has its ``mixed_domains`` and
+``mixed_domains_correlated`` cells, this is the rule's choice over the two settings it has, ``continual`` and
+``correlated`` (delta 0.1); it follows the database when they come.
+"""
 
 
 def available() -> list[str]:
@@ -83,7 +99,7 @@ def method_class(name: str) -> type[TTAMethod]:
 
 
 def plan(name: str, options: Mapping[str, Any] | None = None, *, batch_size: int | None = None) -> MethodPlan:
-    """Method ``name`` with ``options`` checked, without a model: its configs and what it needs
+    """Method ``name`` (or a spec, ``"aqr:target=stream"``) with ``options`` checked, without a model: its configs and what it needs
     (:class:`MethodPlan`). ``batch_size`` fills the option of a method that needs it. ``KeyError`` for an
     unknown method, ``TypeError`` for an option it does not take, ``ValueError`` for a value it refuses."""
     return REGISTRY.plan(name, options, batch_size=batch_size)
@@ -91,13 +107,15 @@ def plan(name: str, options: Mapping[str, Any] | None = None, *, batch_size: int
 
 def create(name: str, model: nn.Module, *, stats: Any = None, source: Any = None,  # noqa: F811 (not the module)
            **options: Any) -> TTAMethod:
-    """Build method ``name`` around a private copy of ``model``.
+    """Build method ``name`` (a name, or a spec with options: ``"aqr:target=stream"``) around a private copy
+    of ``model``.
 
     ``stats``: the :class:`aqr.SourceStats` of a method that needs them; ``source``: EATA's clean source
     images. Returns an ``nn.Module`` whose ``forward(x)`` gives the scored logits and whose ``reset()``
     restores the original state. The protocol is ``"online"`` (the method adapts across batches) unless
     ``protocol="episodic"`` (reset before every batch, the paper's tables) is given. Raises ``KeyError`` for an unknown name, ``TypeError`` for an unknown
-    option or a missing ``stats``/``source`` and :class:`NotApplicable` when the method cannot run on this model.
+    option, a missing ``stats``/``source`` or an option set both in the spec and as a keyword, ``ValueError`` for
+    a malformed spec or a value the method refuses, and :class:`NotApplicable` when the method cannot run on this model.
     """
     return plan(name, options).build(model, stats=stats, source=source)
 
@@ -109,12 +127,14 @@ __all__ = [
     "Needs",
     "NotApplicable",
     "ProtocolConfig",
+    "RECOMMENDED",
     "TTAMethod",
     "available",
     "create",
     "declaration",
     "method",
     "method_class",
+    "parse_spec",
     "plan",
     "softmax_entropy",
 ]

@@ -127,6 +127,44 @@ def _finite(value: Any) -> bool:
     return True
 
 
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """A method in the bench's method syntax, ``"aqr:target=stream,K=11"``, as its name and options
+    (``("aqr", {"target": "stream", "K": 11})``; integers, floats and ``true``/``false`` read as such, other
+    values kept as text); a bare name has no options. ``ValueError`` for an option without ``=`` or one given twice."""
+    name, _, rest = str(spec).partition(":")
+    options: dict[str, Any] = {}
+    for part in filter(None, rest.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise ValueError(f"method option must be key=value, got {part!r} in {spec!r}")
+        key = key.strip()
+        if key in options:
+            raise ValueError(f"method option {key!r} is given twice in {spec!r}")
+        options[key] = _spec_value(value.strip())
+    return name.strip(), options
+
+
+def _spec_value(text: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def spec_options(spec: str, options: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """The name and options of ``spec`` (a method name or a spec, :func:`parse_spec`) with the keyword
+    ``options`` added. ``TypeError`` naming an option set both in the spec and as a keyword."""
+    name, from_spec = parse_spec(spec)
+    options = dict(options or {})
+    both = sorted(set(from_spec) & set(options))
+    if both:
+        raise TypeError(f"method {spec!r}: option {', '.join(map(repr, both))} is set both in the spec and as a "
+                        "keyword argument; give it once")
+    return name, {**from_spec, **options}
+
+
 def unknown_options_message(name: str, unknown: list[str], taken: tuple[str, ...]) -> str:
     """``method 'aqr' takes no option 'horizn' (did you mean 'horizon'?); it takes: ...``."""
     hints = []
@@ -219,14 +257,15 @@ class MethodRegistry:
 
     def plan(self, name: str, options: Mapping[str, Any] | None = None, *,
              batch_size: int | None = None) -> MethodPlan:
-        """Method ``name`` with ``options`` checked (the protocol's, ``defaults=`` and the config's).
+        """Method ``name`` (or a spec, ``"aqr:target=stream"``: :func:`spec_options`) with ``options`` checked
+        (the protocol's, ``defaults=`` and the config's).
 
         ``batch_size``: the evaluation batch size, filled in as the ``batch_size`` option for a method
         whose ``needs.batch_size`` (unless ``options`` set it). ``KeyError`` for an unknown method,
         ``TypeError`` for an option it does not take (naming the closest one), ``ValueError`` for a value.
         """
+        name, options = spec_options(name, options)
         declaration = self[name]
-        options = dict(options or {})
         supplied = sorted(set(options) & set(SUPPLIED))
         if supplied:
             raise TypeError(f"method {name!r}: {', '.join(supplied)} is supplied to build the method "

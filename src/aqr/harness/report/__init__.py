@@ -18,7 +18,7 @@ from typing import Any
 
 from aqr.harness.report.ccc_tables import ccc_report, ccc_tables, is_ccc_row, write_ccc_figures
 from aqr.harness.report.field_tables import cost_points, plot_costs, row_setting, setting_tables
-from aqr.harness.report.field_target import choose_defaults, target_table
+from aqr.harness.report.field_target import choose_defaults, recommended_table, target_table
 from aqr.harness.report.figures import (architecture_bars, closest_severity, mean_se, plot_architectures,
                                         plot_severity, severity_curves)
 from aqr.harness.report.orders import order_curves, order_table, order_tables, plot_orders, write_order_figures
@@ -94,7 +94,10 @@ def build_tables(rows: Sequence[Row]) -> list[Table]:
     cells' tables (:mod:`aqr.harness.report.stream_tables`), the realtime protocol's beside them
     (:mod:`aqr.harness.report.field_tables`) and the field preset's target table, AQR's default configurations
     (:data:`aqr.harness.presets.FIELD_DEFAULTS`) against the best field method
-    (:mod:`aqr.harness.report.field_target`)."""
+    (:mod:`aqr.harness.report.field_target`), and the recommended configuration's
+    (:data:`aqr.methods.RECOMMENDED`) beside it."""
+    from aqr.methods import RECOMMENDED
+
     rows_all = rows
     streams = stream_tables(rows) + ccc_tables(rows)
     rows = [r for r in rows if not is_continual(r) and not is_ccc_row(r)]
@@ -107,7 +110,8 @@ def build_tables(rows: Sequence[Row]) -> list[Table]:
     for model in models:
         settings = sorted({(r.severity, r.batch_size) for r in rows if r.model == model})
         tables.extend(per_corruption_table(rows, model, s, b) for s, b in settings)
-    tables += [*streams, *setting_tables(rows_all), target_table(rows_all, FIELD_DEFAULTS)]
+    tables += [*streams, *setting_tables(rows_all), target_table(rows_all, FIELD_DEFAULTS),
+               recommended_table(rows_all, RECOMMENDED)]
     return [t for t in tables if t is not None]
 
 
