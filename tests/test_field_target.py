@@ -185,3 +185,22 @@ def test_recommended_is_the_choice_on_the_committed_selection_draw():
     present = [s for s in RECOMMENDED_SETTINGS if any(row_setting(r) == s for r in rows)]
     assert present[:2] == list(RECOMMENDED_SETTINGS[:2])
     assert choose_recommended(rows, settings=present) == dict(RECOMMENDED)
+
+
+def test_batch1_windowed_cells_sit_in_their_methods_row():
+    from aqr.harness.report.field_tables import setting_tables, unwindowed
+
+    assert unwindowed("tent[window=64]") == "tent"
+    assert unwindowed("aqr+roid[target=robust,window=64]") == "aqr+roid[target=robust]"
+    assert unwindowed("aqr[target=stream]") == "aqr[target=stream]"
+    rows = [row("m", "tent", 70.0, protocol="online"), row("m", "tent", 69.0, protocol=REALTIME),
+            row("m", "tent[window=64]", 61.5, batch_size=1), row("m", "aqr[target=stream]", 72.0),
+            row("m", "aqr[target=stream]", 71.0, protocol=REALTIME),
+            row("m", "aqr[target=stream]", 68.5, batch_size=1)]
+    (table,) = setting_tables(rows)
+    assert "m bs 1" in table.header and "m bs 64" in table.header
+    assert not any("window" in label for label in table.labels)
+    tent = table.entries[table.labels.index("TENT")]
+    assert tent[table.header.index("m bs 1") - 1].text.startswith("61.5")
+    assert tent[table.header.index("m bs 64") - 1].text.startswith("70.0")
+    assert "window=64" in table.note

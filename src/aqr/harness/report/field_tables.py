@@ -13,6 +13,7 @@ They cover the continual cells of databases that hold realtime rows; the other s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,30 @@ def _adapted_share(rows: Sequence[Row]) -> str:
     return f"{100.0 * sum(d['adapted_batches'] for d in done) / sum(d['batches'] for d in done):.0f}%"
 
 
+def unwindowed(variant: str) -> str:
+    """``variant`` without its ``window=N`` option (``tent[window=64]`` -> ``tent``): a batch-1 cell's method run
+    through the reference's sliding window (:attr:`aqr.methods.ProtocolConfig.window`) is the same method,
+    shown in its row under the batch-1 column."""
+    method, bracket, rest = variant.partition("[")
+    if not bracket:
+        return variant
+    kept = [part for part in rest.rstrip("]").split(",") if not part.startswith("window=")]
+    return f"{method}[{','.join(kept)}]" if kept else method
+
+
+def _windows(rows: Sequence[Row]) -> list[str]:
+    """The ``window=N`` options of ``rows``' variants, each once."""
+    found = {part for r in rows for part in r.variant.partition("[")[2].rstrip("]").split(",")
+             if part.startswith("window=")}
+    return sorted(found)
+
+
 def setting_tables(rows: Sequence[Row]) -> list[Table]:
     """One table per setting: per (model, batch size) the offline accuracy, then, where the setting ran under
-    the realtime protocol, the realtime accuracy, ``C`` and the share of batches adapted on."""
-    chosen = field_rows(rows)
+    the realtime protocol, the realtime accuracy, ``C`` and the share of batches adapted on. A method run
+    through a sliding window at batch 1 (``window=N``) is shown in its own row, under the batch-1 column."""
+    chosen = [replace(r, variant=unwindowed(r.variant)) for r in field_rows(rows)]
+    windows = _windows(field_rows(rows))
     costs = method_costs(chosen)
     tables = []
     for setting in sorted({row_setting(r) for r in chosen}, key=_setting_rank):
@@ -104,6 +125,10 @@ def setting_tables(rows: Sequence[Row]) -> list[Table]:
                 "the batches it has time for and predicts the others with its last adapted state (C: the method's "
                 "time per batch over the plain forward's, measured by a timing round; adapted: share of batches "
                 "adapted on).")
+        if windows and any(r.batch_size == 1 for r in here):
+            note += (" At batch 1 a method that adapts on a batch keeps a sliding window of the last images ("
+                     + ", ".join(windows) + ", the reference's batch-1 form): it adapts on the window once it has "
+                     "filled anew and scores each image from a forward of the window.")
         tables.append(Table(f"field_{slug(setting)}", f"{setting}: offline and realtime accuracy",
                             tuple(header), tuple(method_label(v) for v in variants),
                             bold_best(flag_incomplete(entries)), note))
