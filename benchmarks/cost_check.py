@@ -8,7 +8,8 @@ back (round-robin), over ``--images`` images (at least ``--min-batches`` batches
 median over the rounds of its time over the plain forward's time in the same round.
 
 Rows (``--rows``, ``mode:batch``): ``batch`` is per-batch AQR (``aqr.AQR(model, stats)``), ``stream``
-streaming AQR (``target="stream"``), ``robust`` its class-balanced form (``target="robust"``), each
+streaming AQR (``target="stream"``), ``robust`` its class-balanced form (``target="robust"``), ``mixed``
+its form for streams that mix domains (``target="mixed"``; on these images of one corruption), each
 after ``--warmup`` images that take the stateful modes past their warm-up (the own-batch share of
 ``robust`` needs 256 predictions). ``--memory`` also measures each mode's peak of tensor memory allocated
 during one forward pass over what was allocated before it (torch's profiler, CPU allocator), against the
@@ -76,7 +77,7 @@ def build(mode: str, model: torch.nn.Module, stats: aqr.SourceStats):
             with torch.no_grad():
                 return model(x)
         return plain
-    target = {"batch": "batch", "stream": "stream", "robust": "robust"}[mode]
+    target = {"batch": "batch", "stream": "stream", "robust": "robust", "mixed": "mixed"}[mode]
     return aqr.AQR(model, stats, target=target)
 
 

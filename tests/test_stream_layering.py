@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import aqr
-from aqr.adapt.config import (BATCH, GROUP, OPTION_GROUPS, ROBUST, STREAM, TARGET_KINDS, AQRConfig, options_of,
+from aqr.adapt.config import (BATCH, GROUP, MIXED, OPTION_GROUPS, ROBUST, STREAM, TARGET_KINDS, AQRConfig, options_of,
                               robust_options, stream_options)
 from aqr.adapt.stream.batch import BatchCommit, BatchValues, StreamBatch
 from aqr.adapt.stream.build import STREAM_CLASSES, layer_stream, stream_class
@@ -41,7 +41,7 @@ def test_the_config_imports_nothing_of_the_stream_package() -> None:
 
 def test_every_option_is_declared_once_with_its_group() -> None:
     groups = {f.name: f.metadata.get(GROUP) for f in fields(AQRConfig)}
-    assert groups.pop("target") is None and set(groups.values()) == {BATCH, STREAM, ROBUST}
+    assert groups.pop("target") is None and set(groups.values()) == {BATCH, STREAM, ROBUST, MIXED}
     for view in OPTION_GROUPS:  # the views are the config's fields of one group, with the config's defaults
         config_fields = {f.name: f for f in fields(AQRConfig)}
         assert all(f.default == config_fields[f.name].default and f.type == config_fields[f.name].type

@@ -28,7 +28,7 @@ from aqr.core.qmap import DEFAULT_GAUSSIAN_P, check_tail
 from aqr.core.stats import SOURCE_MOMENTS
 
 # The groups of options, each named after the target whose view checks it (BatchOptions: every target's)
-BATCH, STREAM, ROBUST = "batch", "stream", "robust"
+BATCH, STREAM, ROBUST, MIXED = "batch", "stream", "robust", "mixed"
 GROUP = "group"  # the metadata key of an AQRConfig field that names its group
 
 
@@ -51,6 +51,11 @@ def robust_options() -> tuple[str, ...]:
     """The options only ``target="robust"`` reads (``passes`` is left out: each target lists the passes it
     takes)."""
     return tuple(name for name in options_of(ROBUST) if name != "passes")
+
+
+def mixed_options() -> tuple[str, ...]:
+    """The options only ``target="mixed"`` reads."""
+    return options_of(MIXED)
 
 
 # ---------------------------------------------------------------------- the running options' checks
@@ -91,6 +96,22 @@ def check_images(name: str, value: object) -> None:
     """Raise ``ValueError`` unless ``value`` (the horizon ``name``) is a finite number of images >= 1."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < float("inf"):
         raise ValueError(f"{name} must be a number of images >= 1, got {value!r}")
+
+
+MAX_COMPONENTS = 64
+
+
+def check_components(components: object) -> None:
+    """Raise ``ValueError`` unless ``components`` is an integer in ``[1, MAX_COMPONENTS]``."""
+    if (isinstance(components, bool) or not isinstance(components, int)
+            or not 1 <= components <= MAX_COMPONENTS):
+        raise ValueError(f"components must be an integer in [1, {MAX_COMPONENTS}], got {components!r}")
+
+
+def check_spawn(spawn: object) -> None:
+    """Raise ``ValueError`` unless ``spawn`` is a finite number > 0."""
+    if isinstance(spawn, bool) or not isinstance(spawn, (int, float)) or not 0 < spawn < float("inf"):
+        raise ValueError(f"spawn must be a finite number > 0, got {spawn!r}")
 
 
 def check_balance(balance: object) -> None:
@@ -158,6 +179,7 @@ class Target:
                              f"{' or '.join(map(str, self.passes))})")
         self.check_stream_options(config)
         self.check_robust_options(config)
+        self.check_mixed_options(config)
 
     def check_stream_options(self, config: AQRConfig) -> None:
         """Raise ``ValueError`` where ``config`` sets an option of the running targets to another value than
@@ -168,6 +190,11 @@ class Target:
         """Raise ``ValueError`` where ``config`` sets an option of ``target="robust"`` alone to another value
         than its default: this target would ignore it."""
         refuse_ignored(config, robust_options(), "target='robust'", self.name)
+
+    def check_mixed_options(self, config: AQRConfig) -> None:
+        """Raise ``ValueError`` where ``config`` sets an option of ``target="mixed"`` alone to another value
+        than its default: this target would ignore it."""
+        refuse_ignored(config, mixed_options(), "target='mixed'", self.name)
 
     def describe(self, config: AQRConfig) -> str:
         """The target's part of :class:`aqr.AQR`'s ``repr``."""
@@ -230,7 +257,27 @@ class RobustTarget(StreamTarget):
                        if config.balance < 1 else "")
 
 
-TARGET_KINDS: dict[str, Target] = {kind.name: kind for kind in (Target(), StreamTarget(), RobustTarget())}
+class MixedTarget(StreamTarget):
+    """Streaming AQR for streams that mix domains (``target="mixed"``): per layer up to ``components`` running
+    estimates, each image mapped with the one its own statistics at that layer assign it to
+    (:class:`aqr.adapt.stream.mixed.MixedLayerStream`).
+
+    A target of its own rather than an option of ``"stream"`` and ``"robust"``: its images are grouped by their
+    domain before the forward pass reaches the logits, robust AQR's by their predicted class after it; the two
+    groupings nest (classes within each component) and would multiply the state, which nothing measured yet
+    asks for. With ``components=1`` it is ``"stream"``, value for value."""
+
+    name: ClassVar[str] = "mixed"
+
+    def check_mixed_options(self, config: AQRConfig) -> None:
+        """Its own options: nothing to refuse."""
+
+    def describe(self, config: AQRConfig) -> str:
+        return super().describe(config) + f", components={config.components}, spawn={config.spawn:g}"
+
+
+TARGET_KINDS: dict[str, Target] = {kind.name: kind for kind in (Target(), StreamTarget(), RobustTarget(),
+                                                                MixedTarget())}
 TARGETS = tuple(TARGET_KINDS)
 NONFINITE_POLICIES = ("raise", "skip")
 MODES = ("fast", "exact")
@@ -282,7 +329,9 @@ class AQRConfig:
             ``reset()`` and serializes its calls; ``"robust"``: the same, class-balanced while the
             predicted classes come in runs (a mixture of running estimates per group of predicted
             classes; without runs the running estimate of all images, :mod:`aqr.adapt.stream.robust`), for
-            streams whose classes come in runs; the model must return logits ``(N, classes)``.
+            streams whose classes come in runs; the model must return logits ``(N, classes)``; ``"mixed"``:
+            up to ``components`` running estimates per layer, each image mapped with the one its statistics
+            at the first recalibrated layer pick (:mod:`aqr.adapt.stream.mixed`), for streams that mix domains.
         estimator: the stream's estimate, ``"cdf-ema"`` (EMA of the per-channel CDFs; default) or
             ``"knot-ema"`` (EMA of the batches' knots; biased at small batches).
         horizon: the stream's EMA horizon in images (per-image weight ``1 / horizon``; effective
@@ -312,6 +361,10 @@ class AQRConfig:
             Either way the groups weigh ``runs`` in the target, the running estimate of all images
             ``1 - runs`` (``runs``: how clearly the recent predictions come in runs).
         recent_horizon: ``balance < 1``: the EMA horizon of the groups' shares, in images.
+        components: ``target="mixed"``: the most running estimates per layer (the domains it tells apart at once);
+            1 is ``target="stream"``, value for value.
+        spawn: ``target="mixed"``: how far an image's descriptor lies from its nearest component's centre, in
+            multiples of that component's spread, before it starts a component of its own.
     """
 
     # Each option once: its type, its default and its group (the group views are built from these)
@@ -340,6 +393,8 @@ class AQRConfig:
     own_batch: bool = option(True, ROBUST)
     balance: float = option(1.0, ROBUST)
     recent_horizon: float = option(64.0, ROBUST)
+    components: int = option(8, MIXED)
+    spawn: float = option(6.0, MIXED)
 
     def __post_init__(self) -> None:
         if self.match not in MATCHES:
@@ -370,6 +425,8 @@ class AQRConfig:
         check_images("class_horizon", self.class_horizon)
         check_images("recent_horizon", self.recent_horizon)
         check_balance(self.balance)
+        check_components(self.components)
+        check_spawn(self.spawn)
         if self.passes not in (1, 2) or isinstance(self.passes, bool):
             raise ValueError(f"passes must be 1 or 2, got {self.passes!r}")
         if not isinstance(self.own_batch, bool):
@@ -399,13 +456,18 @@ class AQRConfig:
         """The class-balanced target's options (``target="robust"`` only)."""
         return RobustOptions(**_group_values(self, RobustOptions))
 
+    @property
+    def mixed(self) -> MixedOptions:
+        """The options of ``target="mixed"`` alone (``components``, ``spawn``)."""
+        return MixedOptions(**_group_values(self, MixedOptions))
+
     @classmethod
     def from_groups(cls, target: str = "batch", batch: BatchOptions | None = None, stream: StreamOptions | None = None,
-                    robust: RobustOptions | None = None) -> AQRConfig:
+                    robust: RobustOptions | None = None, mixed: MixedOptions | None = None) -> AQRConfig:
         """The config of ``target`` with the given groups of options (a group left out keeps its defaults);
         equal to ``AQRConfig(target=target, **flat options)``."""
         values: dict[str, Any] = {}
-        for group in (batch, stream, robust):
+        for group in (batch, stream, robust, mixed):
             if group is not None:
                 values.update(_group_values(group, type(group)))
         return cls(target=target, **values)
@@ -431,7 +493,11 @@ RobustOptions = _group_view(ROBUST, "RobustOptions", """The class-balanced targe
     Building one checks it.""")
 
 
-OPTION_GROUPS: tuple[type, ...] = (BatchOptions, StreamOptions, RobustOptions)
+MixedOptions = _group_view(MIXED, "MixedOptions", """The options of ``target="mixed"`` alone: the fields of
+    :class:`AQRConfig` of these names (documented there). Building one checks it.""")
+
+
+OPTION_GROUPS: tuple[type, ...] = (BatchOptions, StreamOptions, RobustOptions, MixedOptions)
 
 
 def _group_values(source: Any, group: type) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 
 from aqr.adapt.config import AQRConfig
 from aqr.adapt.stream.base import StreamKernels
+from aqr.adapt.stream.mixed import MixedLayerStream
 from aqr.adapt.stream.native_kernels import NativeStreamKernels, native_stream_kernels
 from aqr.adapt.stream.robust import RobustLayerStream
 from aqr.adapt.stream.running import BatchKnots, LayerStream, StreamSettings
@@ -19,7 +20,8 @@ from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from aqr.core.stats import SourceStats
 
 # the state each running target's layers keep, by the target's name
-STREAM_CLASSES: dict[str, type[LayerStream]] = {cls.target: cls for cls in (LayerStream, RobustLayerStream)}
+STREAM_CLASSES: dict[str, type[LayerStream]] = {cls.target: cls for cls in (LayerStream, RobustLayerStream,
+                                                                           MixedLayerStream)}  # type: ignore[misc]
 
 
 def stream_class(config: AQRConfig) -> type[LayerStream]:
