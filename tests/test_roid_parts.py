@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import aqr
+from aqr import methods
 from aqr.methods import create
 from aqr.methods.roid import ROIDConfig, prior_correction
 from tests.models_tiny import bn_cnn, images
@@ -43,11 +44,15 @@ def shifted(seed: int, shift: float) -> torch.Tensor:
     return (images(16, seed=seed) * (1 + shift) + shift).clamp(0, 2)
 
 
-def test_defaults_keep_every_part_on() -> None:
+def test_defaults_keep_every_part_on_but_the_composition_keeps_the_source_statistics() -> None:
     config = ROIDConfig()
     assert (config.use_batch_statistics, config.use_weighting, config.use_consistency,
             config.use_prior_correction) == (True, True, True, True)
     assert config.momentum_src < 1.0
+    composed = methods.plan("aqr+roid", {}).config
+    assert not composed.use_batch_statistics
+    assert (composed.use_weighting, composed.use_consistency, composed.use_prior_correction) == (True, True, True)
+    assert methods.plan("aqr+roid", {"use_batch_statistics": True}).config.use_batch_statistics
     with pytest.raises(ValueError, match="use_batch_statistics must be True or False, got 'no'"):
         ROIDConfig(use_batch_statistics="no")  # type: ignore[arg-type]
 
@@ -58,7 +63,7 @@ def test_without_batch_statistics_batchnorm_keeps_the_source_statistics(name: st
     before = {k: v.clone() for k, v in net.state_dict().items()}
     first, second = shifted(1, 0.0), shifted(2, 0.6)
     fixed = {"lr": 0.0, "use_prior_correction": False, "use_consistency": False}
-    on, off = build(name, net, **fixed), build(name, net, use_batch_statistics=False, **fixed)
+    on, off = build(name, net, use_batch_statistics=True, **fixed), build(name, net, use_batch_statistics=False, **fixed)
     for layer in (m for m in off.model.modules() if isinstance(m, nn.BatchNorm2d)):
         assert layer.running_mean is not None and not layer.training
     assert all(m.running_mean is None for m in on.model.modules() if isinstance(m, nn.BatchNorm2d))
