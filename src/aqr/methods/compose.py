@@ -5,9 +5,11 @@ AQR maps each channel onto the source quantiles. Mapping the layer's *output*, a
 would undo the affine update (whatever weight and bias do, the output is sent back onto the source
 quantiles). So in ``aqr+tent``, ``aqr+eta`` and ``aqr+roid`` the map sits *before* the affine step:
 each selected layer computes ``weight * map(x_hat) + bias``, ``x_hat`` its normalized values (a
-BatchNorm on batch statistics, as the gradient method sets it), ``map`` AQR's quantile map onto the
-source quantiles of ``x_hat``, and the gradient method owns and trains ``weight`` and ``bias``
-(:mod:`aqr.adapt.pre_affine`). Before the first update this is exactly ``aqr``'s output (the map of a
+BatchNorm on batch statistics, as the gradient method sets it; ``aqr+roid`` keeps BatchNorm on its
+source statistics, ``use_batch_statistics=False``: a batch normalized with its own statistics loses its
+shift before the streaming targets' running state sees it, which costs 16 points on a class-correlated
+stream, docs/compose.md), ``map`` AQR's quantile map onto the source quantiles of ``x_hat``, and the
+gradient method owns and trains ``weight`` and ``bias`` (:mod:`aqr.adapt.pre_affine`). Before the first update this is exactly ``aqr``'s output (the map of a
 channel does not change under a positive scale and shift of its input); afterwards the update acts
 on top of the recalibrated values.
 
@@ -56,17 +58,27 @@ from .tent import TENT_DEFAULTS, Tent, TentConfig
 #: AQR's options whose default differs in a composition
 COMPOSED_DEFAULTS: dict[str, Any] = {"on_nonfinite": "skip"}
 
+#: ``aqr+roid``'s partner options whose default differs from ROID's: BatchNorm keeps the source statistics
+#: (the streaming targets' running state then sees each batch's own shift; see the module docs)
+AQR_ROID_DEFAULTS: dict[str, Any] = {"use_batch_statistics": False}
 
-def composed_config(partner: type, name: str, pre_affine: bool) -> type:
+
+def composed_config(partner: type, name: str, pre_affine: bool, partner_defaults: dict[str, Any] | None = None
+                    ) -> type:
     """A frozen dataclass with the partner config's fields (it subclasses ``partner``, so the partner's
-    code reads it as its own) and every field of :class:`aqr.AQRConfig`; built, it checks both
-    parts (``pre_affine``: and refuses what AQR before the affine step does not take)."""
+    code reads it as its own; ``partner_defaults`` replaces some of their defaults) and every field of
+    :class:`aqr.AQRConfig`; built, it checks both parts (``pre_affine``: and refuses what AQR before the
+    affine step does not take)."""
     own = {f.name for f in fields(partner)}
+    unknown = sorted(set(partner_defaults or {}) - own)
+    if unknown:
+        raise TypeError(f"{partner.__name__} has no options {unknown}")
     clash = sorted(own & {f.name for f in fields(AQRConfig)})
     if clash:
         raise TypeError(f"{partner.__name__} and AQRConfig both have the options {clash}: a composition needs "
                         "distinct names")
-    added = []
+    added = [(f.name, f.type, field(default=(partner_defaults or {})[f.name]))
+             for f in fields(partner) if f.name in (partner_defaults or {})]
     for f in fields(AQRConfig):
         default = COMPOSED_DEFAULTS.get(f.name, f.default)
         if default is MISSING:
@@ -83,9 +95,10 @@ def composed_config(partner: type, name: str, pre_affine: bool) -> type:
         if pre_affine and self.passes != 1:
             raise ValueError(f"passes={self.passes}: {name} maps each batch in one pass")
 
+    changed = "".join(f", ``{k}`` to ``{v!r}``" for k, v in (partner_defaults or {}).items())
     doc = (f"Options of ``{name}``: the partner's (:class:`{partner.__module__}.{partner.__name__}`), every field "
-           f"of :class:`aqr.AQRConfig` (``on_nonfinite`` defaults to ``'skip'``); the statistics are supplied beside "
-           "them (``stats=``).")
+           f"of :class:`aqr.AQRConfig` (``on_nonfinite`` defaults to ``'skip'``{changed}); the statistics are "
+           "supplied beside them (``stats=``).")
     return make_dataclass(f"AQR{partner.__name__}", added, bases=(partner,), frozen=True,
                           namespace={"__post_init__": __post_init__, "__doc__": doc,
                                      "aqr_config": lambda self: AQRConfig(**aqr_keywords(self))})
@@ -93,7 +106,7 @@ def composed_config(partner: type, name: str, pre_affine: bool) -> type:
 
 AQRTentConfig = composed_config(TentConfig, "aqr+tent", True)
 AQRETAConfig = composed_config(ETAConfig, "aqr+eta", True)
-AQRROIDConfig = composed_config(ROIDConfig, "aqr+roid", True)
+AQRROIDConfig = composed_config(ROIDConfig, "aqr+roid", True, AQR_ROID_DEFAULTS)
 AQRLAMEConfig = composed_config(LAMEConfig, "aqr+lame", False)
 for _config in (AQRTentConfig, AQRETAConfig, AQRROIDConfig, AQRLAMEConfig):
     _config.__module__ = __name__

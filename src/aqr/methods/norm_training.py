@@ -67,9 +67,13 @@ class NormTrainingMethod(TTAMethod):
         """The scored logits from the model's logits of a batch of finite images (ROID's prior correction)."""
         return logits
 
+    def batch_statistics(self) -> bool:
+        """Whether BatchNorm normalizes with each batch's statistics (the default) rather than its running ones."""
+        return True
+
     # ---- TTAMethod --------------------------------------------------------------------
     def configure_model(self, model: nn.Module) -> nn.Module:
-        model = configure_for_entropy_minimization(model)
+        model = configure_for_entropy_minimization(model, self.batch_statistics())
         trained = norm_affine_parameters(model, skip=self.frozen_modules(model))
         if not trained:
             raise NotApplicable(f"{self.name} needs trainable BatchNorm/GroupNorm/LayerNorm affine parameters")

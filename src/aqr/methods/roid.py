@@ -58,7 +58,10 @@ class ROIDConfig(OptimizerConfig):
         use_weighting: certainty and diversity weighting (and dropping the least diverse samples).
         use_prior_correction: correct the scored output by the smoothed batch prior.
         use_consistency: add the consistency loss on augmented images.
-        momentum_src: weight ensembling, ``theta <- momentum_src theta + (1 - momentum_src) theta_source``.
+        use_batch_statistics: BatchNorm normalizes with each batch's statistics; ``False``: with its running
+            (source) statistics, as in eval mode, the affine parameters still trained.
+        momentum_src: weight ensembling, ``theta <- momentum_src theta + (1 - momentum_src) theta_source``
+            (1.0: no ensembling).
         momentum_probs: weight of the old value in the moving average of the batch-mean probabilities.
         temperature: the weights are ``exp(d * c / temperature)``.
     """
@@ -66,13 +69,14 @@ class ROIDConfig(OptimizerConfig):
     use_weighting: bool = True
     use_prior_correction: bool = True
     use_consistency: bool = True
+    use_batch_statistics: bool = True
     momentum_src: float = 0.99
     momentum_probs: float = 0.9
     temperature: float = 1.0 / 3.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("use_weighting", "use_prior_correction", "use_consistency"):
+        for name in ("use_weighting", "use_prior_correction", "use_consistency", "use_batch_statistics"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_number("momentum_src", self.momentum_src, 0.0, 1.0)
@@ -130,6 +134,9 @@ class ROID(NormTrainingMethod):
 
     def reset_extra_state(self) -> None:
         self.moving_probs = None
+
+    def batch_statistics(self) -> bool:
+        return self.config.use_batch_statistics
 
     def loss(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         n, classes = logits.shape

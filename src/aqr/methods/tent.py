@@ -83,10 +83,12 @@ class TentConfig(OptimizerConfig):
         return default_lr(arch, self.batch_size)
 
 
-def configure_for_entropy_minimization(model: nn.Module) -> nn.Module:
-    """Eval mode, all gradients off, BatchNorm on batch statistics (see ``use_batch_statistics``)."""
+def configure_for_entropy_minimization(model: nn.Module, batch_statistics: bool = True) -> nn.Module:
+    """Eval mode, all gradients off, BatchNorm on batch statistics (see ``use_batch_statistics``); with
+    ``batch_statistics=False`` BatchNorm keeps normalizing with its running (source) statistics."""
     model.eval().requires_grad_(False)
-    use_batch_statistics(model)
+    if batch_statistics:
+        use_batch_statistics(model)
     contiguous_groupnorm_inputs(model)
     return model
 
