@@ -449,3 +449,22 @@ def test_the_segment_search_agrees_with_searchsorted() -> None:
         values = torch.randn(4, 300, generator=g) * 3
         values[:, :k] = knots  # values on the knots
         assert torch.equal(knots_at_or_below(values, knots), torch.searchsorted(knots, values, right=True))
+
+
+def test_a_change_of_a_methods_defaults_moves_only_its_keys() -> None:
+    import aqr.harness.keys as keys
+    from aqr.harness.presets import preset
+
+    cell = next(iter(preset("smoke", data_dir="aqr-data").cells()))
+    files = {"weights": "w", "source": "s", "eval": "e", "labels": "l"}
+    roid = dataclasses.replace(cell, method="aqr+roid", options=())
+    tent = dataclasses.replace(cell, method="aqr+tent", options=())
+    before = keys.cell_key(roid, files, "v"), keys.cell_key(tent, files, "v")
+    saved = dict(keys.METHOD_DEFAULTS_VERSIONS)
+    try:
+        keys.METHOD_DEFAULTS_VERSIONS["aqr+roid"] += 1
+        assert keys.cell_key(roid, files, "v") != before[0]
+        assert keys.cell_key(tent, files, "v") == before[1]
+    finally:
+        keys.METHOD_DEFAULTS_VERSIONS.clear()
+        keys.METHOD_DEFAULTS_VERSIONS.update(saved)

@@ -30,6 +30,11 @@ AQR_STATS_VERSION = 2
 # target_samples; unchanged up to 128 images of 32 x 32).
 AQR_FAST_PATH_VERSION = 4
 
+# Part of the keys of the methods named only: bump a method's entry when a change of its defaults changes its
+# results, so its rows computed with the old defaults are never reused for a cell that no longer means them.
+# aqr+roid: 2: BatchNorm on the source statistics (use_batch_statistics=False; 1: on the batch's).
+METHOD_DEFAULTS_VERSIONS = {"aqr+roid": 2}
+
 # Part of the keys of cells with a stream order only: bump when aqr.data.streams orders images differently.
 STREAM_ORDER_VERSION = 1
 
@@ -80,6 +85,8 @@ def _key(config: Mapping[str, Any], method: str, fingerprints: Mapping[str, str]
     }
     if config.get("order") is not None:
         payload["stream_order_version"] = STREAM_ORDER_VERSION
+    if method in METHOD_DEFAULTS_VERSIONS:
+        payload["method_defaults_version"] = METHOD_DEFAULTS_VERSIONS[method]
     reads_stats, maps = _aqr_parts(method)
     if reads_stats:
         payload["aqr_stats_version"] = AQR_STATS_VERSION
