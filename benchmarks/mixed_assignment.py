@@ -22,7 +22,16 @@ every layer from ``--from-layer`` on (the earlier layers map every image with on
   standardized by the source), batch by batch: each image to the nearest centre by the median squared
   difference; the farthest image of a batch starts a new centre (up to ``--k``) where it lies more than
   ``--tau`` times the running mean distance of the images to their centres; centres and that mean are
-  running means over 500 images.
+  running means over 500 images;
+- ``minibatch``: a causal mini-batch k-means (``--k`` clusters, scikit-learn's ``MiniBatchKMeans``: each
+  batch labelled by the centres before it, then taken into them; the first batch all in cluster 0) of
+  the same concatenation whitened by the pooled within-corruption covariance, the images' spread that
+  their content makes (an oracle: that covariance comes from the true corruptions; of the descriptors file
+  ``--whiten-descriptors`` where given, e.g. the mixed stream's for a continual run, else of this stream's).
+
+``--setting clean`` runs the last 2,560 clean CIFAR-10 test images (``$AQR_DATA_DIR/cifar10_test.npz``) in
+batches of 64 instead of a field cell: with ``--labels stream --descriptors clean.npz`` it records the
+source's descriptors, whose covariance (the content's spread) ``--whiten-descriptors clean.npz`` takes.
 
 A component that takes its first image starts from a copy of the first component's state. The offline
 assignment is not a method: the numbers bound what an assignment of the kind could give.
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -148,16 +158,40 @@ def agreement(given: np.ndarray, domain: np.ndarray) -> str:
     return f", adjusted Rand index {adjusted_rand_score(domain, given):.2f} against the true corruptions"
 
 
+def content_whitened(x: np.ndarray, reference: np.ndarray, domain: np.ndarray) -> np.ndarray:
+    """``x`` whitened by the mean over the domains of ``reference``'s rows of their covariance (floored at 1e-3 of
+    its mean eigenvalue)."""
+    kinds = np.unique(domain)
+    within = sum(np.cov((reference[domain == d] - reference[domain == d].mean(0)).T) for d in kinds) / len(kinds)
+    values, vectors = np.linalg.eigh(within + 1e-3 * np.trace(within) / len(within) * np.eye(len(within)))
+    return x @ (vectors / np.sqrt(values))
+
+
+def minibatch_labels(x: np.ndarray, k: int, batch: int = 64) -> np.ndarray:
+    """A causal mini-batch k-means of ``x`` (see the module docs)."""
+    from sklearn.cluster import MiniBatchKMeans
+
+    kmeans = MiniBatchKMeans(k, random_state=0, n_init=1, batch_size=batch)
+    out = np.zeros(len(x), dtype=np.int64)
+    for start in range(0, len(x), batch):
+        v = x[start:start + batch]
+        if start:
+            out[start:start + batch] = kmeans.predict(v)
+        kmeans.partial_fit(v)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet20_trainstats")
     parser.add_argument("--setting", default="mixed_domains")
-    parser.add_argument("--labels", choices=("stream", "domain", "kmeans", "centroid", "online"), default="stream")
+    parser.add_argument("--labels", choices=("stream", "domain", "kmeans", "centroid", "online", "minibatch"), default="stream")
     parser.add_argument("--descriptors", type=Path, help="where --labels stream saves them; --labels kmeans reads them")
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--pca", type=int, default=16)
     parser.add_argument("--desc-layers", type=int, default=None, help="the descriptors of the first N layers (all)")
     parser.add_argument("--tau", type=float, default=2.0)
+    parser.add_argument("--whiten-descriptors", type=Path, help="--labels minibatch: whose corruptions' covariance")
     parser.add_argument("--from-layer", type=int, default=0, help="the first recalibrated layer given components")
     parser.add_argument("--cifar-c", default="cache/cifar10c")
     parser.add_argument("--cache", default="cache")
@@ -166,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.labels not in ("stream", "domain") and args.descriptors is None:
         sys.exit(f"--labels {args.labels} needs --descriptors (saved by a --labels stream run)")
 
-    grid = apply_setting(preset("field", cifar_c=args.cifar_c), args.setting)
+    grid = apply_setting(preset("field", cifar_c=args.cifar_c), "mixed_domains" if args.setting == "clean" else args.setting)
     cells = [c for c in grid.cells() if c.model.name == args.model and c.batch_size == 64 and c.protocol == "online"]
     if not cells:
         sys.exit(f"the field preset's {args.setting!r} setting has no online batch-64 cell of {args.model!r}")
@@ -177,10 +211,21 @@ def main(argv: list[str] | None = None) -> None:
     else:  # one corruption after another
         domain = np.concatenate([np.full(len(b[2]), i) for i, b in enumerate(blocks)])
     images, labels, starts = continual.stream_batches(cell, blocks)
+    if args.setting == "clean":
+        clean = np.load(Path(os.environ["AQR_DATA_DIR"]) / "cifar10_test.npz")
+        images, labels = clean["x"][-2560:], clean["y"][-2560:]
+        starts, domain = list(range(0, len(labels), 64)), np.zeros(len(labels), dtype=np.int64)
     if args.labels == "stream":
         given = np.zeros(len(labels), dtype=np.int64)
     elif args.labels == "domain":
         given = domain.astype(np.int64)
+    elif args.labels == "minibatch":
+        x = np.concatenate(saved_layers(args.descriptors, args.desc_layers), axis=1)
+        reference, of = x, domain
+        if args.whiten_descriptors is not None:
+            reference = np.concatenate(saved_layers(args.whiten_descriptors, args.desc_layers), axis=1)
+            of = np.load(args.whiten_descriptors)["domain"]
+        given = minibatch_labels(content_whitened(x, reference, of), args.k)
     elif args.labels == "online":
         given = online_labels(np.concatenate(saved_layers(args.descriptors, args.desc_layers), axis=1), args.k, args.tau)
     else:

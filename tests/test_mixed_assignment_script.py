@@ -37,3 +37,17 @@ def test_online_labels_separate_two_far_domains_and_keep_one_together() -> None:
     labels = script.online_labels(two, k=4, tau=6.0)
     assert len(set(labels[:640].tolist())) == 1 and len(set(labels[640:].tolist())) == 1
     assert labels[0] != labels[-1]
+
+
+def test_content_whitening_makes_the_within_domain_spread_round() -> None:
+    rng = np.random.default_rng(1)
+    domain = np.repeat([0, 1, 2], 400)
+    x = rng.normal(size=(1200, 3)) * np.array([3.0, 1.0, 0.5]) + np.array([[0, 0, 0], [5, 0, 0], [0, 0, 1]])[domain]
+    y = script.content_whitened(x, x, domain)
+    within = sum(np.cov(y[domain == d].T) for d in range(3)) / 3
+    assert np.allclose(within, np.eye(3), atol=0.02)  # the floor moves the smallest by about 1 %
+    blob = np.tile([0, 1], 256)  # every batch mixes two far domains
+    labels = script.minibatch_labels(rng.normal(size=(512, 2)) + 30.0 * blob[:, None], k=2)
+    assert labels[:64].tolist() == [0] * 64  # the first batch, before any centre
+    later = labels[128:]
+    assert (later == blob[128:]).all() or (later == 1 - blob[128:]).all()
