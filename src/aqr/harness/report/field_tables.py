@@ -70,26 +70,24 @@ def unwindowed(variant: str) -> str:
     """``variant`` without its ``window=N`` option (``tent[window=64]`` -> ``tent``): a batch-1 cell's method run
     through the reference's sliding window (:attr:`aqr.methods.ProtocolConfig.window`) is the same method,
     shown in its row under the batch-1 column."""
-    method, bracket, rest = variant.partition("[")
-    if not bracket:
-        return variant
-    kept = [part for part in rest.rstrip("]").split(",") if not part.startswith("window=")]
+    method = variant.partition("[")[0]
+    kept = [part for part in _options(variant) if not part.startswith("window=")]
     return f"{method}[{','.join(kept)}]" if kept else method
 
 
-def _windows(rows: Sequence[Row]) -> list[str]:
-    """The ``window=N`` options of ``rows``' variants, each once."""
-    found = {part for r in rows for part in r.variant.partition("[")[2].rstrip("]").split(",")
-             if part.startswith("window=")}
-    return sorted(found)
+def _options(variant: str) -> list[str]:
+    """The ``key=value`` options of a variant label (``tent[lr=0.1,window=64]`` -> ``["lr=0.1", "window=64"]``)."""
+    rest = variant.partition("[")[2]
+    return rest.rstrip("]").split(",") if rest else []
 
 
 def setting_tables(rows: Sequence[Row]) -> list[Table]:
     """One table per setting: per (model, batch size) the offline accuracy, then, where the setting ran under
     the realtime protocol, the realtime accuracy, ``C`` and the share of batches adapted on. A method run
     through a sliding window at batch 1 (``window=N``) is shown in its own row, under the batch-1 column."""
-    chosen = [replace(r, variant=unwindowed(r.variant)) for r in field_rows(rows)]
-    windows = _windows(field_rows(rows))
+    continual = field_rows(rows)
+    windows = sorted({part for r in continual for part in _options(r.variant) if part.startswith("window=")})
+    chosen = [replace(r, variant=unwindowed(r.variant)) for r in continual]
     costs = method_costs(chosen)
     tables = []
     for setting in sorted({row_setting(r) for r in chosen}, key=_setting_rank):
