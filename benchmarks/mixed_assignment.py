@@ -36,6 +36,12 @@ source's descriptors, whose covariance (the content's spread) ``--whiten-descrip
 A component that takes its first image starts from a copy of the first component's state. The offline
 assignment is not a method: the numbers bound what an assignment of the kind could give.
 
+``--beta B`` (default 1) blends each image's component with one shared state: every recalibrated layer also
+keeps a ``target="stream"`` state stepped by every image of every batch, and maps each image as ``(1 - B)``
+times the shared state's map plus ``B`` times its component's (:class:`SharedBlend`; ``--beta 0`` is
+``target="stream"``). A clustering that splits one domain by content maps each part onto the whole
+source distribution; the blend keeps half of the shared state's map there.
+
     AQR_DATA_DIR=... python benchmarks/mixed_assignment.py --setting mixed_domains --labels stream \\
         --descriptors desc.npz
     AQR_DATA_DIR=... python benchmarks/mixed_assignment.py --setting mixed_domains --labels kmeans --k 8 \\
@@ -45,16 +51,20 @@ assignment is not a method: the numbers bound what an assignment of the kind cou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from aqr.adapt.stream import mixed
+from aqr.adapt.stream.base import all_finite
+from aqr.adapt.stream.running import LayerStream
 from aqr.data import to_float
 from aqr.data.streams import StreamOrder
 from aqr.harness import continual
@@ -87,6 +97,45 @@ class LabelAssigner:
     def commit(self, assignment: mixed.Assignment) -> None:
         if assignment.spawned is not None:
             self.started.append(assignment.spawned)
+
+
+class SharedBlend:
+    """Each layer's components blended with one shared ``target="stream"`` state that every image steps: an
+    image mapped as ``(1 - beta)`` times the shared state's map plus ``beta`` times its component's. Installed on
+    :class:`aqr.adapt.stream.mixed.MixedLayerStream` while :meth:`installed` is entered."""
+
+    def __init__(self, beta: float) -> None:
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"--beta must be in [0, 1], got {beta}")
+        self.beta = beta
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Every mixed layer state steps and commits a shared state beside its components, and blends (until
+        the block ends)."""
+
+        step, commit, beta = mixed.MixedLayerStream.batch_step, mixed.MixedLayerStream.commit_batch, self.beta
+
+        def blended_step(layer: mixed.MixedLayerStream, x: torch.Tensor, batch: object, pre: object = None):
+            if not hasattr(layer, "shared"):
+                layer.shared = LayerStream(layer.source, layer.settings, layer.kernels, layer.parts[0].batch_knots)
+            y, staged, finite = step(layer, x, batch, pre)
+            shared, shared_staged, shared_finite = layer.shared.flagged_step(x, batch.images, pre)
+            if y is None or shared is None:
+                return None, None, False
+            return torch.lerp(shared, y, beta), (staged, shared_staged), all_finite(finite, shared_finite)
+
+        def blended_commit(layer: mixed.MixedLayerStream, staged: tuple, batch: object) -> None:
+            commit(layer, staged[0], batch)
+            layer.shared.commit(staged[1])
+
+        mixed.MixedLayerStream.batch_step = blended_step  # type: ignore[method-assign]
+        mixed.MixedLayerStream.commit_batch = blended_commit  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            mixed.MixedLayerStream.batch_step = step  # type: ignore[method-assign]
+            mixed.MixedLayerStream.commit_batch = commit  # type: ignore[method-assign]
 
 
 def saved_layers(path: Path, first: int | None) -> list[np.ndarray]:
@@ -193,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tau", type=float, default=2.0)
     parser.add_argument("--whiten-descriptors", type=Path, help="--labels minibatch: whose corruptions' covariance")
     parser.add_argument("--from-layer", type=int, default=0, help="the first recalibrated layer given components")
+    parser.add_argument("--beta", type=float, default=1.0, help="the component's share of each image's map, the "
+                        "rest a shared stream state's (1: the component alone)")
     parser.add_argument("--cifar-c", default="cache/cifar10c")
     parser.add_argument("--cache", default="cache")
     args = parser.parse_args(argv)
@@ -251,16 +302,17 @@ def main(argv: list[str] | None = None) -> None:
     mixed.MixedLayerStream.assign = labelled  # type: ignore[method-assign]
     correct = np.zeros(len(labels), dtype=bool)
     began = time.perf_counter()
-    for start, end in zip(starts, [*starts[1:], len(labels)]):
-        batch["labels"] = torch.as_tensor(given[start:end])
-        correct[start:end] = method(to_float(images[start:end])).argmax(1).numpy() == labels[start:end]
+    with SharedBlend(args.beta).installed() if args.beta < 1.0 else contextlib.nullcontext():
+        for start, end in zip(starts, [*starts[1:], len(labels)]):
+            batch["labels"] = torch.as_tensor(given[start:end])
+            correct[start:end] = method(to_float(images[start:end])).argmax(1).numpy() == labels[start:end]
     if recorded:
         np.savez(args.descriptors, domain=domain, **{f"L{k}": torch.cat(v).numpy() for k, v in recorded.items()})
     kept = np.mean([np.bincount(given[domain == d]).max() / (domain == d).sum() for d in np.unique(domain)])
     print(f"labels: {components} components; each corruption's share in its largest component {kept:.2f} "
           f"(mean over the corruptions){agreement(given, domain)}")
     print(f"{args.model} {args.setting} labels={args.labels} k={components} "
-          f"from_layer={args.from_layer}: accuracy {100 * correct.mean():.2f} % "
+          f"from_layer={args.from_layer} beta={args.beta}: accuracy {100 * correct.mean():.2f} % "
           f"({len(labels)} images, {time.perf_counter() - began:.0f} s)")
 
 

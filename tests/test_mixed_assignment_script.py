@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "mixed_assignment.py"
@@ -51,3 +52,25 @@ def test_content_whitening_makes_the_within_domain_spread_round() -> None:
     assert labels[:64].tolist() == [0] * 64  # the first batch, before any centre
     later = labels[128:]
     assert (later == blob[128:]).all() or (later == 1 - blob[128:]).all()
+
+
+def test_shared_blend_at_beta_0_is_the_stream_target_and_its_state_moves_with_every_batch() -> None:
+    import aqr
+    from tests.models_tiny import bn_cnn, images
+
+    model = bn_cnn().eval()
+    stats = aqr.calibrate(model, [images(32, seed=s) for s in range(2)], num_quantiles=21, compile=False)
+    stream = aqr.AQR(model, stats, target="stream", compile=False)
+    components = aqr.AQR(model, stats, target="mixed", components=3, spawn=1.0, compile=False)
+    batches = [images(16, seed=10 + s) * (1 + 2 * (s % 2)) for s in range(6)]
+    with script.SharedBlend(0.0).installed():
+        blended = [components(x) for x in batches]
+    expected = [stream(x) for x in batches]
+    assert all(torch.equal(a, b) for a, b in zip(blended, expected))
+    assert script.mixed.MixedLayerStream.batch_step is not None and "blended_step" not in \
+        script.mixed.MixedLayerStream.batch_step.__qualname__  # restored after the block
+    with script.SharedBlend(1.0).installed():
+        alone = components(batches[0])
+    assert alone.shape == expected[0].shape
+    with pytest.raises(ValueError, match="beta"):
+        script.SharedBlend(1.5)
