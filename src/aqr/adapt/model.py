@@ -33,6 +33,7 @@ from aqr.adapt.config import AQRConfig, SmallBatchWarning, config_from_options
 from aqr.adapt.layer_maps import MAP_CLASSES, LayerMap
 from aqr.adapt.stream.base import all_finite
 from aqr.adapt.stream.batch import host_outcome
+from aqr.adapt.stream.build import component_router
 from aqr.adapt.stream.saved import load_running_state, load_stream_record, running_state, stream_record
 from aqr.adapt.stream.stream_maps import SharedStream, StreamBatch, StreamLayerMap
 from aqr.backends import SubsetCache
@@ -212,7 +213,7 @@ class AQR(nn.Module):
         self._target = self.config.target_kind
         self._batch: SharedStream | None = None  # the stream the layer maps share (its batches, recent classes)
         if self._target.keeps_state:
-            self._batch = SharedStream(self.config)
+            self._batch = SharedStream(self.config, component_router(self.config, stats))
             self._lock = threading.Lock()  # one batch at a time
             self._state_lock = threading.Lock()  # held while the running state changes or is read whole
             self._owner: int | None = None

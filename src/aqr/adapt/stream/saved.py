@@ -34,7 +34,10 @@ def running_state(maps: Mapping[str, StreamLayerMap], shared: SharedStream) -> d
     The caller holds the lock that keeps the state from changing meanwhile."""
     layers = {name: [stream.export_state() for stream in list(layer_map.streams.values())]
               for name, layer_map in maps.items()}
-    return {"layers": layers, "recent": torch.tensor(shared.recent, dtype=torch.int64)}
+    state: dict[str, object] = {"layers": layers, "recent": torch.tensor(shared.recent, dtype=torch.int64)}
+    if shared.router is not None:  # target="mixed": the clusters' centres, which every layer shares
+        state["clusters"] = shared.router.export_state()
+    return state
 
 
 def load_running_state(state: Mapping[str, object], maps: Mapping[str, StreamLayerMap], shared: SharedStream) -> None:
@@ -48,6 +51,10 @@ def load_running_state(state: Mapping[str, object], maps: Mapping[str, StreamLay
             or len(recent) > MARGINAL_WINDOW or bool((recent < 0).any())):
         raise ValueError(f"the state's recent classes must be an int64 vector of at most {MARGINAL_WINDOW} "
                          f"classes >= 0, got {recent!r}")
+    if shared.router is not None:
+        if "clusters" not in state:
+            raise ValueError("the state holds no clusters' state ('clusters'), which target='mixed' keeps")
+        shared.router.check_state(state["clusters"])
     plan: list[tuple[LayerStream, Mapping[str, object]]] = []
     for name, entries in layers.items():
         if not isinstance(entries, list):
@@ -74,6 +81,8 @@ def load_running_state(state: Mapping[str, object], maps: Mapping[str, StreamLay
                 stream.reset()
     for stream, values in plan:
         stream.load_state(values)
+    if shared.router is not None:
+        shared.router.load_state(state["clusters"])  # type: ignore[arg-type]
     shared.recent = recent.tolist()
 
 
