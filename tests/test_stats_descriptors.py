@@ -247,3 +247,45 @@ def test_damaged_descriptors_are_refused_at_load(tmp_path, case):
     _rewrite(path, edit)
     with pytest.raises(aqr.StatsError, match=match):
         aqr.SourceStats.load(path)
+
+
+def _cell(method="aqr", options=(), model=None):
+    from aqr.harness.presets import preset
+
+    cell = next(iter(preset("smoke", data_dir="aqr-data").cells()))
+    return dataclasses.replace(cell, method=method, options=options, **({"model": model} if model else {}))
+
+
+def test_only_mixed_target_cells_get_statistics_with_descriptors_in_their_own_file(monkeypatch):
+    import aqr.harness.source_stats as source_stats
+
+    monkeypatch.setattr(source_stats, "fingerprints", lambda cell: {"weights": "w", "source": "s"})
+    stream, mixed = _cell(options=(("target", "stream"),)), _cell(options=(("target", "mixed"),))
+    # the name the stream cell's file had before descriptors existed: its cache is not recomputed
+    frozen = "resnet20-K101-3d16cbf98c33f22a2d4f.aqr.safetensors"
+    assert source_stats.stats_path(stream, "cache").name == frozen
+    assert source_stats.stats_path(_cell(), "cache").name == frozen
+    assert source_stats.stats_path(mixed, "cache").name != frozen
+    assert "descriptors" not in source_stats.stats_options(stream)
+    assert source_stats.stats_options(mixed)["descriptors"] is True
+
+
+def test_the_harness_and_the_cli_calibrate_descriptors_when_asked(tmp_path):
+    from aqr.cli import main
+    from aqr.harness.cells import ModelSpec
+    from aqr.harness.source_stats import compute_stats
+    from tests.models_tiny import tiny_checkpoint_and_images
+
+    ckpt, npz, _ = tiny_checkpoint_and_images(tmp_path, 24)
+    model = ModelSpec("tiny", str(ckpt), None, str(npz), "0:24")
+    stats = compute_stats(_cell(options=(("target", "mixed"),), model=model), threads=1)
+    assert stats.descriptors is not None and stats.descriptors.images == 24
+    assert compute_stats(_cell(options=(("target", "stream"),), model=model), threads=1).descriptors is None
+    out = tmp_path / "cli.safetensors"
+    argv = ["calibrate", str(ckpt), "--data", str(npz), "--out", str(out), "-K", "11", "--no-progress"]
+    assert main([*argv, "--descriptors"]) == 0
+    described = aqr.SourceStats.load(out).descriptors
+    assert described is not None and described.images == 24
+    assert described.layers == stats.descriptors.layers
+    assert main(argv) == 0
+    assert aqr.SourceStats.load(out).descriptors is None
