@@ -200,6 +200,28 @@ def minibatch_labels(x: np.ndarray, k: int, batch: int = 64) -> np.ndarray:
     return out
 
 
+def draw_clusters(given: np.ndarray, domain: np.ndarray, names: list[str], path: Path, title: str) -> None:
+    """A heat map of each corruption's share of its images in each cluster (a column 0 of ``--labels stream``:
+    the shared state alone, before the centres were seeded), written to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds, clusters = np.unique(domain), int(given.max()) + 1
+    share = np.stack([np.bincount(given[domain == d], minlength=clusters) / (domain == d).sum() for d in kinds])
+    fig, ax = plt.subplots(figsize=(1.2 + 0.45 * clusters, 0.9 + 0.32 * len(kinds)))
+    image = ax.imshow(share, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    ax.set_yticks(range(len(kinds)), [names[int(d)] if int(d) < len(names) else str(d) for d in kinds], fontsize=8)
+    ax.set_xticks(range(clusters), [str(c) for c in range(clusters)], fontsize=8)
+    ax.set_xlabel("cluster")
+    ax.set_title(title, fontsize=8)
+    fig.colorbar(image, ax=ax, label="share of the corruption's images")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet20_trainstats")
@@ -213,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--whiten-descriptors", type=Path, help="--labels minibatch: whose corruptions' covariance")
     parser.add_argument("--blend", type=float, default=1.0, help="the target's blend: the cluster's share of "
                         "each image's map, the rest the shared state's (1: the cluster's alone)")
+    parser.add_argument("--figure", type=Path, help="draw where each corruption's images went (PNG; matplotlib)")
     parser.add_argument("--cifar-c", default="cache/cifar10c")
     parser.add_argument("--cache", default="cache")
     args = parser.parse_args(argv)
@@ -277,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
         np.savez(args.descriptors, domain=domain, **{f"L{k}": torch.cat(v).numpy() for k, v in recorded.items()})
     if given is None:
         given = np.concatenate(chosen) + 1  # 0: the shared state alone
+    if args.figure is not None:
+        draw_clusters(given, domain, [b[0] for b in blocks], args.figure,
+                      f"{args.model}, {args.setting}, labels={args.labels}: {100 * correct.mean():.2f} %")
     kept = np.mean([np.bincount(given[domain == d]).max() / (domain == d).sum() for d in np.unique(domain)])
     print(f"labels: {components} components; each corruption's share in its largest component {kept:.2f} "
           f"(mean over the corruptions){agreement(given, domain)}")
