@@ -194,6 +194,14 @@ def test_statistics_without_descriptors_are_refused_in_one_line() -> None:
         aqr.AQR(model, stats, target="mixed", compile=False)
 
 
+def test_a_descriptor_layer_left_out_of_the_recalibrated_ones_is_refused_by_name() -> None:
+    model, stats = calibrated("bn")
+    first = stats.descriptors.layers[0]
+    rest = [name for name in stats.layer_names if name != first]
+    with pytest.raises(ValueError, match=f"does not recalibrate \\['{first}'\\]"):
+        aqr.AQR(model, stats, target="mixed", layers=rest, compile=False)
+
+
 def test_off_the_cpu_it_says_it_runs_on_the_cpu_only() -> None:
     model, stats = calibrated("bn")
     adapter = aqr.AQR(model, stats, target="mixed", compile=False, native=False)

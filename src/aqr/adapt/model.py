@@ -219,6 +219,8 @@ class AQR(nn.Module):
             self._owner: int | None = None
         # "skip" needs no check; "raise" is checked on the logits in forward
         self._maps = build_layer_maps(stats, self.config, logits_checked=True, batch=self._batch)
+        if self._batch is not None and self._batch.router is not None:
+            self._batch.router.check_layers(list(self._maps))
         object.__setattr__(self, "_twin", recalibrated_twin(model, self._maps))  # not a submodule
         self._reach_checked = False
         self._small_batch_warned = False  # SmallBatchWarning is shown once per wrapper

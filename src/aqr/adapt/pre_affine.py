@@ -125,6 +125,8 @@ class PreAffineAQR:
         # "raise" is checked at each layer (on a GPU too: the logits of a batch target are not checked);
         # "skip" leaves a non-finite channel unmapped without reading a flag back from a GPU
         self.maps = build_layer_maps(stats, config, logits_checked=config.on_nonfinite == "skip", batch=self.batch)
+        if self.batch is not None and self.batch.router is not None:
+            self.batch.router.check_layers(list(self.maps))
         modules = dict(model.named_modules())
         for name, layer_map in self.maps.items():
             module = modules[name]

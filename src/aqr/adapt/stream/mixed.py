@@ -126,6 +126,14 @@ class ComponentRouter:
                              "(aqr calibrate --descriptors)")
         return cls(descriptors, config.components)
 
+    def check_layers(self, recalibrated: list[str]) -> None:
+        """Raise ``ValueError`` unless every descriptor layer is among the ``recalibrated`` layers (a layer left
+        out would never give its descriptors, and no image would ever be clustered)."""
+        missing = [name for name in self.layers if name not in recalibrated]
+        if missing:
+            raise ValueError(f"target='mixed' reads its images' descriptors at {list(self.layers)}, but this AQR "
+                             f"does not recalibrate {missing}: recalibrate them too (layers=...)")
+
     def reset(self) -> None:
         """No centre: the next :data:`SEED_IMAGES` images seed them."""
         d = self.mean.numel()
