@@ -5,11 +5,12 @@ image's cluster given from outside, offline.
 by a k-means of each image's descriptors at the first third of the recalibrated layers, and maps each image
 with a blend of its cluster's map and the shared state's (``aqr.adapt.stream.mixed``). This script
 separates the clustering from the rest: it replays a field cell (batch 64, online) with ``target="mixed"``
-whose clusters are named by a label per image instead of its k-means (the first third of the layers map
-with the shared state, as always), and prints the stream's accuracy. ``--blend`` is the target's ``blend``
+whose clusters are named by a label per image instead of its k-means (``--labels own`` keeps the
+k-means; the first third of the layers map with the shared state, as always), and prints the stream's
+accuracy. ``--blend`` is the target's ``blend``
 (1: the cluster's map alone; 0: ``target="stream"``). The labels (``--labels``):
 
-- ``stream``: the target's own k-means; this run also records each image's descriptor
+- ``own``: the target's own k-means; this run also records each image's descriptor
   (:func:`aqr.core.descriptors.image_descriptors`) at every layer, which the other labels need, in
   ``--descriptors`` (with ``--blend 0`` it is ``target="stream"``, value for value);
 - ``domain``: the true corruption of each image (an oracle: no method knows it);
@@ -30,10 +31,10 @@ with the shared state, as always), and prints the stream's accuracy. ``--blend``
   (``--setting clean``'s: the source images' covariance, as the target's own whitening).
 
 ``--setting clean`` runs the last 2,560 clean CIFAR-10 test images (``$AQR_DATA_DIR/cifar10_test.npz``) in
-batches of 64 instead of a field cell: with ``--labels stream --descriptors clean.npz`` it records the
+batches of 64 instead of a field cell: with ``--labels own --descriptors clean.npz`` it records the
 source's descriptors.
 
-    AQR_DATA_DIR=... python benchmarks/mixed_assignment.py --setting mixed_domains --labels stream \\
+    AQR_DATA_DIR=... python benchmarks/mixed_assignment.py --setting mixed_domains --labels own \\
         --descriptors desc.npz
     AQR_DATA_DIR=... python benchmarks/mixed_assignment.py --setting mixed_domains --labels domain
 """
@@ -201,7 +202,7 @@ def minibatch_labels(x: np.ndarray, k: int, batch: int = 64) -> np.ndarray:
 
 
 def draw_clusters(given: np.ndarray, domain: np.ndarray, names: list[str], path: Path, title: str) -> None:
-    """A heat map of each corruption's share of its images in each cluster (a column 0 of ``--labels stream``:
+    """A heat map of each corruption's share of its images in each cluster (a column 0 of ``--labels own``:
     the shared state alone, before the centres were seeded), written to ``path``."""
     import matplotlib
 
@@ -226,8 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet20_trainstats")
     parser.add_argument("--setting", default="mixed_domains")
-    parser.add_argument("--labels", choices=("stream", "domain", "kmeans", "centroid", "online", "minibatch"), default="stream")
-    parser.add_argument("--descriptors", type=Path, help="where --labels stream saves them; --labels kmeans reads them")
+    parser.add_argument("--labels", choices=("own", "domain", "kmeans", "centroid", "online", "minibatch"), default="own")
+    parser.add_argument("--descriptors", type=Path, help="where --labels own saves them; the other labels read them")
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--pca", type=int, default=16)
     parser.add_argument("--desc-layers", type=int, default=None, help="the descriptors of the first N layers (all)")
@@ -240,8 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache", default="cache")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.labels not in ("stream", "domain") and args.descriptors is None:
-        sys.exit(f"--labels {args.labels} needs --descriptors (saved by a --labels stream run)")
+    if args.labels not in ("own", "domain") and args.descriptors is None:
+        sys.exit(f"--labels {args.labels} needs --descriptors (saved by a --labels own run)")
 
     grid = apply_setting(preset("field", cifar_c=args.cifar_c), "mixed_domains" if args.setting == "clean" else args.setting)
     cells = [c for c in grid.cells() if c.model.name == args.model and c.batch_size == 64 and c.protocol == "online"]
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         images, labels = clean["x"][-2560:], clean["y"][-2560:]
         starts, domain = list(range(0, len(labels), 64)), np.zeros(len(labels), dtype=np.int64)
     given = None
-    if args.labels == "stream":
+    if args.labels == "own":
         pass
     elif args.labels == "domain":
         given = domain.astype(np.int64)
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
 
     batch: dict[str, torch.Tensor] = {}
     recorded: dict[int, list[torch.Tensor]] = {}
-    chosen: list[np.ndarray] = []  # --labels stream: the clusters the target chose (-1: the shared state alone)
+    chosen: list[np.ndarray] = []  # --labels own: the clusters the target chose (-1: the shared state alone)
     correct = np.zeros(len(labels), dtype=bool)
     began = time.perf_counter()
     with contextlib.ExitStack() as patches:

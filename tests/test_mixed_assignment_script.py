@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "mixed_assignment.py"
@@ -58,3 +59,12 @@ def test_content_whitening_makes_the_within_domain_spread_round() -> None:
     assert labels[:64].tolist() == [0] * 64  # the first batch, before any centre
     later = labels[128:]
     assert (later == blob[128:]).all() or (later == 1 - blob[128:]).all()
+
+
+def test_the_clusters_figure_is_drawn_from_each_corruptions_shares(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    given = np.array([0, 1, 1, 2, 2, 2])
+    domain = np.array([0, 0, 0, 1, 1, 1])
+    path = tmp_path / "clusters.png"
+    script.draw_clusters(given, domain, ["noise", "blur"], path, "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

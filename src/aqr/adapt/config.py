@@ -395,7 +395,7 @@ class AQRConfig:
     balance: float = option(1.0, ROBUST)
     recent_horizon: float = option(64.0, ROBUST)
     components: int = option(8, MIXED)
-    blend: float = option(0.5, MIXED)
+    blend: float = option(0.3, MIXED)
 
     def __post_init__(self) -> None:
         if self.match not in MATCHES:
