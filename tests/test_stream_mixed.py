@@ -209,3 +209,50 @@ def test_off_the_cpu_it_says_it_runs_on_the_cpu_only() -> None:
     stream = layer.stream(torch.device("meta"))
     with pytest.raises(ValueError, match="CPU only"):
         stream._assignment(torch.zeros(4, 3, 2, device="meta"), 4, None)
+
+
+def test_an_overflowing_descriptor_joins_no_cluster_and_moves_no_centre() -> None:
+    r = router(2)
+    r.begin()
+    r.record("a", blobs(SEED_IMAGES // 2, [[0.0, 0.0], [5.0, 5.0]], seed=3))
+    r.commit()
+    before = r.export_state()
+    r.begin()
+    r.record("a", torch.tensor([[0.0, 0.1], [float("inf"), 0.0]]))
+    assert r.assignment().of[1] == -1 and [k for k, _ in r.assignment().members] == [int(r.assignment().of[0])]
+    r.commit()
+    assert bool(torch.isfinite(r.centres).all()) and float(r.counts.sum()) == float(before["counts"].sum()) + 1
+    huge = aqr.AQR(*calibrated("bn"), target="mixed", compile=False)
+    for seed in range(6):  # finite values whose spread overflows: the stream goes on, its state stays loadable
+        x = shifted(16, seed)
+        x[0] = 1e20 * (-1) ** torch.arange(x[0].numel()).view(x[0].shape)
+        huge(x)
+    assert huge._batch.router.seeded and bool(torch.isfinite(huge._batch.router.centres).all())
+
+
+def test_a_moved_centre_starts_its_states_again_from_the_shared_one() -> None:
+    model, stats = calibrated("bn")
+    adapter = aqr.AQR(model, stats, target="mixed", components=3, compile=False)
+    for seed in range(10):
+        adapter(torch.cat([images(8, seed=seed), shifted(8, 2 * seed + 1)]))
+    router = adapter._batch.router
+    layer = next(m.streams[torch.device("cpu")] for m in adapter._maps.values()
+                 if m.streams[torch.device("cpu")].parts)
+    k = next(k for k in range(3) if layer.parts[k].started)
+    assert not layer._starts(k)
+    router.generation[k] += 1  # as a stranded centre's move does
+    assert layer._starts(k)
+    adapter(torch.cat([images(8, seed=50), shifted(8, 101)]))
+    assert int(layer.generations[k]) == int(router.generation[k]) or not layer.parts[k].started
+
+
+def test_a_state_is_refused_by_an_aqr_of_other_descriptor_statistics() -> None:
+    model, stats = calibrated("bn")
+    adapter = aqr.AQR(model, stats, target="mixed", compile=False)
+    adapter(shifted(16, 1))
+    other = aqr.calibrate(model, [images(64, seed=s) for s in range(2)], num_quantiles=21, compile=False,
+                          descriptors=True)
+    other.descriptors = DescriptorStats(stats.descriptors.layers, stats.descriptors.mean + 1,
+                                        stats.descriptors.whitening, stats.descriptors.images)
+    with pytest.raises(RuntimeError, match="other source statistics"):
+        aqr.AQR(model, other, target="mixed", compile=False).load_state_dict(adapter.state_dict())

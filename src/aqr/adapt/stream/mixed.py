@@ -63,8 +63,8 @@ ROUTER_SEED = 0  # the seed of the centres' draws: the same stream gives the sam
 
 @dataclass(frozen=True)
 class Assignment:
-    """One batch's images grouped by cluster: ``of`` ``(N,)`` each image's cluster (CPU, int64) and ``members``
-    ``[(cluster, images' indices)]`` in cluster order."""
+    """One batch's images grouped by cluster: ``of`` ``(N,)`` each image's cluster (CPU, int64; -1: none, the
+    shared state's map alone) and ``members`` ``[(cluster, images' indices)]`` in cluster order."""
 
     of: torch.Tensor
     members: tuple[tuple[int, torch.Tensor], ...]
@@ -72,7 +72,7 @@ class Assignment:
     @classmethod
     def of_components(cls, of: torch.Tensor) -> Assignment:
         """The assignment ``of`` (each image's cluster), its members worked out."""
-        members = tuple((int(k), (of == k).nonzero().view(-1)) for k in torch.unique(of).tolist())
+        members = tuple((int(k), (of == k).nonzero().view(-1)) for k in torch.unique(of).tolist() if k >= 0)
         return cls(of, members)
 
 
@@ -143,6 +143,8 @@ class ComponentRouter:
         self.pending = torch.zeros(0, d, dtype=torch.float64)  # the whitened descriptors before the seeding
         self.batches = 0  # batches committed since the seeding
         self.since = 0  # batches since the last check for stranded centres
+        # how often each centre was moved onto a new image: a layer's state of an older generation starts again
+        self.generation = torch.zeros(self.components, dtype=torch.int64)
 
     # ---- the batch in flight -----------------------------------------------------------------
     def begin(self) -> None:
@@ -165,6 +167,8 @@ class ComponentRouter:
             self._whitened = (joined - self.mean) @ self.whitening
             if self.seeded:
                 of = squared_distances(self._whitened, self.centres).argmin(dim=1)
+                # an image whose descriptor overflowed (finite values of 1e20 have an infinite spread) joins none
+                of = of.masked_fill(~torch.isfinite(self._whitened).all(dim=1), -1)
                 self._assignment = Assignment.of_components(of)
         return self._assignment
 
@@ -175,6 +179,9 @@ class ComponentRouter:
         z = self._whitened
         if z is None:
             return  # a forward pass that skipped a descriptor layer: nothing to learn from
+        z = z[torch.isfinite(z).all(dim=1)]  # an overflowed descriptor moves no centre
+        if len(z) == 0:
+            return
         if not self.seeded:
             self.pending = torch.cat([self.pending, z])
             if len(self.pending) < max(SEED_IMAGES, self.components):
@@ -205,6 +212,7 @@ class ComponentRouter:
             if len(stranded):
                 pick = torch.randperm(len(z), generator=self._generator())[: len(stranded)]
                 self.centres[stranded[: len(pick)]] = z[pick]
+                self.generation[stranded[: len(pick)]] += 1
                 rest = self.counts[self.counts >= REASSIGN_RATIO * self.counts.max()]
                 self.counts[stranded[: len(pick)]] = rest.min() if len(rest) else 1.0
 
@@ -212,11 +220,12 @@ class ComponentRouter:
     def export_state(self) -> dict[str, object]:
         """The router's state as plain values (tensors cloned): what :meth:`load_state` takes back."""
         return {"centres": self.centres.clone(), "counts": self.counts.clone(), "seeded": self.seeded,
-                "pending": self.pending.clone(), "batches": self.batches, "since": self.since}
+                "pending": self.pending.clone(), "batches": self.batches, "since": self.since,
+                "generation": self.generation.clone()}
 
     def check_state(self, values: object) -> None:
         """Raise ``ValueError`` unless ``values`` is a state :meth:`export_state` of a router like this gave."""
-        names = {"centres", "counts", "seeded", "pending", "batches", "since"}
+        names = {"centres", "counts", "seeded", "pending", "batches", "since", "generation"}
         if not isinstance(values, Mapping) or set(values) != names:
             raise ValueError(f"the clusters' state must have the parts {sorted(names)}")
         k, d = self.centres.shape
@@ -226,6 +235,10 @@ class ComponentRouter:
                 raise ValueError(f"the clusters' state {name!r}: expected a float64 tensor {shape}")
             if not bool(torch.isfinite(t).all()) or (name == "counts" and bool((t < 0).any())):
                 raise ValueError(f"the clusters' state {name!r} holds NaN, Inf or negative counts")
+        generation = values["generation"]
+        if (not isinstance(generation, torch.Tensor) or tuple(generation.shape) != (k,)
+                or generation.dtype != torch.int64 or bool((generation < 0).any())):
+            raise ValueError(f"the clusters' state 'generation': expected {k} int64 counts >= 0")
         pending = values["pending"]
         if (not isinstance(pending, torch.Tensor) or pending.ndim != 2 or pending.shape[1] != d
                 or pending.dtype != torch.float64 or not bool(torch.isfinite(pending).all())):
@@ -242,6 +255,7 @@ class ComponentRouter:
         self.centres = values["centres"].clone()  # type: ignore[union-attr]
         self.counts = values["counts"].clone()  # type: ignore[union-attr]
         self.pending = values["pending"].clone()  # type: ignore[union-attr]
+        self.generation = values["generation"].clone()  # type: ignore[union-attr]
         self.seeded = bool(values["seeded"])
         self.batches = int(values["batches"])  # type: ignore[call-overload]
         self.since = int(values["since"])  # type: ignore[call-overload]
@@ -302,7 +316,19 @@ class MixedLayerStream:
         self.shared = LayerStream(source, settings, kernels, batch_knots)
         clusters = 0 if route.describes else route.router.components
         self.parts = [LayerStream(source, settings, kernels, batch_knots) for _ in range(clusters)]
+        # the router's generation of each cluster when its state here started (an older one starts again)
+        self.generations = torch.zeros(clusters, dtype=torch.int64)
         self.source = self.shared.source
+
+    @property
+    def knots(self) -> torch.Tensor:
+        """The shared state's running knots (what a gradient through the map reads)."""
+        return self.shared.knots
+
+    def _starts(self, k: int) -> bool:
+        """Whether cluster ``k``'s state here starts (again) from the shared one: it has none, or its centre was
+        moved onto a new image since it started."""
+        return not self.parts[k].started or int(self.generations[k]) != int(self.route.router.generation[k])
 
     @classmethod
     def from_config(cls, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
@@ -366,7 +392,7 @@ class MixedLayerStream:
         y = y.contiguous()
         rows = y.view(images, -1)
         for k, index in assignment.members:
-            starts = not self.parts[k].started
+            starts = self._starts(k)
             mapped, step, ok = self._view(self.shared if starts else self.parts[k]).flagged_step(
                 _select(x, images, index), len(index), pre)
             if ok is False or mapped is None:
@@ -388,7 +414,7 @@ class MixedLayerStream:
         y = y.contiguous()
         rows = y.view(images, -1)
         for k, index in assignment.members:
-            if not self.parts[k].started:
+            if self._starts(k):
                 continue
             mapped, ok = self._view(self.parts[k]).flagged_held(_select(x, images, index), len(index), pre)
             if ok is False or mapped is None:
@@ -404,6 +430,7 @@ class MixedLayerStream:
         for k, starts, _ in staged.parts:
             if starts:
                 self.parts[k].load_state(self.shared.export_state())
+                self.generations[k] = self.route.router.generation[k]
         for k, _, step in staged.parts:
             self.parts[k].commit(step)
         self.shared.commit(staged.shared)
@@ -416,13 +443,15 @@ class MixedLayerStream:
         self.shared.reset()
         for part in self.parts:
             part.reset()
+        self.generations.zero_()
         self.route.router.reset()
 
     def export_state(self) -> dict[str, object]:
         """The running state as plain values: ``"knots"`` (the shared state's, naming the device), the shared
         state's :meth:`LayerStream.export_state` under ``"shared.<name>"`` and each cluster's under
         ``"<k>.<name>"``."""
-        values: dict[str, object] = {"knots": self.shared.knots.detach().clone()}
+        values: dict[str, object] = {"knots": self.shared.knots.detach().clone(),
+                                     "generations": self.generations.clone()}
         values.update({SHARED + name: value for name, value in self.shared.export_state().items()})
         for k, part in enumerate(self.parts):
             values.update({f"{k}.{name}": value for name, value in part.export_state().items()})
@@ -436,7 +465,7 @@ class MixedLayerStream:
         shared: dict[str, object] = {}
         parts: list[dict[str, object]] = [{} for _ in self.parts]
         for name, value in values.items():
-            if name == "knots":
+            if name in ("knots", "generations"):
                 continue
             if name.startswith(SHARED):
                 shared[name[len(SHARED):]] = value
@@ -450,6 +479,10 @@ class MixedLayerStream:
     def check_state(self, values: Mapping[str, object]) -> None:
         """Raise ``ValueError`` unless ``values`` is a state :meth:`export_state` of a state like this one gave."""
         shared, parts = self._split(values)
+        generations = values.get("generations")
+        if (not isinstance(generations, torch.Tensor) or tuple(generations.shape) != (len(self.parts),)
+                or generations.dtype != torch.int64 or bool((generations < 0).any())):
+            raise ValueError(f"a mixed stream state's 'generations': expected {len(self.parts)} int64 counts >= 0")
         self.shared.check_state(shared)
         for k, (part, state) in enumerate(zip(self.parts, parts)):
             try:
@@ -461,6 +494,7 @@ class MixedLayerStream:
         """Take the running state ``values`` (from :meth:`export_state`; checked first)."""
         self.check_state(values)
         shared, parts = self._split(values)
+        self.generations = values["generations"].clone()  # type: ignore[union-attr]
         self.shared.load_state(shared)
         for part, state in zip(self.parts, parts):
             part.load_state(state)

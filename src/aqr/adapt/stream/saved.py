@@ -18,6 +18,7 @@ from dataclasses import fields
 import torch
 
 from aqr.adapt.config import AQRConfig
+from aqr.adapt.stream.mixed import ComponentRouter
 from aqr.adapt.stream.robust import MARGINAL_WINDOW
 from aqr.adapt.stream.running import LayerStream
 from aqr.adapt.stream.stream_maps import SharedStream, StreamLayerMap
@@ -96,8 +97,10 @@ def config_record(config: AQRConfig) -> dict[str, object]:
     return record
 
 
-def source_digest(maps: Mapping[str, StreamLayerMap]) -> str:
-    """A sha256 of what each layer maps onto: its name, tail strategy and source knots (the groups' too)."""
+def source_digest(maps: Mapping[str, StreamLayerMap], router: ComponentRouter | None = None) -> str:
+    """A sha256 of what each layer maps onto: its name, tail strategy and source knots (the groups' too), and
+    where ``router`` is given (``target="mixed"``) the space its centres live in (the descriptors' mean and
+    whitening)."""
     digest = hashlib.sha256()
     for name, layer_map in maps.items():
         digest.update(f"{name}\0{layer_map.tail}\0".encode())
@@ -106,13 +109,17 @@ def source_digest(maps: Mapping[str, StreamLayerMap]) -> str:
                 t = t.detach().to("cpu", torch.float32).contiguous()
                 digest.update(f"{tuple(t.shape)}\0".encode())
                 digest.update(t.numpy().tobytes())
+    if router is not None:
+        for t in (router.mean, router.whitening):
+            digest.update(f"{tuple(t.shape)}\0".encode())
+            digest.update(t.to(torch.float64).contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
 def stream_record(config: AQRConfig, maps: Mapping[str, StreamLayerMap], shared: SharedStream) -> dict[str, object]:
     """:func:`running_state` with what identifies the stream: the entry of :meth:`aqr.AQR.state_dict`."""
     return {"format": FORMAT, "version": VERSION, "target": config.target, "config": config_record(config),
-            "source": source_digest(maps), **running_state(maps, shared)}
+            "source": source_digest(maps, shared.router), **running_state(maps, shared)}
 
 
 def load_stream_record(record: object, config: AQRConfig, maps: Mapping[str, StreamLayerMap],
@@ -134,7 +141,7 @@ def load_stream_record(record: object, config: AQRConfig, maps: Mapping[str, Str
     differ += [f"{k}={v!r} (not an option of this aqr)" for k, v in saved.items() if k not in mine]
     if differ:
         raise ValueError(f"the running state was saved with other options: {', '.join(differ)}")
-    if record.get("source") != source_digest(maps):
-        raise ValueError("the running state was saved for other source statistics (the layers' source knots "
-                         "differ): build the AQR with the statistics it was saved with")
+    if record.get("source") != source_digest(maps, shared.router):
+        raise ValueError("the running state was saved for other source statistics (the layers' source knots or "
+                         "the descriptors' whitening differ): build the AQR with the statistics it was saved with")
     load_running_state(record, maps, shared)
