@@ -183,8 +183,10 @@ def main() -> None:
     data = Path(data)
     model = models.load("resnet20", checkpoint=data / "checkpoints" / "akamaster" / "resnet20-12fca82f.th").eval()
     clean, labels = load_npz_arrays(data / "cifar10_test.npz")
-    stats = aqr.calibrate(model, to_float(clean[: args.calib_images]).split(500))
     rows = [(r.split(":")[0], int(r.split(":")[1])) for r in args.rows]
+    # target="mixed" whitens its images' descriptors by their spread over the source images
+    stats = aqr.calibrate(model, to_float(clean[: args.calib_images]).split(500),
+                          descriptors=any(mode == "mixed" for mode, _ in rows))
     per_round = max(args.images, args.min_batches * max(b for _, b in rows))
     start = args.calib_images
     n_images = args.warmup + per_round

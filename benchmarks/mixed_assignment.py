@@ -1,15 +1,18 @@
-"""How well ``target="mixed"`` could do with a better assignment: the field's streams replayed with each
-image's component given from outside, offline.
+"""How well ``target="mixed"`` could do with a better clustering: the field's streams replayed with each
+image's cluster given from outside, offline.
 
-``target="mixed"`` keeps per layer several running states (components) and maps each image with the one its
-descriptor picks (``aqr.adapt.stream.mixed``). This script separates the two halves of that design: it
-replays a field cell (batch 64, online) with the components named by a label per image, one label shared by
-every layer from ``--from-layer`` on (the earlier layers map every image with one state, as
-``target="stream"``), and prints the stream's accuracy. The labels (``--labels``):
+``target="mixed"`` keeps per layer a shared running state and one per cluster of images, the clusters chosen
+by a k-means of each image's descriptors at the first third of the recalibrated layers, and maps each image
+with a blend of its cluster's map and the shared state's (``aqr.adapt.stream.mixed``). This script
+separates the clustering from the rest: it replays a field cell (batch 64, online) with ``target="mixed"``
+whose clusters are named by a label per image instead of its k-means (``--labels own`` keeps the
+k-means; the first third of the layers map with the shared state, as always), and prints the stream's
+accuracy. ``--blend`` is the target's ``blend``
+(1: the cluster's map alone; 0: ``target="stream"``). The labels (``--labels``):
 
-- ``stream``: one label for every image (``components=1``, which is ``target="stream"`` value for value);
-  this run also records each image's descriptor (:func:`aqr.adapt.stream.mixed.image_descriptors`) at every
-  layer, which the ``kmeans`` labels need, in ``--descriptors``;
+- ``own``: the target's own k-means; this run also records each image's descriptor
+  (:func:`aqr.core.descriptors.image_descriptors`) at every layer, which the other labels need, in
+  ``--descriptors`` (with ``--blend 0`` it is ``target="stream"``, value for value);
 - ``domain``: the true corruption of each image (an oracle: no method knows it);
 - ``kmeans``: k-means (``--k`` clusters) of the images' descriptors of the first ``--desc-layers`` layers
   (default all), each layer's z-scored and weighted by one over the square root of its width,
@@ -18,34 +21,22 @@ every layer from ``--from-layer`` on (the earlier layers map every image with on
   scikit-learn;
 - ``centroid``: the nearest of the 15 corruptions' centroids in that whitened space, the centroids taken
   from the true corruptions (an oracle of how far the descriptors tell the corruptions apart);
-- ``online``: a causal clustering of the same concatenation (not z-scored: the descriptors are already
-  standardized by the source), batch by batch: each image to the nearest centre by the median squared
-  difference; the farthest image of a batch starts a new centre (up to ``--k``) where it lies more than
-  ``--tau`` times the running mean distance of the images to their centres; centres and that mean are
-  running means over 500 images;
-- ``minibatch``: a causal mini-batch k-means (``--k`` clusters, scikit-learn's ``MiniBatchKMeans``: each
-  batch labelled by the centres before it, then taken into them; the first batch all in cluster 0) of
-  the same concatenation whitened by the pooled within-corruption covariance, the images' spread that
-  their content makes (an oracle: that covariance comes from the true corruptions; of the descriptors file
-  ``--whiten-descriptors`` where given, e.g. the mixed stream's for a continual run, else of this stream's).
+- ``online``: a causal leader clustering of the concatenated descriptors, batch by batch: each image to the
+  nearest centre by the median squared difference; the farthest image of a batch starts a new centre (up
+  to ``--k``) where it lies more than ``--tau`` times the running mean distance of the images to their
+  centres; centres and that mean are running means over 500 images;
+- ``minibatch``: scikit-learn's causal ``MiniBatchKMeans`` (``--k`` clusters: each batch labelled by the
+  centres before it, then taken into them; the first batch all in cluster 0) of the same concatenation
+  whitened by the pooled within-corruption covariance of the descriptors file ``--whiten-descriptors``
+  (``--setting clean``'s: the source images' covariance, as the target's own whitening).
 
 ``--setting clean`` runs the last 2,560 clean CIFAR-10 test images (``$AQR_DATA_DIR/cifar10_test.npz``) in
-batches of 64 instead of a field cell: with ``--labels stream --descriptors clean.npz`` it records the
-source's descriptors, whose covariance (the content's spread) ``--whiten-descriptors clean.npz`` takes.
+batches of 64 instead of a field cell: with ``--labels own --descriptors clean.npz`` it records the
+source's descriptors.
 
-A component that takes its first image starts from a copy of the first component's state. The offline
-assignment is not a method: the numbers bound what an assignment of the kind could give.
-
-``--beta B`` (default 1) blends each image's component with one shared state: every recalibrated layer also
-keeps a ``target="stream"`` state stepped by every image of every batch, and maps each image as ``(1 - B)``
-times the shared state's map plus ``B`` times its component's (:class:`SharedBlend`; ``--beta 0`` is
-``target="stream"``). A clustering that splits one domain by content maps each part onto the whole
-source distribution; the blend keeps half of the shared state's map there.
-
-    AQR_DATA_DIR=... python benchmarks/mixed_assignment.py --setting mixed_domains --labels stream \\
+    AQR_DATA_DIR=... python benchmarks/mixed_assignment.py --setting mixed_domains --labels own \\
         --descriptors desc.npz
-    AQR_DATA_DIR=... python benchmarks/mixed_assignment.py --setting mixed_domains --labels kmeans --k 8 \\
-        --descriptors desc.npz
+    AQR_DATA_DIR=... python benchmarks/mixed_assignment.py --setting mixed_domains --labels domain
 """
 
 from __future__ import annotations
@@ -63,8 +54,7 @@ import numpy as np
 import torch
 
 from aqr.adapt.stream import mixed
-from aqr.adapt.stream.base import all_finite
-from aqr.adapt.stream.running import LayerStream
+from aqr.core.descriptors import image_descriptors
 from aqr.data import to_float
 from aqr.data.streams import StreamOrder
 from aqr.harness import continual
@@ -73,69 +63,50 @@ from aqr.harness.presets import preset
 from aqr.harness.settings import apply_setting
 
 
-class LabelAssigner:
-    """A layer's assigner that takes each image's component from ``labels`` (the current batch's, set from
-    outside); before ``from_layer`` every image goes to component 0. A label seen for the first time starts its
-    component (one per batch, from component 0's state); the batch's other unseen labels go to component 0."""
+@contextlib.contextmanager
+def given_clusters(batch: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``target="mixed"``'s routers assign each image of the batch in flight to the cluster ``batch["labels"]``
+    names (set from outside before each batch) and never move their centres (until the block ends)."""
+    assignment, commit = mixed.ComponentRouter.assignment, mixed.ComponentRouter.commit
 
-    def __init__(self, layer: int, from_layer: int, batch: dict[str, torch.Tensor]) -> None:
-        self.layer, self.from_layer, self.batch = layer, from_layer, batch
-        self.started: list[int] = []
+    def labelled(router: mixed.ComponentRouter) -> mixed.Assignment | None:
+        return mixed.Assignment.of_components(batch["labels"].clone())
 
-    def assign(self, descriptors: torch.Tensor, held: bool = False) -> mixed.Assignment:
-        labels = self.batch["labels"]
-        of = labels.clone() if self.layer >= self.from_layer else torch.zeros_like(labels)
-        if not self.started:
-            of = torch.full_like(of, int(of[0]))
-            return mixed.Assignment.of_components(of, None if held else int(of[0]))
-        new = [k for k in torch.unique(of).tolist() if k not in self.started]
-        spawned = new[0] if new and not held else None
-        known = torch.tensor(self.started + ([spawned] if spawned is not None else []))
-        of = torch.where(torch.isin(of, known), of, torch.tensor(self.started[0]))
-        return mixed.Assignment.of_components(of, spawned, None if spawned is None else self.started[0])
-
-    def commit(self, assignment: mixed.Assignment) -> None:
-        if assignment.spawned is not None:
-            self.started.append(assignment.spawned)
+    mixed.ComponentRouter.assignment = labelled  # type: ignore[method-assign]
+    mixed.ComponentRouter.commit = lambda router: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        mixed.ComponentRouter.assignment = assignment  # type: ignore[method-assign]
+        mixed.ComponentRouter.commit = commit  # type: ignore[method-assign]
 
 
-class SharedBlend:
-    """Each layer's components blended with one shared ``target="stream"`` state that every image steps: an
-    image mapped as ``(1 - beta)`` times the shared state's map plus ``beta`` times its component's. Installed on
-    :class:`aqr.adapt.stream.mixed.MixedLayerStream` while :meth:`installed` is entered."""
+@contextlib.contextmanager
+def recorded_descriptors(into: dict[int, list[torch.Tensor]]) -> Iterator[None]:
+    """Every mixed layer state records its batch's descriptors in ``into`` (by the layer's order of first call)
+    before it steps (until the block ends)."""
+    step = mixed.MixedLayerStream.batch_step
+    order: dict[int, int] = {}
 
-    def __init__(self, beta: float) -> None:
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"--beta must be in [0, 1], got {beta}")
-        self.beta = beta
+    def recording(layer: mixed.MixedLayerStream, x: torch.Tensor, batch: object, pre: object = None):
+        index = order.setdefault(id(layer), len(order))
+        into.setdefault(index, []).append(image_descriptors(x, batch.images, pre, layer.source))  # type: ignore[attr-defined]
+        return step(layer, x, batch, pre)
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        """Every mixed layer state steps and commits a shared state beside its components, and blends (until
-        the block ends)."""
+    mixed.MixedLayerStream.batch_step = recording  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        mixed.MixedLayerStream.batch_step = step  # type: ignore[method-assign]
 
-        step, commit, beta = mixed.MixedLayerStream.batch_step, mixed.MixedLayerStream.commit_batch, self.beta
 
-        def blended_step(layer: mixed.MixedLayerStream, x: torch.Tensor, batch: object, pre: object = None):
-            if not hasattr(layer, "shared"):
-                layer.shared = LayerStream(layer.source, layer.settings, layer.kernels, layer.parts[0].batch_knots)
-            y, staged, finite = step(layer, x, batch, pre)
-            shared, shared_staged, shared_finite = layer.shared.flagged_step(x, batch.images, pre)
-            if y is None or shared is None:
-                return None, None, False
-            return torch.lerp(shared, y, beta), (staged, shared_staged), all_finite(finite, shared_finite)
-
-        def blended_commit(layer: mixed.MixedLayerStream, staged: tuple, batch: object) -> None:
-            commit(layer, staged[0], batch)
-            layer.shared.commit(staged[1])
-
-        mixed.MixedLayerStream.batch_step = blended_step  # type: ignore[method-assign]
-        mixed.MixedLayerStream.commit_batch = blended_commit  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            mixed.MixedLayerStream.batch_step = step  # type: ignore[method-assign]
-            mixed.MixedLayerStream.commit_batch = commit  # type: ignore[method-assign]
+def router_of(method: torch.nn.Module) -> mixed.ComponentRouter:
+    """The clusters' router of a ``target="mixed"`` method (the :class:`aqr.AQR` in it)."""
+    for module in method.modules():
+        shared = getattr(module, "_batch", None)
+        if getattr(shared, "router", None) is not None:
+            return shared.router
+    raise ValueError("the method keeps no clusters (not target='mixed')")
 
 
 def saved_layers(path: Path, first: int | None) -> list[np.ndarray]:
@@ -230,26 +201,48 @@ def minibatch_labels(x: np.ndarray, k: int, batch: int = 64) -> np.ndarray:
     return out
 
 
+def draw_clusters(given: np.ndarray, domain: np.ndarray, names: list[str], path: Path, title: str) -> None:
+    """A heat map of each corruption's share of its images in each cluster (a column 0 of ``--labels own``:
+    the shared state alone, before the centres were seeded), written to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds, clusters = np.unique(domain), int(given.max()) + 1
+    share = np.stack([np.bincount(given[domain == d], minlength=clusters) / (domain == d).sum() for d in kinds])
+    fig, ax = plt.subplots(figsize=(1.2 + 0.45 * clusters, 0.9 + 0.32 * len(kinds)))
+    image = ax.imshow(share, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    ax.set_yticks(range(len(kinds)), [names[int(d)] if int(d) < len(names) else str(d) for d in kinds], fontsize=8)
+    ax.set_xticks(range(clusters), [str(c) for c in range(clusters)], fontsize=8)
+    ax.set_xlabel("cluster")
+    ax.set_title(title, fontsize=8)
+    fig.colorbar(image, ax=ax, label="share of the corruption's images")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet20_trainstats")
     parser.add_argument("--setting", default="mixed_domains")
-    parser.add_argument("--labels", choices=("stream", "domain", "kmeans", "centroid", "online", "minibatch"), default="stream")
-    parser.add_argument("--descriptors", type=Path, help="where --labels stream saves them; --labels kmeans reads them")
+    parser.add_argument("--labels", choices=("own", "domain", "kmeans", "centroid", "online", "minibatch"), default="own")
+    parser.add_argument("--descriptors", type=Path, help="where --labels own saves them; the other labels read them")
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--pca", type=int, default=16)
     parser.add_argument("--desc-layers", type=int, default=None, help="the descriptors of the first N layers (all)")
     parser.add_argument("--tau", type=float, default=2.0)
     parser.add_argument("--whiten-descriptors", type=Path, help="--labels minibatch: whose corruptions' covariance")
-    parser.add_argument("--from-layer", type=int, default=0, help="the first recalibrated layer given components")
-    parser.add_argument("--beta", type=float, default=1.0, help="the component's share of each image's map, the "
-                        "rest a shared stream state's (1: the component alone)")
+    parser.add_argument("--blend", type=float, default=1.0, help="the target's blend: the cluster's share of "
+                        "each image's map, the rest the shared state's (1: the cluster's alone)")
+    parser.add_argument("--figure", type=Path, help="draw where each corruption's images went (PNG; matplotlib)")
     parser.add_argument("--cifar-c", default="cache/cifar10c")
     parser.add_argument("--cache", default="cache")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.labels not in ("stream", "domain") and args.descriptors is None:
-        sys.exit(f"--labels {args.labels} needs --descriptors (saved by a --labels stream run)")
+    if args.labels not in ("own", "domain") and args.descriptors is None:
+        sys.exit(f"--labels {args.labels} needs --descriptors (saved by a --labels own run)")
 
     grid = apply_setting(preset("field", cifar_c=args.cifar_c), "mixed_domains" if args.setting == "clean" else args.setting)
     cells = [c for c in grid.cells() if c.model.name == args.model and c.batch_size == 64 and c.protocol == "online"]
@@ -266,8 +259,9 @@ def main(argv: list[str] | None = None) -> None:
         clean = np.load(Path(os.environ["AQR_DATA_DIR"]) / "cifar10_test.npz")
         images, labels = clean["x"][-2560:], clean["y"][-2560:]
         starts, domain = list(range(0, len(labels), 64)), np.zeros(len(labels), dtype=np.int64)
-    if args.labels == "stream":
-        given = np.zeros(len(labels), dtype=np.int64)
+    given = None
+    if args.labels == "own":
+        pass
     elif args.labels == "domain":
         given = domain.astype(np.int64)
     elif args.labels == "minibatch":
@@ -282,37 +276,39 @@ def main(argv: list[str] | None = None) -> None:
     else:
         x = whitened(saved_layers(args.descriptors, args.desc_layers), args.pca)
         given = (kmeans_labels(x, args.k) if args.labels == "kmeans" else centroid_labels(x, domain)).astype(np.int64)
-    components = int(given.max()) + 1
-    method = build_method(dataclasses.replace(cell, method="aqr", options={"target": "mixed", "components": components}),
-                          args.cache)
+    components = args.k if given is None else int(given.max()) + 1
+    options = {"target": "mixed", "components": components, "blend": args.blend}
+    method = build_method(dataclasses.replace(cell, method="aqr", options=options), args.cache)
 
     batch: dict[str, torch.Tensor] = {}
-    layers: dict[int, int] = {}
     recorded: dict[int, list[torch.Tensor]] = {}
-    assign = mixed.MixedLayerStream.assign
-
-    def labelled(self: mixed.MixedLayerStream, x: torch.Tensor, n: int, pre: object, held: bool = False):
-        layer = layers.setdefault(id(self), len(layers))
-        if not isinstance(self.assigner, LabelAssigner):
-            self.assigner = LabelAssigner(layer, args.from_layer, batch)  # type: ignore[assignment]
-        if args.labels == "stream" and args.descriptors is not None:
-            recorded.setdefault(layer, []).append(mixed.image_descriptors(x, n, pre, self.source))
-        return assign(self, x, n, pre, held)
-
-    mixed.MixedLayerStream.assign = labelled  # type: ignore[method-assign]
+    chosen: list[np.ndarray] = []  # --labels own: the clusters the target chose (-1: the shared state alone)
     correct = np.zeros(len(labels), dtype=bool)
     began = time.perf_counter()
-    with SharedBlend(args.beta).installed() if args.beta < 1.0 else contextlib.nullcontext():
+    with contextlib.ExitStack() as patches:
+        if given is not None:
+            patches.enter_context(given_clusters(batch))
+        elif args.descriptors is not None:
+            patches.enter_context(recorded_descriptors(recorded))
         for start, end in zip(starts, [*starts[1:], len(labels)]):
-            batch["labels"] = torch.as_tensor(given[start:end])
+            if given is not None:
+                batch["labels"] = torch.as_tensor(given[start:end])
             correct[start:end] = method(to_float(images[start:end])).argmax(1).numpy() == labels[start:end]
+            if given is None:
+                routed = router_of(method)._assignment
+                chosen.append(np.full(end - start, -1) if routed is None else routed.of.numpy())
     if recorded:
         np.savez(args.descriptors, domain=domain, **{f"L{k}": torch.cat(v).numpy() for k, v in recorded.items()})
+    if given is None:
+        given = np.concatenate(chosen) + 1  # 0: the shared state alone
+    if args.figure is not None:
+        draw_clusters(given, domain, [b[0] for b in blocks], args.figure,
+                      f"{args.model}, {args.setting}, labels={args.labels}: {100 * correct.mean():.2f} %")
     kept = np.mean([np.bincount(given[domain == d]).max() / (domain == d).sum() for d in np.unique(domain)])
     print(f"labels: {components} components; each corruption's share in its largest component {kept:.2f} "
           f"(mean over the corruptions){agreement(given, domain)}")
     print(f"{args.model} {args.setting} labels={args.labels} k={components} "
-          f"from_layer={args.from_layer} beta={args.beta}: accuracy {100 * correct.mean():.2f} % "
+          f"blend={args.blend:g}: accuracy {100 * correct.mean():.2f} % "
           f"({len(labels)} images, {time.perf_counter() - began:.0f} s)")
 
 

@@ -15,19 +15,26 @@ script = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(script)
 
 
-def test_label_assigner_starts_one_component_per_batch_from_the_first() -> None:
-    batch = {"labels": torch.tensor([3, 3, 5])}
-    assigner = script.LabelAssigner(layer=2, from_layer=0, batch=batch)
-    first = assigner.assign(torch.zeros(3, 4))
-    assert first.of.tolist() == [3, 3, 3] and first.spawned == 3 and first.parent is None
-    assigner.commit(first)
-    batch["labels"] = torch.tensor([5, 7, 3])
-    second = assigner.assign(torch.zeros(3, 4))
-    # 5 starts (from 3's state); 7 is a second new label in the batch and waits in the first component
-    assert second.of.tolist() == [5, 3, 3] and second.spawned == 5 and second.parent == 3
-    assert assigner.assign(torch.zeros(3, 4), held=True).spawned is None
-    early = script.LabelAssigner(layer=1, from_layer=2, batch=batch)
-    assert early.assign(torch.zeros(3, 4)).of.tolist() == [0, 0, 0]
+def test_given_clusters_route_each_image_as_labelled_and_leave_the_centres() -> None:
+    import aqr
+    from tests.models_tiny import bn_cnn, images
+
+    model = bn_cnn().eval()
+    stats = aqr.calibrate(model, [images(32, seed=s) for s in range(2)], num_quantiles=21, compile=False,
+                          descriptors=True)
+    adapter = aqr.AQR(model, stats, target="mixed", components=3, compile=False)
+    batch = {"labels": torch.tensor([0, 2, 2, 0])}
+    recorded: dict[int, list[torch.Tensor]] = {}
+    with script.given_clusters(batch), script.recorded_descriptors(recorded):
+        adapter(images(4, seed=5))
+        router = script.router_of(adapter)
+        assert router._assignment is None  # the patched assignment is not stored: asked again per layer
+        assert router.assignment().of.tolist() == [0, 2, 2, 0]
+    started = [[part.started for part in m.streams[torch.device("cpu")].parts] for m in adapter._maps.values()]
+    assert any(s == [True, False, True] for s in started)  # clusters 0 and 2 took images, 1 none
+    assert not router.seeded  # the centres never moved
+    assert len(recorded) == len(adapter._maps) and all(v[0].shape[0] == 4 for v in recorded.values())
+    assert script.mixed.ComponentRouter.commit.__name__ == "commit"  # restored after the block
 
 
 def test_online_labels_separate_two_far_domains_and_keep_one_together() -> None:
@@ -54,23 +61,10 @@ def test_content_whitening_makes_the_within_domain_spread_round() -> None:
     assert (later == blob[128:]).all() or (later == 1 - blob[128:]).all()
 
 
-def test_shared_blend_at_beta_0_is_the_stream_target_and_its_state_moves_with_every_batch() -> None:
-    import aqr
-    from tests.models_tiny import bn_cnn, images
-
-    model = bn_cnn().eval()
-    stats = aqr.calibrate(model, [images(32, seed=s) for s in range(2)], num_quantiles=21, compile=False)
-    stream = aqr.AQR(model, stats, target="stream", compile=False)
-    components = aqr.AQR(model, stats, target="mixed", components=3, spawn=1.0, compile=False)
-    batches = [images(16, seed=10 + s) * (1 + 2 * (s % 2)) for s in range(6)]
-    with script.SharedBlend(0.0).installed():
-        blended = [components(x) for x in batches]
-    expected = [stream(x) for x in batches]
-    assert all(torch.equal(a, b) for a, b in zip(blended, expected))
-    assert script.mixed.MixedLayerStream.batch_step is not None and "blended_step" not in \
-        script.mixed.MixedLayerStream.batch_step.__qualname__  # restored after the block
-    with script.SharedBlend(1.0).installed():
-        alone = components(batches[0])
-    assert alone.shape == expected[0].shape
-    with pytest.raises(ValueError, match="beta"):
-        script.SharedBlend(1.5)
+def test_the_clusters_figure_is_drawn_from_each_corruptions_shares(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    given = np.array([0, 1, 1, 2, 2, 2])
+    domain = np.array([0, 0, 0, 1, 1, 1])
+    path = tmp_path / "clusters.png"
+    script.draw_clusters(given, domain, ["noise", "blur"], path, "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -108,10 +108,10 @@ def check_components(components: object) -> None:
         raise ValueError(f"components must be an integer in [1, {MAX_COMPONENTS}], got {components!r}")
 
 
-def check_spawn(spawn: object) -> None:
-    """Raise ``ValueError`` unless ``spawn`` is a finite number > 0."""
-    if isinstance(spawn, bool) or not isinstance(spawn, (int, float)) or not 0 < spawn < float("inf"):
-        raise ValueError(f"spawn must be a finite number > 0, got {spawn!r}")
+def check_blend(blend: object) -> None:
+    """Raise ``ValueError`` unless ``blend`` is a number in ``[0, 1]``."""
+    if isinstance(blend, bool) or not isinstance(blend, (int, float)) or not 0.0 <= blend <= 1.0:
+        raise ValueError(f"blend must be a number in [0, 1], got {blend!r}")
 
 
 def check_balance(balance: object) -> None:
@@ -258,14 +258,15 @@ class RobustTarget(StreamTarget):
 
 
 class MixedTarget(StreamTarget):
-    """Streaming AQR for streams that mix domains (``target="mixed"``): per layer up to ``components`` running
-    estimates, each image mapped with the one its own statistics at that layer assign it to
-    (:class:`aqr.adapt.stream.mixed.MixedLayerStream`).
+    """Streaming AQR for streams that mix domains (``target="mixed"``): per layer one running estimate of every
+    image and ``components`` more, one per cluster of the images' statistics at the first layers; each image
+    mapped with a blend of the two (:mod:`aqr.adapt.stream.mixed`). Needs statistics calibrated with
+    ``descriptors=True``.
 
     A target of its own rather than an option of ``"stream"`` and ``"robust"``: its images are grouped by their
     domain before the forward pass reaches the logits, robust AQR's by their predicted class after it; the two
     groupings nest (classes within each component) and would multiply the state, which nothing measured yet
-    asks for. With ``components=1`` it is ``"stream"``, value for value."""
+    asks for. With ``blend=0`` it is ``"stream"``, value for value."""
 
     name: ClassVar[str] = "mixed"
 
@@ -273,7 +274,7 @@ class MixedTarget(StreamTarget):
         """Its own options: nothing to refuse."""
 
     def describe(self, config: AQRConfig) -> str:
-        return super().describe(config) + f", components={config.components}, spawn={config.spawn:g}"
+        return super().describe(config) + f", components={config.components}, blend={config.blend:g}"
 
 
 TARGET_KINDS: dict[str, Target] = {kind.name: kind for kind in (Target(), StreamTarget(), RobustTarget(),
@@ -361,10 +362,10 @@ class AQRConfig:
             Either way the groups weigh ``runs`` in the target, the running estimate of all images
             ``1 - runs`` (``runs``: how clearly the recent predictions come in runs).
         recent_horizon: ``balance < 1``: the EMA horizon of the groups' shares, in images.
-        components: ``target="mixed"``: the most running estimates per layer (the domains it tells apart at once);
-            1 is ``target="stream"``, value for value.
-        spawn: ``target="mixed"``: how far an image's descriptor lies from its nearest component's centre, in
-            multiples of that component's spread, before it starts a component of its own.
+        components: ``target="mixed"``: the clusters of images (and running estimates per layer beside the
+            shared one) it keeps: the domains it tells apart at once.
+        blend: ``target="mixed"``: an image's map is ``blend`` times its cluster's and ``1 - blend`` times the
+            shared estimate's (0 is ``target="stream"``, value for value).
     """
 
     # Each option once: its type, its default and its group (the group views are built from these)
@@ -394,7 +395,7 @@ class AQRConfig:
     balance: float = option(1.0, ROBUST)
     recent_horizon: float = option(64.0, ROBUST)
     components: int = option(8, MIXED)
-    spawn: float = option(6.0, MIXED)
+    blend: float = option(0.3, MIXED)
 
     def __post_init__(self) -> None:
         if self.match not in MATCHES:
@@ -426,7 +427,7 @@ class AQRConfig:
         check_images("recent_horizon", self.recent_horizon)
         check_balance(self.balance)
         check_components(self.components)
-        check_spawn(self.spawn)
+        check_blend(self.blend)
         if self.passes not in (1, 2) or isinstance(self.passes, bool):
             raise ValueError(f"passes must be 1 or 2, got {self.passes!r}")
         if not isinstance(self.own_batch, bool):
@@ -458,7 +459,7 @@ class AQRConfig:
 
     @property
     def mixed(self) -> MixedOptions:
-        """The options of ``target="mixed"`` alone (``components``, ``spawn``)."""
+        """The options of ``target="mixed"`` alone (``components``, ``blend``)."""
         return MixedOptions(**_group_values(self, MixedOptions))
 
     @classmethod

@@ -33,6 +33,7 @@ from aqr.adapt.config import AQRConfig, SmallBatchWarning, config_from_options
 from aqr.adapt.layer_maps import MAP_CLASSES, LayerMap
 from aqr.adapt.stream.base import all_finite
 from aqr.adapt.stream.batch import host_outcome
+from aqr.adapt.stream.build import component_router
 from aqr.adapt.stream.saved import load_running_state, load_stream_record, running_state, stream_record
 from aqr.adapt.stream.stream_maps import SharedStream, StreamBatch, StreamLayerMap
 from aqr.backends import SubsetCache
@@ -212,12 +213,14 @@ class AQR(nn.Module):
         self._target = self.config.target_kind
         self._batch: SharedStream | None = None  # the stream the layer maps share (its batches, recent classes)
         if self._target.keeps_state:
-            self._batch = SharedStream(self.config)
+            self._batch = SharedStream(self.config, component_router(self.config, stats))
             self._lock = threading.Lock()  # one batch at a time
             self._state_lock = threading.Lock()  # held while the running state changes or is read whole
             self._owner: int | None = None
         # "skip" needs no check; "raise" is checked on the logits in forward
         self._maps = build_layer_maps(stats, self.config, logits_checked=True, batch=self._batch)
+        if self._batch is not None and self._batch.router is not None:
+            self._batch.router.check_layers(list(self._maps))
         object.__setattr__(self, "_twin", recalibrated_twin(model, self._maps))  # not a submodule
         self._reach_checked = False
         self._small_batch_warned = False  # SmallBatchWarning is shown once per wrapper

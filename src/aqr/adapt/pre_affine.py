@@ -39,6 +39,7 @@ from torch import nn
 from aqr.adapt.config import AQRConfig, SmallBatchWarning
 from aqr.adapt.layer_maps import LayerMap
 from aqr.adapt.model import build_layer_maps
+from aqr.adapt.stream.build import component_router
 from aqr.adapt.stream.saved import load_stream_record, stream_record
 from aqr.adapt.stream.stream_maps import SharedStream, StreamLayerMap
 from aqr.core.layers import NonFiniteActivationError, as_acb, check_named_layers, layer_info
@@ -120,10 +121,12 @@ class PreAffineAQR:
         check_named_layers(model, config.layers)
         self.config = config
         self.target = config.target_kind
-        self.batch = SharedStream(config) if self.target.keeps_state else None
+        self.batch = SharedStream(config, component_router(config, stats)) if self.target.keeps_state else None
         # "raise" is checked at each layer (on a GPU too: the logits of a batch target are not checked);
         # "skip" leaves a non-finite channel unmapped without reading a flag back from a GPU
         self.maps = build_layer_maps(stats, config, logits_checked=config.on_nonfinite == "skip", batch=self.batch)
+        if self.batch is not None and self.batch.router is not None:
+            self.batch.router.check_layers(list(self.maps))
         modules = dict(model.named_modules())
         for name, layer_map in self.maps.items():
             module = modules[name]

@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--point", choices=("output", "pre-affine"), default="output",
                    help="where the values are read: each layer's output (for aqr, aqr+lame; default) or before its "
                         "affine step (for aqr+tent, aqr+eta, aqr+roid)")
+    p.add_argument("--descriptors", action="store_true",
+                   help="also keep how the images' descriptors (per-channel mean and log std at the first layers) "
+                        "spread over the source images, for target='mixed'")
     p.add_argument("--batch-size", type=count(1), default=500)
     p.add_argument("--seed", type=seed, default=0, help="seeds the image draw and the statistics' sampling")
     p.add_argument("--no-progress", action="store_true")
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             stats = calibrate(model, data_loader(source, args.batch_size, args.workers, args.device), layers=layers,
                               num_quantiles=args.num_quantiles, tail=args.tail, tail_unit=args.tail_unit,
                               max_samples=args.max_samples, seed=args.seed, progress=not args.no_progress,
-                              groups=args.groups, point=args.point)
+                              groups=args.groups, point=args.point, descriptors=args.descriptors)
     path = stats.save(args.out)
     how = f" ({preprocess})" if is_image_source(args.data) else ""
     print(f"wrote {path}: {len(stats.layer_names)} layers, K={args.num_quantiles}, {len(source)} source images{how}",

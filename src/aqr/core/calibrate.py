@@ -23,6 +23,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from aqr.core.descriptors import (
+    MAX_DESCRIPTOR_IMAGES,
+    MAX_DESCRIPTOR_WIDTH,
+    DescriptorStats,
+    descriptor_layers,
+    descriptor_stats,
+    image_moments,
+    standardized_descriptors,
+)
 from aqr.core.hooks import instrumented
 from aqr.core.layers import (
     LayerError,
@@ -319,6 +328,7 @@ def calibrate(
     compile: bool | None = None,
     groups: int | None = None,
     point: str = OUTPUT,
+    descriptors: bool = False,
 ) -> SourceStats:
     """Run ``model`` over ``source`` once and return the statistics AQR needs.
 
@@ -355,6 +365,12 @@ def calibrate(
             output, which :class:`aqr.AQR` maps; ``"pre-affine"``, the normalized values before the
             layer's affine step, which the compositions with gradient methods map
             (:mod:`aqr.methods.compose`); the statistics then hold no affine parameters.
+        descriptors: also keep how the images' descriptors spread over the source
+            (:class:`aqr.core.descriptors.DescriptorStats`, ``SourceStats.descriptors``), what
+            ``target="mixed"`` whitens them by: at the layers :func:`aqr.core.descriptors.descriptor_layers`
+            picks, each of the first :data:`aqr.core.descriptors.MAX_DESCRIPTOR_IMAGES` source images'
+            per-channel mean and standard deviation at ``point``, standardized by the layer's final knots as
+            :func:`aqr.core.descriptors.image_descriptors` standardizes them. Needs at least 2 images.
     """
     check_tail(tail)
     check_point(point)
@@ -372,6 +388,8 @@ def calibrate(
         raise ValueError(f"tail_unit must be one of {TAIL_UNITS}, got {tail_unit!r}")
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches must be positive (or None), got {max_batches}")
+    if not isinstance(descriptors, bool):
+        raise ValueError(f"descriptors must be True or False, got {descriptors!r}")
     if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= 4096):
         raise ValueError(f"groups must be an integer in [1, 4096] (or None), got {groups!r}")
     check_named_layers(model, layers)  # name what an explicitly listed module is
@@ -380,7 +398,8 @@ def calibrate(
         if any(is_norm(m) for m in model.modules()):  # the warning named them
             raise LayerError(f"{type(model).__name__} has no normalization layer AQR can recalibrate")
         raise LayerError(f"{type(model).__name__} has no BatchNorm, GroupNorm or LayerNorm layer to calibrate")
-    check_memory(calibration_bytes(all_infos, max_samples, num_quantiles, tail_unit == "images", groups),
+    check_memory(calibration_bytes(all_infos, max_samples, num_quantiles, tail_unit == "images", groups,
+                                   descriptors=descriptors),
                  f"calibrating {len(all_infos)} layers with max_samples={max_samples}")
     if isinstance(source, torch.Tensor):
         if source.ndim < 2:
@@ -395,6 +414,9 @@ def calibrate(
     by_group: dict[str, list[LayerCollector]] = {}
     group_images = [0] * (groups or 0)
     current: dict[str, torch.Tensor] = {}  # the batch's group of each input, read by the hooks
+    # descriptors: the layers read, each one's per-image (mean, std) of the first images, how many images kept
+    moments: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    described = {"kept": 0, "take": 0, "images": 0}
     order: list[str] | None = None
     coverage = ClassCoverage()
     with instrumented(model) as tools:
@@ -413,6 +435,10 @@ def calibrate(
             if order is None:
                 order = execution_order(model, all_infos, x)
                 chosen = select_layers(all_infos, layers, order)
+                if descriptors:
+                    in_order = sorted(chosen, key=lambda i: order.index(i.name))  # an explicit list: any order
+                    moments = {n: [] for n in descriptor_layers([i.name for i in in_order],
+                                                                [i.channels for i in in_order])}
                 for i, info in enumerate(chosen):
                     collectors[info.name] = LayerCollector(info, max_samples, _layer_seed(seed, i), compile,
                                                            per_input=tail_unit == "images")
@@ -427,12 +453,17 @@ def calibrate(
                         if point == PRE_AFFINE:  # the same values, before the layer's affine step
                             out = check_output(c.info, normalized(m, inputs[0], c.info))  # type: ignore[index]
                         c.update(out)
+                        if c.info.name in moments and described["take"]:
+                            _keep_moments(moments[c.info.name], c.info, out, described["images"], described["take"])
                         if groups is not None:
                             _update_groups(by_group[c.info.name], out, current["group"])
 
                     tools.hook(info.name, hook)
+            described["images"] = int(x.shape[0]) if x.ndim > 0 else 1
+            described["take"] = min(described["images"], MAX_DESCRIPTOR_IMAGES - described["kept"])
             with torch.no_grad():
                 out = model(x)
+            described["kept"] += described["take"]
             coverage.update(_labels(batch), x, out)
     if order is None:
         raise ValueError("the source data yielded no images (no batch, or only empty ones)")
@@ -447,6 +478,7 @@ def calibrate(
             layer.group_quantiles = torch.stack([c.knots(num_quantiles) if c.values is not None else layer.quantiles
                                                  for c in by_group[name]])
     return SourceStats(
+        descriptors=_descriptor_stats(moments, stats) if descriptors else None,
         layers=stats,
         num_quantiles=num_quantiles,
         tail=tail,
@@ -464,17 +496,19 @@ def calibrate(
 
 
 def calibration_bytes(infos: Sequence[LayerInfo], max_samples: int, num_quantiles: int, per_input: bool,
-                      groups: int | None) -> int:
+                      groups: int | None, descriptors: bool = False) -> int:
     """An upper estimate of the memory :func:`calibrate` takes for these layers: per channel the kept
     sample (float32 values, their keys and the copy a merge or the final sort makes), the per-input
-    extremes and the class groups' samples."""
+    extremes and the class groups' samples; with ``descriptors``, the source images' descriptors (float32
+    moments, their concatenation and its float64 copy)."""
     channels = sum(info.channels for info in infos)
     per_channel = 3 * 4 * max_samples + 8 * num_quantiles
     if per_input:
         per_channel += 3 * 8 * TAIL_INPUTS_KEPT
     if groups is not None:
         per_channel += 3 * 4 * max(2, max_samples // groups) * groups
-    return channels * per_channel
+    described = (4 + 4 + 8) * MAX_DESCRIPTOR_IMAGES * MAX_DESCRIPTOR_WIDTH if descriptors else 0
+    return channels * per_channel + described
 
 
 def _batch_groups(labels: torch.Tensor | None, x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -497,3 +531,31 @@ def _update_groups(collectors: list[LayerCollector], out: torch.Tensor, group: t
                          f"output's first dim, got {tuple(out.shape)} for {group.shape[0]} inputs")
     for g in torch.unique(group).tolist():
         collectors[g].update(out[group == g])
+
+
+def _keep_moments(kept: list[tuple[torch.Tensor, torch.Tensor]], info: LayerInfo, out: torch.Tensor, images: int,
+                  take: int) -> None:
+    """Keep the per-channel mean and standard deviation of the first ``take`` of the batch's ``images`` images
+    in the layer's values ``out`` (read in the (A, C, B) layout, as the maps read them), on the CPU."""
+    x = as_acb(out.detach(), info.channel_dim)
+    if x.shape[0] % images:
+        raise LayerError(f"layer {info.name!r}: calibrate(descriptors=True) needs the layer's rows to be whole "
+                         f"images, got {x.shape[0]} rows for {images} images ({tuple(out.shape)})")
+    rows = x.shape[0] // images
+    mean, std = image_moments(x[: take * rows], take)
+    kept.append((mean.cpu(), std.cpu()))
+
+
+def _descriptor_stats(moments: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
+                      stats: dict[str, LayerStats]) -> DescriptorStats:
+    """The source images' descriptors at each layer of ``moments`` (standardized by the layer's final knots),
+    concatenated in that order, and their :class:`DescriptorStats`."""
+    per_layer = []
+    for name, kept in moments.items():
+        mean = torch.cat([m for m, _ in kept])
+        std = torch.cat([s for _, s in kept])
+        if per_layer and len(mean) != len(per_layer[0]):
+            raise LayerError(f"layer {name!r} saw {len(mean)} images, layer {next(iter(moments))!r} "
+                             f"{len(per_layer[0])}: calibrate(descriptors=True) needs each layer called once a forward")
+        per_layer.append(standardized_descriptors(mean, std, stats[name].quantiles))
+    return descriptor_stats(torch.cat(per_layer, dim=1), list(moments))

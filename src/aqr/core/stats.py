@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from aqr._version import __version__
+from aqr.core.descriptors import DescriptorStats
 from aqr.core.layers import LayerInfo, fingerprint, norm_layers
 from aqr.core.points import OUTPUT, POINTS
 from aqr.core.tails import TAIL_UNITS, TAILS
@@ -33,6 +34,7 @@ FORMAT = "aqr-source-stats"
 FORMAT_VERSION = 1
 SOURCE_MOMENTS = ("affine", "empirical")
 WEIGHTS_KEY = "__model__/weights_summary"
+DESCRIPTOR_KEYS = ("descriptors.mean", "descriptors.whitening")  # the tensors of SourceStats.descriptors
 _MISSING = object()
 
 
@@ -188,6 +190,9 @@ class SourceStats:
     group_images: tuple[int, ...] | None = None
     # where the values were read (aqr.core.points): "output" (what aqr.AQR maps) or "pre-affine"
     point: str = OUTPUT
+    # how the images' descriptors spread over the source (calibrate(descriptors=True)), what target="mixed"
+    # whitens them by; None: not calibrated
+    descriptors: DescriptorStats | None = None
 
     def __post_init__(self) -> None:
         """Raise :class:`StatsError` naming what is unusable (each layer checked itself)."""
@@ -228,11 +233,28 @@ class SourceStats:
             if not isinstance(t, torch.Tensor) or t.ndim != 2 or t.shape[1] != 2:
                 raise StatsError(f"weights_summary has shape {tuple(getattr(t, 'shape', ()))}, expected (T, 2)")
             _check_tensor(t, "", "weights_summary", tuple(t.shape))
+        if self.descriptors is not None:
+            self._check_descriptors(self.descriptors)
+
+    def _check_descriptors(self, d: object) -> None:
+        """Raise :class:`StatsError` unless ``d`` describes layers of these statistics, at their width."""
+        if not isinstance(d, DescriptorStats):
+            raise StatsError(f"descriptors must be a DescriptorStats, got {type(d).__name__}")
+        missing = [name for name in d.layers if name not in self.layers]
+        if missing:
+            raise StatsError(f"descriptors: layer {missing[0]!r} is not among the statistics' layers")
+        width = 2 * sum(self.layers[name].info.channels for name in d.layers)
+        if d.width != width:
+            raise StatsError(f"descriptors: mean has shape {(d.width,)}, expected ({width},) (2 x the channels of "
+                             f"layers {', '.join(d.layers)})")
 
     def __repr__(self) -> str:
         channels = sum(layer.info.channels for layer in self.layers.values())
         groups = "" if self.groups is None else f", groups={self.groups}"
         groups += "" if self.point == OUTPUT else f", point={self.point!r}"
+        if self.descriptors is not None:
+            n = len(self.descriptors.layers)
+            groups += f", descriptors of {n} layer{'s' if n > 1 else ''}"
         return (f"SourceStats({len(self.layers)} layers, {channels} channels, K={self.num_quantiles}, "
                 f"tail={self.tail!r}, tail_unit={self.tail_unit!r}, max_samples={self.max_samples}{groups}, "
                 f"aqr {self.aqr_version})")
@@ -353,6 +375,10 @@ class SourceStats:
             meta["point"] = self.point
         if self.weights_summary is not None:
             tensors[WEIGHTS_KEY] = self.weights_summary
+        if self.descriptors is not None:  # only then: files without them keep their bytes
+            meta["descriptors"] = {"layers": list(self.descriptors.layers), "images": self.descriptors.images}
+            tensors[DESCRIPTOR_KEYS[0]] = self.descriptors.mean
+            tensors[DESCRIPTOR_KEYS[1]] = self.descriptors.whitening
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
         # never a half-written file under the final name, even with several processes saving at once
         return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"aqr": json.dumps(meta)}))
@@ -444,6 +470,7 @@ class SourceStats:
             groups=_get(meta, "groups", default=None),
             group_images=_group_images(_get(meta, "group_images", default=None)),
             point=_get(meta, "point", default=OUTPUT),
+            descriptors=_descriptors(_get(meta, "descriptors", default=None), tensors),
         )
 
 
@@ -454,6 +481,31 @@ def _group_images(value: object) -> tuple[int, ...] | None:
     if not isinstance(value, list):
         raise StatsError(f"'group_images' must be a list, got {type(value).__name__}")
     return tuple(value)
+
+
+def _descriptors(entry: object, tensors: dict[str, torch.Tensor]) -> DescriptorStats | None:
+    """The file's descriptor statistics (``None`` where it has none), their metadata and tensors checked."""
+    if entry is None:
+        present = [key for key in DESCRIPTOR_KEYS if key in tensors]
+        if present:
+            raise StatsError(f"tensor {present[0]!r} is there but the 'descriptors' metadata is not")
+        return None
+    if not isinstance(entry, Mapping):
+        raise StatsError(f"'descriptors' must be a mapping, got {entry!r}")
+    layers = _get(entry, "layers", "descriptors: ")
+    if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
+        raise StatsError(f"descriptors: 'layers' must be a list of layer names, got {layers!r}")
+    images = _integer(_get(entry, "images", "descriptors: "), "descriptors: ", "images", 2)
+    mean, whitening = (tensors.get(key) for key in DESCRIPTOR_KEYS)
+    for key, t in zip(DESCRIPTOR_KEYS, (mean, whitening)):
+        if t is None:
+            raise StatsError(f"descriptors: tensor {key!r} is missing")
+    try:
+        return DescriptorStats(layers=tuple(layers), images=images,
+                               mean=mean.float() if mean.dtype.is_floating_point else mean,
+                               whitening=whitening.float() if whitening.dtype.is_floating_point else whitening)
+    except ValueError as err:
+        raise StatsError(str(err)) from None
 
 
 def _describe(info: LayerInfo) -> str:

@@ -37,14 +37,16 @@ NONIID_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "aqr", "aqr:target=s
 # under the realtime protocol.
 FIELD_METHODS = ("source", "ttn", "bn-ema", "rbn", "tent", "sar", "eta", "eata", "cotta", "rotta", "lame", "roid",
                  "deyo", "moments", "aqr", "aqr:target=stream", "aqr:target=robust",
-                 "aqr+tent", "aqr+eta", "aqr+roid", "aqr+roid:target=robust", "aqr+lame", "unmixtns")
+                 "aqr+tent", "aqr+eta", "aqr+roid", "aqr+roid:target=robust", "aqr+lame", "unmixtns",
+                 "aqr:target=mixed")
 # The methods of the offline cells: every method of the field runs under both protocols
 FIELD_OFFLINE_METHODS = FIELD_METHODS
 # The batch-1 column (BN model, continual, offline): the methods that adapt on batches, per-batch AQR and its
 # compositions through the reference's sliding window of the 64 most recent images (ProtocolConfig.window); the
 # source model and the methods made for streams (bn-ema, rbn, streaming and robust AQR, UnMix-TNS) as they are
 FIELD_WINDOW = 64
-FIELD_UNWINDOWED = ("source", "bn-ema", "rbn", "aqr:target=stream", "aqr:target=robust", "unmixtns")
+FIELD_UNWINDOWED = ("source", "bn-ema", "rbn", "aqr:target=stream", "aqr:target=robust", "unmixtns",
+                    "aqr:target=mixed")
 FIELD_BATCH1_METHODS = tuple(m if m in FIELD_UNWINDOWED else f"{m}{',' if ':' in m else ':'}window={FIELD_WINDOW}"
                              for m in FIELD_OFFLINE_METHODS)
 # continual (i.i.d.), correlated, mixed_domains and mixed_domains_correlated, all delta 0.1
@@ -56,7 +58,7 @@ FIELD_MODELS = ("resnet20_trainstats", "resnet20_gn", "vit_ln")
 # aqr.harness.report.field_target.choose_defaults on another image draw (seed 1, blocks of 500 images as
 # in the run, batch 64, the three models: docs/results/field/selection.db); tests check the choice against that database.
 FIELD_AQR_CONFIGS = ("aqr", "aqr[target=stream]", "aqr[target=robust]", "aqr+tent", "aqr+eta", "aqr+roid",
-                     "aqr+roid[target=robust]", "aqr+lame")
+                     "aqr+roid[target=robust]", "aqr+lame", "aqr[target=mixed]")
 FIELD_DEFAULTS: dict[str, dict[str, str]] = {
     "continual": {"offline": "aqr+roid", "realtime": "aqr[target=stream]"},
     "correlated (delta=0.1)": {"offline": "aqr[target=robust]", "realtime": "aqr[target=robust]"},

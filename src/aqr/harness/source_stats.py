@@ -35,6 +35,8 @@ def stats_options(cell: Cell) -> dict[str, Any]:
            "tail_unit": str(opts.get("tail_unit", DEFAULT_TAIL_UNIT))}
     if float(opts.get("balance", 1.0)) < 1:  # class-conditional knots (only then: other cells keep their files)
         out["groups"] = int(opts.get("groups", DEFAULT_GROUPS))
+    if opts.get("target") == "mixed":  # the source spread of the images' descriptors (only then: others keep files)
+        out["descriptors"] = True
     point = stats_point(cell.method)
     if point not in (None, OUTPUT):  # the values before the affine step (only then: other cells keep their files)
         out["point"] = point
@@ -88,7 +90,8 @@ def compute_stats(cell: Cell, progress: bool = False, device: str | None = None,
         warnings.simplefilter("ignore", ClassCoverageWarning)  # source_dataset warned already, naming the indices
         return calibrate(model, data_loader(source, 500, loader_workers, device), num_quantiles=opts["K"],
                          max_samples=opts["max_samples"], tail_unit=opts["tail_unit"], progress=progress,
-                         groups=opts.get("groups"), point=opts.get("point", "output"))
+                         groups=opts.get("groups"), point=opts.get("point", "output"),
+                         descriptors=opts.get("descriptors", False))
 
 
 def ensure_stats(cell: Cell, cache_dir: str | Path, progress: bool = False, device: str | None = None,

@@ -12,7 +12,7 @@ import torch
 
 from aqr.adapt.config import AQRConfig
 from aqr.adapt.stream.base import StreamKernels
-from aqr.adapt.stream.mixed import MixedLayerStream
+from aqr.adapt.stream.mixed import ComponentRouter, LayerRoute, MixedLayerStream
 from aqr.adapt.stream.native_kernels import NativeStreamKernels, native_stream_kernels
 from aqr.adapt.stream.robust import RobustLayerStream
 from aqr.adapt.stream.running import BatchKnots, LayerStream, StreamSettings
@@ -48,7 +48,17 @@ def stream_kernels(device: torch.device, native: bool) -> StreamKernels:
 
 
 def layer_stream(config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
-                 batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> LayerStream:
+                 batch_knots: BatchKnots, group_source: torch.Tensor | None = None,
+                 route: LayerRoute | None = None) -> LayerStream:
     """One layer's running state for ``config`` on ``source``'s device (``group_source``: the groups' source
-    knots, where the target maps onto them)."""
-    return stream_class(config).from_config(config, source, settings, kernels, batch_knots, group_source)
+    knots, where the target maps onto them; ``route``: the layer's place among the AQR's clusters, where the
+    target keeps them)."""
+    return stream_class(config).from_config(config, source, settings, kernels, batch_knots, group_source, route)
+
+
+def component_router(config: AQRConfig, stats: SourceStats) -> ComponentRouter | None:
+    """The router of the clusters of ``config``'s target where it keeps them (``target="mixed"``), else ``None``;
+    ``ValueError`` where the statistics hold no descriptors for it."""
+    if stream_class(config) is not MixedLayerStream:
+        return None
+    return ComponentRouter.of(config, stats.descriptors)

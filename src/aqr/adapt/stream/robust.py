@@ -194,7 +194,8 @@ class RobustLayerStream(LayerStream):
 
     @classmethod
     def from_config(cls, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
-                    batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> RobustLayerStream:
+                    batch_knots: BatchKnots, group_source: torch.Tensor | None = None,
+                    route: object | None = None) -> RobustLayerStream:
         return cls(source, settings, RobustSettings.of(config), kernels, batch_knots, group_source)
 
     @classmethod

@@ -215,9 +215,11 @@ class LayerStream:
 
     @classmethod
     def from_config(cls, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
-                    batch_knots: BatchKnots, group_source: torch.Tensor | None = None) -> LayerStream:
+                    batch_knots: BatchKnots, group_source: torch.Tensor | None = None,
+                    route: object | None = None) -> LayerStream:
         """One layer's running state for ``config`` (of this class's :attr:`target`) on ``source``'s device;
-        ``group_source``: the groups' source knots, which only the class-balanced state takes."""
+        ``group_source``: the groups' source knots, which only the class-balanced state takes; ``route``: the
+        layer's place among its AQR's clusters, which only ``target="mixed"``'s state takes."""
         return cls(source, settings, kernels, batch_knots)
 
     @classmethod

@@ -18,6 +18,7 @@ from dataclasses import fields
 import torch
 
 from aqr.adapt.config import AQRConfig
+from aqr.adapt.stream.mixed import ComponentRouter
 from aqr.adapt.stream.robust import MARGINAL_WINDOW
 from aqr.adapt.stream.running import LayerStream
 from aqr.adapt.stream.stream_maps import SharedStream, StreamLayerMap
@@ -34,7 +35,10 @@ def running_state(maps: Mapping[str, StreamLayerMap], shared: SharedStream) -> d
     The caller holds the lock that keeps the state from changing meanwhile."""
     layers = {name: [stream.export_state() for stream in list(layer_map.streams.values())]
               for name, layer_map in maps.items()}
-    return {"layers": layers, "recent": torch.tensor(shared.recent, dtype=torch.int64)}
+    state: dict[str, object] = {"layers": layers, "recent": torch.tensor(shared.recent, dtype=torch.int64)}
+    if shared.router is not None:  # target="mixed": the clusters' centres, which every layer shares
+        state["clusters"] = shared.router.export_state()
+    return state
 
 
 def load_running_state(state: Mapping[str, object], maps: Mapping[str, StreamLayerMap], shared: SharedStream) -> None:
@@ -48,6 +52,10 @@ def load_running_state(state: Mapping[str, object], maps: Mapping[str, StreamLay
             or len(recent) > MARGINAL_WINDOW or bool((recent < 0).any())):
         raise ValueError(f"the state's recent classes must be an int64 vector of at most {MARGINAL_WINDOW} "
                          f"classes >= 0, got {recent!r}")
+    if shared.router is not None:
+        if "clusters" not in state:
+            raise ValueError("the state holds no clusters' state ('clusters'), which target='mixed' keeps")
+        shared.router.check_state(state["clusters"])
     plan: list[tuple[LayerStream, Mapping[str, object]]] = []
     for name, entries in layers.items():
         if not isinstance(entries, list):
@@ -74,6 +82,8 @@ def load_running_state(state: Mapping[str, object], maps: Mapping[str, StreamLay
                 stream.reset()
     for stream, values in plan:
         stream.load_state(values)
+    if shared.router is not None:
+        shared.router.load_state(state["clusters"])  # type: ignore[arg-type]
     shared.recent = recent.tolist()
 
 
@@ -87,8 +97,10 @@ def config_record(config: AQRConfig) -> dict[str, object]:
     return record
 
 
-def source_digest(maps: Mapping[str, StreamLayerMap]) -> str:
-    """A sha256 of what each layer maps onto: its name, tail strategy and source knots (the groups' too)."""
+def source_digest(maps: Mapping[str, StreamLayerMap], router: ComponentRouter | None = None) -> str:
+    """A sha256 of what each layer maps onto: its name, tail strategy and source knots (the groups' too), and
+    where ``router`` is given (``target="mixed"``) the space its centres live in (the descriptors' mean and
+    whitening)."""
     digest = hashlib.sha256()
     for name, layer_map in maps.items():
         digest.update(f"{name}\0{layer_map.tail}\0".encode())
@@ -97,13 +109,17 @@ def source_digest(maps: Mapping[str, StreamLayerMap]) -> str:
                 t = t.detach().to("cpu", torch.float32).contiguous()
                 digest.update(f"{tuple(t.shape)}\0".encode())
                 digest.update(t.numpy().tobytes())
+    if router is not None:
+        for t in (router.mean, router.whitening):
+            digest.update(f"{tuple(t.shape)}\0".encode())
+            digest.update(t.to(torch.float64).contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
 def stream_record(config: AQRConfig, maps: Mapping[str, StreamLayerMap], shared: SharedStream) -> dict[str, object]:
     """:func:`running_state` with what identifies the stream: the entry of :meth:`aqr.AQR.state_dict`."""
     return {"format": FORMAT, "version": VERSION, "target": config.target, "config": config_record(config),
-            "source": source_digest(maps), **running_state(maps, shared)}
+            "source": source_digest(maps, shared.router), **running_state(maps, shared)}
 
 
 def load_stream_record(record: object, config: AQRConfig, maps: Mapping[str, StreamLayerMap],
@@ -125,7 +141,7 @@ def load_stream_record(record: object, config: AQRConfig, maps: Mapping[str, Str
     differ += [f"{k}={v!r} (not an option of this aqr)" for k, v in saved.items() if k not in mine]
     if differ:
         raise ValueError(f"the running state was saved with other options: {', '.join(differ)}")
-    if record.get("source") != source_digest(maps):
-        raise ValueError("the running state was saved for other source statistics (the layers' source knots "
-                         "differ): build the AQR with the statistics it was saved with")
+    if record.get("source") != source_digest(maps, shared.router):
+        raise ValueError("the running state was saved for other source statistics (the layers' source knots or "
+                         "the descriptors' whitening differ): build the AQR with the statistics it was saved with")
     load_running_state(record, maps, shared)

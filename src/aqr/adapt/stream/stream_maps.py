@@ -22,6 +22,7 @@ from aqr.adapt.layer_maps import PLAIN_BATCH_NORMS, LayerMap, batch_norm_tensors
 from aqr.adapt.stream.base import StreamKernels
 from aqr.adapt.stream.batch import BatchCommit, BatchValues, StreamBatch
 from aqr.adapt.stream.build import layer_stream, stream_class, stream_kernels, stream_settings
+from aqr.adapt.stream.mixed import ComponentRouter, LayerRoute
 from aqr.adapt.stream.native_kernels import NativeStreamKernels
 from aqr.adapt.stream.robust import MARGINAL_WINDOW
 from aqr.adapt.stream.running import LayerStream
@@ -43,9 +44,10 @@ class SharedStream:
     it was finite, :meth:`end`; :meth:`again` starts a second pass over the same batch.
     """
 
-    def __init__(self, config: AQRConfig) -> None:
+    def __init__(self, config: AQRConfig, router: ComponentRouter | None = None) -> None:
         self.config = config
         self.kind = stream_class(config)  # the layers' state class: it gives each batch its shares
+        self.router = router  # target="mixed": the clusters of the images, shared by every layer
         self.recent: list[int] = []
         self.current = StreamBatch(BatchValues())
 
@@ -54,11 +56,15 @@ class SharedStream:
         with the shares the target gives it from the recent predicted classes."""
         own, runs = (0.0, 1.0) if held else self.kind.batch_shares(self.recent, self.config)  # a held one steps nothing
         self.current = StreamBatch(BatchValues(images, held, own, runs))
+        if self.router is not None:
+            self.router.begin()
         return self.current
 
     def again(self) -> StreamBatch:
         """The batch in flight once more, with the same values and nothing staged (a second pass)."""
         self.current = self.current.again()
+        if self.router is not None:
+            self.router.begin()
         return self.current
 
     def end(self) -> None:
@@ -84,8 +90,10 @@ class SharedStream:
             self.recent = (self.recent + (labels if host_labels is None else host_labels).tolist())[-MARGINAL_WINDOW:]
 
     def reset(self) -> None:
-        """Forget the recent predicted classes."""
+        """Forget the recent predicted classes (and the clusters' centres, where the target keeps them)."""
         self.recent = []
+        if self.router is not None:
+            self.router.reset()
 
     def __getstate__(self) -> dict[str, object]:
         # a copy holds the state between two batches: the batch in flight stays behind
@@ -172,8 +180,9 @@ class StreamLayerMap(LayerMap):
         stream = self.streams.get(device)
         if stream is None:
             source, kernels = self.source_on(device).knots, stream_kernels(device, self.config.native)
+            route = None if self.shared.router is None else LayerRoute(self.shared.router, self.info.name)
             stream = layer_stream(self.config, source, self.settings, kernels, self.batch_knots,
-                                  self._group_source(source))
+                                  self._group_source(source), route)
             self.streams[device] = stream
         elif not stream.kernels.available():
             stream.kernels = TorchStreamKernels()  # a copy unpickled where the C kernels cannot be built
