@@ -211,6 +211,11 @@ def test_other_objects_and_options_are_refused(tmp_path):
     robust = aqr.AQR(model, stats, target="robust")
     with pytest.raises(ExportError, match="not target='robust'"):
         export(robust, _images(2, 0), tmp_path / "x.pt2", format="torch", form="stream")
+    described = aqr.calibrate(model, [_images(16, 0)], tail_repeats=20, tail_batch=8, descriptors=True)
+    mixed = aqr.AQR(model, described, target="mixed")
+    mixed(_images(8, 1))
+    with pytest.raises(ExportError, match="target='mixed' has no exported form"):
+        export(mixed, _images(2, 0), tmp_path / "x.pt2", format="torch")
 
 
 class Hidden(nn.Module):

@@ -228,6 +228,9 @@ def _the_form(adapted: AQR, form: str | None) -> str:
     if form == "batch" and target != "batch":
         raise ExportError(f"form='batch' exports per-batch AQR: this wrapper has target={target!r} (export "
                           "form='frozen' or 'stream', or wrap the model with target='batch')")
+    if target == "mixed":
+        raise ExportError("target='mixed' has no exported form yet: each image's map depends on its cluster, which "
+                          "a frozen map would drop; export a target='stream' wrapper (its shared state) instead")
     if form in ("frozen", "stream") and target == "batch":
         raise ExportError(f"form={form!r} exports a running state, which target='batch' does not keep "
                           "(use form='batch', or wrap the model with target='stream')")
