@@ -90,11 +90,17 @@ def test_the_router_seeds_after_its_images_assigns_the_nearest_whitened_centre_a
     assert torch.allclose(moved[1], before[1] + (z[1:].sum(0) - 2 * before[1]) / (counts[1] + 2))
 
 
-def test_a_stranded_centre_moves_onto_an_image_of_the_batch() -> None:
-    r = router(3)
+def seeded(components: int, seed: int) -> ComponentRouter:
+    """A router of :func:`router` seeded from two blobs of images (its first :data:`SEED_IMAGES`)."""
+    r = router(components)
     r.begin()
-    r.record("a", blobs(SEED_IMAGES // 2, [[0.0, 0.0], [5.0, 5.0]], seed=2))
+    r.record("a", blobs(SEED_IMAGES // 2, [[0.0, 0.0], [5.0, 5.0]], seed=seed))
     r.commit()
+    return r
+
+
+def test_a_stranded_centre_moves_onto_an_image_of_the_batch() -> None:
+    r = seeded(3, seed=2)
     state = r.export_state()
     state["centres"][2] = torch.tensor([1e6, 1e6], dtype=torch.float64)  # far from every image: takes none
     state["counts"][2] = 0.0
@@ -212,10 +218,7 @@ def test_off_the_cpu_it_says_it_runs_on_the_cpu_only() -> None:
 
 
 def test_an_overflowing_descriptor_joins_no_cluster_and_moves_no_centre() -> None:
-    r = router(2)
-    r.begin()
-    r.record("a", blobs(SEED_IMAGES // 2, [[0.0, 0.0], [5.0, 5.0]], seed=3))
-    r.commit()
+    r = seeded(2, seed=3)
     before = r.export_state()
     r.begin()
     r.record("a", torch.tensor([[0.0, 0.1], [float("inf"), 0.0]]))

@@ -376,6 +376,12 @@ class MixedLayerStream:
             return None
         return router.assignment() if self.blend > 0 else None
 
+    def _blend_in(self, rows: torch.Tensor, index: torch.Tensor, mapped: torch.Tensor) -> None:
+        """The rows ``index`` of the shared map ``rows`` (images, values) become ``blend`` of the way to their
+        cluster's map ``mapped`` (those images' values, in that order)."""
+        mine = mapped.reshape(len(index), -1).to(rows.dtype)
+        rows.index_copy_(0, index, torch.lerp(rows.index_select(0, index), mine, self.blend))
+
     # ---- one batch ----------------------------------------------------------------------------
     def batch_step(self, x: torch.Tensor, batch: BatchValues,
                    pre: Affine | None = None) -> tuple[torch.Tensor | None, MixedStaged | None, Flag]:
@@ -397,8 +403,7 @@ class MixedLayerStream:
                 _select(x, images, index), len(index), pre)
             if ok is False or mapped is None:
                 return None, None, False
-            mine = mapped.reshape(len(index), -1).to(y.dtype)
-            rows.index_copy_(0, index, torch.lerp(rows.index_select(0, index), mine, self.blend))
+            self._blend_in(rows, index, mapped)
             staged.parts.append((k, starts, step))  # type: ignore[arg-type]
             finite = all_finite(finite, ok)
         return y, staged, finite
@@ -419,8 +424,7 @@ class MixedLayerStream:
             mapped, ok = self._view(self.parts[k]).flagged_held(_select(x, images, index), len(index), pre)
             if ok is False or mapped is None:
                 return None, False
-            mine = mapped.reshape(len(index), -1).to(y.dtype)
-            rows.index_copy_(0, index, torch.lerp(rows.index_select(0, index), mine, self.blend))
+            self._blend_in(rows, index, mapped)
             finite = all_finite(finite, ok)
         return y, finite
 
