@@ -69,8 +69,8 @@ def given_clusters(batch: dict[str, torch.Tensor]) -> Iterator[None]:
     names (set from outside before each batch) and never move their centres (until the block ends)."""
     assignment, commit = mixed.ComponentRouter.assignment, mixed.ComponentRouter.commit
 
-    def labelled(router: mixed.ComponentRouter) -> mixed.Assignment | None:
-        return mixed.Assignment.of_components(batch["labels"].clone())
+    def labelled(router: mixed.ComponentRouter) -> torch.Tensor | None:
+        return batch["labels"].clone().long()
 
     mixed.ComponentRouter.assignment = labelled  # type: ignore[method-assign]
     mixed.ComponentRouter.commit = lambda router: None  # type: ignore[method-assign]
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             correct[start:end] = method(to_float(images[start:end])).argmax(1).numpy() == labels[start:end]
             if given is None:
                 routed = router_of(method)._assignment
-                chosen.append(np.full(end - start, -1) if routed is None else routed.of.numpy())
+                chosen.append(np.full(end - start, -1) if routed is None else routed.numpy())
     if recorded:
         np.savez(args.descriptors, domain=domain, **{f"L{k}": torch.cat(v).numpy() for k, v in recorded.items()})
     if given is None:

@@ -5,7 +5,8 @@ UBSan (``python stream_fuzz.py EXAMPLES FLAG...``).
 Each case is a small layer output (finite values from the whole float32 range, ties, constant
 channels, sometimes a NaN or Inf), knots and source knots (sorted, sometimes tied or spanning
 +-FLT_MAX), an optional folded BatchNorm, and a sequence of operations: tables, scan, pushes into a
-tail window, tails, a merge, and ``target="robust"``'s group merge and mixture. Both implementations run each operation on the same inputs; their
+tail window, tails, a merge, ``target="robust"``'s group merge and mixture, and ``target="mixed"``'s cluster
+scan and push. Both implementations run each operation on the same inputs; their
 results must agree to float rounding, flags and histograms exactly.
 """
 
@@ -138,6 +139,7 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
             assert one[0] == apart[0] and torch.equal(one[1], apart[1]) and torch.equal(one[2], apart[2]), \
                 "shift_test differs"
     check_bound(native, case, tables[0])
+    check_clusters(native, case, tables[0])
     windows = [TailWindow.empty(c, case["window"]) for _ in range(2)]
     groups = [PendingGroup.empty(c, cells) for _ in range(2)]
     counts = want.counts if want.finite else torch.zeros(c, cells + 4, dtype=torch.int32)
@@ -216,6 +218,52 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
             _close(mixed[0], mixed[1], "mixture knots")
             inner = mixed[1][:, 1:-1]  # (the ends are the tails', set after the mixture)
             assert bool((inner[:, 1:] >= inner[:, :-1]).all()), "the mixture's inner knots must be sorted"
+
+
+def check_clusters(native: NativeStreamKernels, case: dict, table: StreamTable) -> None:
+    """``target="mixed"``'s two calls: the C kernels' one-call cluster scan is, bit for bit, its images scanned one
+    by one on their clusters' states (the base form, on the C scan) and, to float rounding, the torch mirror's;
+    the one-call push is the clusters' pushes one by one."""
+    x, knots, source, images, pre = case["x"], case["knots"], case["source"], case["images"], case["pre"]
+    c, cells, stride = x.shape[1], case["cells"], case["stride"]
+    rng = np.random.default_rng(case["stride"] * 7 + images)
+    other = StreamTable.empty(c, table.grid)
+    native.tables(source, source, other)
+    states = [(knots, table), (source, other), (knots, table)]
+    maps = [True, True, False]
+    of = torch.from_numpy(rng.integers(-1, len(states), size=images)).long()
+    ref = TorchStreamKernels()
+    start = torch.from_numpy(rng.normal(size=tuple(x.shape)).astype(np.float32))
+    ys = [start.clone() for _ in range(3)]
+    one = native.cluster_scan(x, images, pre, source, of, states, maps, 0.3, ys[0], stride, cells)
+    apart = StreamKernels.cluster_scan(native, x, images, pre, source, of, states, maps, 0.3, ys[1], stride, cells)
+    mirror = StreamKernels.cluster_scan(ref, x, images, pre, source, of, states, maps, 0.3, ys[2], stride, cells)
+    assert one.finite == apart.finite == mirror.finite, "cluster scan: finite flags differ"
+    if not one.finite:
+        return
+    bits = lambda t: t.view(torch.int32)  # noqa: E731
+    took = of >= 0
+    assert torch.equal(bits(ys[0]), bits(ys[1])) and torch.equal(one.counts, apart.counts) and \
+        torch.equal(bits(one.lo[took]), bits(apart.lo[took])) and torch.equal(bits(one.hi[took]), bits(apart.hi[took])), \
+        "cluster scan: one call differs from the images one by one"
+    assert torch.equal(one.counts, mirror.counts), "cluster scan: histograms differ from the torch mirror"
+    _close(ys[0], ys[2], "cluster scan map")
+    assert torch.equal(ys[0][~took.repeat_interleave(x.shape[0] // images)], start[~took.repeat_interleave(
+        x.shape[0] // images)]), "cluster scan: an image of no cluster was changed"
+    pushed = [[(TailWindow.empty(c, case["window"]), PendingGroup.empty(c, cells)) for _ in states] for _ in range(2)]
+    for extremes in case["pushes"][:2]:  # windows part filled first, so the counters wrap
+        if len(extremes[0]):
+            for w, g in pushed[0] + pushed[1]:
+                native.push(w, g, None, extremes[0], extremes[1])
+    sizes = [native.cluster_push(of, one.lo, one.hi, one.counts, pushed[0]),
+             StreamKernels.cluster_push(native, of, one.lo, one.hi, one.counts, pushed[1])]
+    assert sizes[0] == sizes[1] == torch.bincount(of + 1, minlength=4)[1:].tolist()
+    for (w0, g0), (w1, g1) in zip(*pushed):
+        assert (w0.filled, w0.head) == (w1.filled, w1.head), "cluster push: window counters differ"
+        for name in ("ring_lo", "sorted_lo", "ring_hi", "sorted_hi"):
+            assert torch.equal(bits(getattr(w0, name)), bits(getattr(w1, name))), f"cluster push: window {name}"
+        assert torch.equal(g0.counts, g1.counts) and torch.equal(bits(g0.gmin), bits(g1.gmin)) and \
+            torch.equal(bits(g0.gmax), bits(g1.gmax)), "cluster push: groups differ"
 
 
 def check_bound(native: NativeStreamKernels, case: dict, table: StreamTable) -> None:

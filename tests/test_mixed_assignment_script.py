@@ -26,10 +26,11 @@ def test_given_clusters_route_each_image_as_labelled_and_leave_the_centres() -> 
     batch = {"labels": torch.tensor([0, 2, 2, 0])}
     recorded: dict[int, list[torch.Tensor]] = {}
     with script.given_clusters(batch), script.recorded_descriptors(recorded):
-        adapter(images(4, seed=5))
+        adapter(images(4, seed=5))  # the shared states start: the clusters' start from them at the next batch
+        adapter(images(4, seed=6))
         router = script.router_of(adapter)
         assert router._assignment is None  # the patched assignment is not stored: asked again per layer
-        assert router.assignment().of.tolist() == [0, 2, 2, 0]
+        assert router.assignment().tolist() == [0, 2, 2, 0]
     started = [[part.started for part in m.streams[torch.device("cpu")].parts] for m in adapter._maps.values()]
     assert any(s == [True, False, True] for s in started)  # clusters 0 and 2 took images, 1 none
     assert not router.seeded  # the centres never moved

@@ -252,6 +252,41 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
     assert shift(4, c, k, nan_knots.data_ptr(), hist.data_ptr(), 8, out.data_ptr()) == -2  # a NaN knot
     for mode in (COUNT | IMAGE_COUNT, 8, -1):  # both counts at once, or no such mode
         assert scan(None, mode) == -2, mode
+    # target="mixed": a cluster index at or past the clusters, a blend outside [0, 1], a missing state address
+    states = [(knots, table), (knots, table)]
+    y = torch.zeros(2, c, 5)
+    with pytest.raises(ValueError, match="not below 2"):
+        native.cluster_scan(x, 2, None, knots, torch.tensor([0, 2]), states, [True, True], 0.3, y, 5, 8)
+    with pytest.raises(ValueError, match="blend"):
+        native.cluster_scan(x, 2, None, knots, torch.tensor([0, 1]), states, [True, True], 1.5, y, 5, 8)
+    pairs = [[t.data_ptr() for t in (knots, table.pairs, table.glo, table.ginv)]] * 2
+    flags = torch.ones(2, dtype=torch.int32)
+
+    def cluster_scan(of: list[int], addresses: list[list[int]], blend: float = 0.3) -> int:
+        of_t, at = torch.tensor(of), torch.tensor(addresses, dtype=torch.int64)
+        return lib.aqr_stream_cluster_scan(structs["aqr_stream_cluster_scan_args"].of(
+            x=x.data_ptr(), y=y.data_ptr(), A=2, C=c, B=5, N=2, pre_scale=None, pre_shift=None, K=k,
+            sq=knots.data_ptr(), G=8, stride=5, GC=8, M=2, cluster=of_t.data_ptr(), states=at.data_ptr(),
+            maps=flags.data_ptr(), blend=blend, counts=hist.data_ptr(), lo=lo.data_ptr(), hi=hi.data_ptr()), 1)
+
+    assert cluster_scan([0, -1], pairs) == 0
+    assert cluster_scan([0, 2], pairs) == -2 and cluster_scan([0, 1], pairs, blend=float("nan")) == -2
+    assert cluster_scan([0, 1], [pairs[0], [pairs[0][0], 0, *pairs[0][2:]]]) == -2
+    window, group = TailWindow.empty(c, 4), PendingGroup.empty(c, 8)
+    with pytest.raises(ValueError, match="not below 1"):
+        native.cluster_push(torch.tensor([0, 1]), lo, hi, hist[:1], [(window, group)])
+    buffers = [[t.data_ptr() for t in (group.counts, group.gmin, group.gmax, window.ring_lo, window.sorted_lo,
+                                       window.ring_hi, window.sorted_hi)]]
+    counters = torch.zeros(1, dtype=torch.int64)
+
+    def cluster_push(of: list[int], addresses: list[list[int]]) -> int:
+        of_t, at = torch.tensor(of), torch.tensor(addresses, dtype=torch.int64)
+        return lib.aqr_stream_cluster_push(structs["aqr_stream_cluster_push_args"].of(
+            C=c, bins=12, W=4, M=1, N=2, cluster=of_t.data_ptr(), lo=lo.data_ptr(), hi=hi.data_ptr(),
+            counts=hist.data_ptr(), states=at.data_ptr(), filled=counters.data_ptr(), head=counters.data_ptr()), 1)
+
+    assert cluster_push([0, 1], buffers) == -2 and cluster_push([0, -1], [[0, *buffers[0][1:]]]) == -2
+    assert cluster_push([0, -1], buffers) == 0
 
 
 @needs_kernels

@@ -82,7 +82,7 @@ def test_the_router_seeds_after_its_images_assigns_the_nearest_whitened_centre_a
     r.begin()
     r.record("a", batch)
     a = r.assignment()
-    assert a is not None and [int(order.argsort()[k]) for k in a.of.tolist()] == [0, 1, 1]
+    assert a is not None and [int(order.argsort()[k]) for k in a.tolist()] == [0, 1, 1]
     r.commit()
     moved = r.centres[order]
     z = 2 * batch.double()
@@ -145,10 +145,12 @@ def test_clusters_take_their_images_on_a_stream_of_two_domains_and_the_state_con
     for seed in range(24):  # both domains in each batch
         x = torch.cat([images(4, seed=seed), shifted(4, 2 * seed + 1)])
         differ |= not torch.equal(adapter(x), stream(x))
+    # a cluster maps its images with its state before the batch (the shared state, at batch 8, with the batch
+    # merged in first), so even a cluster that takes every image changes the map
+    assert adapter._batch.router.seeded and differ
     # the tiny ViT's token-normalized layers tell its two domains apart too little for two clusters: one takes
-    # every image there, and its state is then the shared one's
+    # every image there
     apart = name != "ln"
-    assert adapter._batch.router.seeded and differ == apart  # the clusters' states map some images otherwise
     started = [sum(part.started for part in m.streams[torch.device("cpu")].parts) for m in adapter._maps.values()]
     assert max(started) >= (2 if apart else 1)
     state = adapter.state_dict()
@@ -222,7 +224,7 @@ def test_an_overflowing_descriptor_joins_no_cluster_and_moves_no_centre() -> Non
     before = r.export_state()
     r.begin()
     r.record("a", torch.tensor([[0.0, 0.1], [float("inf"), 0.0]]))
-    assert r.assignment().of[1] == -1 and [k for k, _ in r.assignment().members] == [int(r.assignment().of[0])]
+    assert r.assignment()[1] == -1 and r.assignment()[0] >= 0
     r.commit()
     assert bool(torch.isfinite(r.centres).all()) and float(r.counts.sum()) == float(before["counts"].sum()) + 1
     huge = aqr.AQR(*calibrated("bn"), target="mixed", compile=False)
@@ -242,9 +244,9 @@ def test_a_moved_centre_starts_its_states_again_from_the_shared_one() -> None:
     layer = next(m.streams[torch.device("cpu")] for m in adapter._maps.values()
                  if m.streams[torch.device("cpu")].parts)
     k = next(k for k in range(3) if layer.parts[k].started)
-    assert not layer._starts(k)
+    assert not layer._starts()[k]
     router.generation[k] += 1  # as a stranded centre's move does
-    assert layer._starts(k)
+    assert layer._starts()[k]
     adapter(torch.cat([images(8, seed=50), shifted(8, 101)]))
     assert int(layer.generations[k]) == int(router.generation[k]) or not layer.parts[k].started
 
@@ -259,3 +261,8 @@ def test_a_state_is_refused_by_an_aqr_of_other_descriptor_statistics() -> None:
                                         stats.descriptors.whitening, stats.descriptors.images)
     with pytest.raises(RuntimeError, match="other source statistics"):
         aqr.AQR(model, other, target="mixed", compile=False).load_state_dict(adapter.state_dict())
+
+
+def test_the_knot_average_estimator_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match="estimator='knot-ema' is not supported"):
+        aqr.AQRConfig(target="mixed", estimator="knot-ema")

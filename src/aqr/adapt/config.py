@@ -271,7 +271,11 @@ class MixedTarget(StreamTarget):
     name: ClassVar[str] = "mixed"
 
     def check_mixed_options(self, config: AQRConfig) -> None:
-        """Its own options: nothing to refuse."""
+        """Its own options: nothing to refuse; its clusters' states count their images' histograms, the
+        ``"cdf-ema"`` estimator's input, so ``"knot-ema"`` is refused."""
+        if config.estimator != "cdf-ema":
+            raise ValueError(f"target='mixed' averages its clusters' CDFs (estimator='cdf-ema'); "
+                             f"estimator={config.estimator!r} is not supported with it")
 
     def describe(self, config: AQRConfig) -> str:
         return super().describe(config) + f", components={config.components}, blend={config.blend:g}"

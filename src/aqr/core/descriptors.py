@@ -45,11 +45,21 @@ def image_moments(x: torch.Tensor, images: int, pre: Affine | None = None) -> tu
     a, c, b = x.shape
     if images < 1 or a % images:
         raise ValueError(f"a layer output of {a} rows cannot be split into {images} images")
-    v = x.reshape(images, a // images, c, b).float()
-    if pre is not None:
-        v = v * pre[0].view(1, 1, c, 1) + pre[1].view(1, 1, c, 1)
-    var, mean = torch.var_mean(v.transpose(1, 2).reshape(images, c, -1), dim=2, correction=0)
-    return mean, var.sqrt()
+    rows = a // images
+    if b == 1:  # tokens as rows (a LayerNorm's output): reduce over the rows, no copy
+        v, dim = x.reshape(images, rows, c).float(), 1
+    else:
+        v, dim = x.reshape(images, rows, c, b).float().transpose(1, 2).reshape(images, c, rows * b), 2
+    # two passes (the mean, then the mean square of the deviations) over one dimension: on one CPU thread
+    # about 10 x faster than torch.var_mean's single pass, and as accurate (torch's sums are pairwise)
+    centre = v.mean(dim=dim, keepdim=True)
+    deviation = v - centre
+    std = (torch.linalg.vecdot(deviation, deviation, dim=dim) / v.shape[dim]).sqrt()
+    mean = centre.squeeze(dim)
+    if pre is not None:  # the moments of scale * x + shift, without a pass over the scaled values
+        mean = mean * pre[0].float() + pre[1].float()
+        std = std * pre[0].float().abs()
+    return mean, std
 
 
 def standardized_descriptors(mean: torch.Tensor, std: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

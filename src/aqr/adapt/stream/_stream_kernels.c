@@ -26,6 +26,9 @@
  *   aqr_stream_large    a batch of rebuild_every images or more: counted, then aqr_stream_merge_map
  *   aqr_stream_idle_rebuild  target="robust": a batch alone into the marginal while the groups weigh
  *                       nothing, the knots from it and the window's tails
+ *   aqr_stream_cluster_scan  target="mixed": each image scanned on its cluster's state, its map blended
+ *                       into the shared state's, the clusters' histograms, in one call
+ *   aqr_stream_cluster_push  target="mixed": each cluster's images pushed into its group and window
  *   aqr_stream_bound_scan, aqr_stream_bound_commit  a small batch on a layer's state bound once: the
  *                       scan (map and count), then its push and, every rebuild_every images, the knots
  *                       rebuilt from the group and the window and the table from the knots, in one call
@@ -1504,6 +1507,98 @@ static int stream_large(const float *x, float *y, int64_t A, int64_t C, int64_t 
     return status;
 }
 
+/* target="mixed"'s clusters, in one call: each image n of x (A, C, B; N images of A / N rows, read as
+ * pre_scale * x + pre_shift) whose cluster k = of[n] is in [0, M) is scanned as a batch of its own on
+ * cluster k's state (stream_scan of its rows alone, N = 1): its extremes into lo / hi (N, C), its values at
+ * the flat positions within its rows that are multiples of stride counted into counts (M, C, GC + 4) on
+ * the bins of cluster k's knots, and, where maps[k], y's rows (the shared state's map, written in place)
+ * moved blend of the way to cluster k's map of them: y + blend * (m - y), in float. states (M, 4) holds
+ * cluster k's knots (C, K), table pairs (C, G + 2, 2), glo and ginv (C) as addresses; sq (C, K) the
+ * source knots. An image of no cluster (of[n] < 0) is left as it is, its lo / hi unwritten; of[n] >= M
+ * is refused before anything is written. Returns STREAM_OK, STREAM_NONFINITE (a value NaN or +-inf: the
+ * outputs are then meaningless), STREAM_NO_MEMORY or STREAM_BAD_ARGUMENT. */
+static int stream_cluster_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N,
+                               const float *pre_scale, const float *pre_shift, int64_t K, const float *sq, int64_t G,
+                               int64_t stride, int64_t GC, int64_t M, const int64_t *of, const int64_t *states,
+                               const int32_t *maps, double blend, int32_t *counts, float *lo, float *hi,
+                               int nthreads) {
+    if (!stream_sizes_ok(C, K, G, GC) || A < 1 || B < 1 || N < 1 || A % N || stride < 1 || M < 1 ||
+        M > (1 << 20) || A > INT64_MAX / C / B || C > INT64_MAX / M / (GC + STREAM_EDGE_BINS) || !x || !y || !sq ||
+        !of || !states || !maps || !counts || !lo || !hi || !(blend >= 0.0 && blend <= 1.0))
+        return STREAM_BAD_ARGUMENT;
+    for (int64_t n = 0; n < N; n++)
+        if (of[n] >= M) return STREAM_BAD_ARGUMENT;
+    for (int64_t k = 0; k < 4 * M; k++)
+        if (!states[k]) return STREAM_BAD_ARGUMENT;
+    const int64_t rows = A / N, image = rows * C * B, bins = GC + STREAM_EDGE_BINS;
+    const float w = (float)blend;
+    /* one image's map (rows, C, B) and histogram (C, bins) */
+    float *mem = malloc(sizeof(float) * (size_t)(image + C * bins));
+    if (!mem) return STREAM_NO_MEMORY;
+    float *mapped = mem;
+    int32_t *own = (int32_t *)(mem + image);
+    memset(counts, 0, sizeof(int32_t) * (size_t)(M * C * bins));
+    int status = STREAM_OK;
+    for (int64_t n = 0; n < N && status == STREAM_OK; n++) {
+        const int64_t k = of[n];
+        if (k < 0) continue;
+        const int64_t *at = states + 4 * k;
+        const int map = maps[k] != 0;
+        status = stream_scan(x + n * image, map ? mapped : NULL, rows, C, B, 1, pre_scale, pre_shift, K,
+                             (const float *)(intptr_t)at[0], sq, (const float *)(intptr_t)at[1], G,
+                             (const float *)(intptr_t)at[2], (const float *)(intptr_t)at[3], stride, GC, own,
+                             lo + n * C, hi + n * C, map ? STREAM_MAP | STREAM_COUNT : STREAM_COUNT, nthreads);
+        if (status != STREAM_OK) break;
+        int32_t *total = counts + k * C * bins;
+        for (int64_t j = 0; j < C * bins; j++) total[j] += own[j];
+        if (!map) continue;
+        float *yn = y + n * image;
+        for (int64_t j = 0; j < image; j++) yn[j] = yn[j] + w * (mapped[j] - yn[j]);
+    }
+    free(mem);
+    return status;
+}
+
+/* target="mixed"'s clusters' pushes, in one call: for each cluster k in [0, M), its images (those n with
+ * cluster[n] == k, in batch order) pushed as stream_push does: their extremes lo / hi (N, C) into cluster k's
+ * tail window and, with its histogram counts (M, C, bins) row k, into its pending group. states (M, 7) holds
+ * cluster k's pending, gmin, gmax, ring_lo, sorted_lo, ring_hi and sorted_hi as addresses, filled / head (M)
+ * its window's counters before the batch (the caller advances them); every window holds W images. A cluster
+ * of no image is not touched; an image of no cluster (cluster[n] < 0) is not pushed; cluster[n] >= M is
+ * refused before anything is written. Returns STREAM_OK, STREAM_NO_MEMORY or STREAM_BAD_ARGUMENT. */
+static int stream_cluster_push(int64_t C, int64_t bins, int64_t W, int64_t M, int64_t N, const int64_t *cluster,
+                               const float *lo, const float *hi, const int32_t *counts, const int64_t *states,
+                               const int64_t *filled, const int64_t *head, int nthreads) {
+    if (C < 1 || bins < 1 || W < 1 || M < 1 || M > (1 << 20) || N < 1 || !cluster || !lo || !hi || !counts ||
+        !states || !filled || !head || N > INT64_MAX / C / 8 || C > INT64_MAX / M / bins)
+        return STREAM_BAD_ARGUMENT;
+    for (int64_t n = 0; n < N; n++)
+        if (cluster[n] >= M) return STREAM_BAD_ARGUMENT;
+    for (int64_t j = 0; j < 7 * M; j++)
+        if (!states[j]) return STREAM_BAD_ARGUMENT;
+    float *mem = malloc(sizeof(float) * (size_t)(2 * N * C)); /* one cluster's extremes, gathered */
+    if (!mem) return STREAM_NO_MEMORY;
+    float *own_lo = mem, *own_hi = mem + N * C;
+    int status = STREAM_OK;
+    for (int64_t k = 0; k < M && status == STREAM_OK; k++) {
+        int64_t taken = 0;
+        for (int64_t n = 0; n < N; n++) {
+            if (cluster[n] != k) continue;
+            memcpy(own_lo + taken * C, lo + n * C, sizeof(float) * (size_t)C);
+            memcpy(own_hi + taken * C, hi + n * C, sizeof(float) * (size_t)C);
+            taken++;
+        }
+        if (!taken) continue;
+        const int64_t *at = states + 7 * k;
+        status = stream_push(C, bins, W, (int32_t *)(intptr_t)at[0], counts + k * C * bins, (float *)(intptr_t)at[1],
+                             (float *)(intptr_t)at[2], own_lo, own_hi, taken, (float *)(intptr_t)at[3],
+                             (float *)(intptr_t)at[4], (float *)(intptr_t)at[5], (float *)(intptr_t)at[6], filled[k],
+                             head[k], nthreads);
+    }
+    free(mem);
+    return status;
+}
+
 /* target="robust"'s rebuild of one batch alone while its groups weigh nothing, in one call: what
  * aqr/adapt/stream/robust.py composes from the operations above, in the same order (so the same bits).
  * The marginal mg (C, K) takes the batch's histogram counts (C, GC + 4) (on the bins of the knots kn)
@@ -1591,6 +1686,21 @@ static int stream_idle_rebuild(int64_t C, int64_t K, float *mg, float *kn, const
     F(ST, P, const int32_t *, counts) F(ST, I, int64_t, GC) F(ST, P, const float *, gmin)              \
     F(ST, P, const float *, gmax) F(ST, D, double, weight) F(ST, I, int64_t, W) F(ST, P, const float *, sorted_lo) \
     F(ST, P, const float *, sorted_hi) F(ST, P, const double *, w) F(ST, I, int64_t, nw)
+/* target="mixed"'s clusters scanned in one call: a batch (STREAM_BATCH_FIELDS), the source knots, and per
+   image its cluster (N), per cluster its state's addresses states (M, 4) and whether it maps (maps (M)). */
+#define STREAM_CLUSTER_SCAN_FIELDS(F, ST)                                                               \
+    STREAM_BATCH_FIELDS(F, ST) F(ST, I, int64_t, K) F(ST, P, const float *, sq) F(ST, I, int64_t, G)   \
+    F(ST, I, int64_t, stride) F(ST, I, int64_t, GC) F(ST, I, int64_t, M) F(ST, P, const int64_t *, cluster) \
+    F(ST, P, const int64_t *, states) F(ST, P, const int32_t *, maps) F(ST, D, double, blend)          \
+    F(ST, P, int32_t *, counts) F(ST, P, float *, lo) F(ST, P, float *, hi)
+/* target="mixed"'s clusters' pushes in one call: per image its cluster (N) and extremes lo / hi (N, C), per
+   cluster its histogram (counts (M, C, bins)), its group's and window's addresses (states (M, 7)) and its
+   window's counters (filled, head (M)). */
+#define STREAM_CLUSTER_PUSH_FIELDS(F, ST)                                                               \
+    F(ST, I, int64_t, C) F(ST, I, int64_t, bins) F(ST, I, int64_t, W) F(ST, I, int64_t, M)             \
+    F(ST, I, int64_t, N) F(ST, P, const int64_t *, cluster) F(ST, P, const float *, lo)                \
+    F(ST, P, const float *, hi) F(ST, P, const int32_t *, counts) F(ST, P, const int64_t *, states)     \
+    F(ST, P, const int64_t *, filled) F(ST, P, const int64_t *, head)
 /* One layer's stream bound once (aqr/adapt/stream/native_kernels.py's BoundStream): its sizes and its
    buffers, so that a small batch's two calls pass only what changes. */
 #define STREAM_LAYER_FIELDS(F, ST)                                                                      \
@@ -1618,6 +1728,8 @@ AQR_DESCRIPTOR(aqr_stream_shift_test_args, STREAM_SHIFT_TEST_FIELDS)
 AQR_DESCRIPTOR(aqr_stream_merge_map_args, STREAM_MERGE_MAP_FIELDS)
 AQR_DESCRIPTOR(aqr_stream_large_args, STREAM_LARGE_FIELDS)
 AQR_DESCRIPTOR(aqr_stream_idle_rebuild_args, STREAM_IDLE_REBUILD_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_cluster_scan_args, STREAM_CLUSTER_SCAN_FIELDS)
+AQR_DESCRIPTOR(aqr_stream_cluster_push_args, STREAM_CLUSTER_PUSH_FIELDS)
 AQR_DESCRIPTOR(aqr_stream_layer, STREAM_LAYER_FIELDS)
 AQR_DESCRIPTOR(aqr_stream_bound_batch, STREAM_BOUND_BATCH_FIELDS)
 AQR_DESCRIPTOR(aqr_stream_bound_commit_args, STREAM_BOUND_COMMIT_FIELDS)
@@ -1628,6 +1740,7 @@ static const aqr_layout LAYOUTS[] = {
     AQR_LAYOUT(aqr_stream_shift_test_args), AQR_LAYOUT(aqr_stream_merge_map_args),
     AQR_LAYOUT(aqr_stream_large_args),    AQR_LAYOUT(aqr_stream_idle_rebuild_args), AQR_LAYOUT(aqr_stream_layer),
     AQR_LAYOUT(aqr_stream_bound_batch),   AQR_LAYOUT(aqr_stream_bound_commit_args),
+    AQR_LAYOUT(aqr_stream_cluster_scan_args), AQR_LAYOUT(aqr_stream_cluster_push_args),
 };
 
 const aqr_layout *aqr_layouts(int64_t *count) {
@@ -1687,6 +1800,19 @@ int aqr_stream_idle_rebuild(const aqr_stream_idle_rebuild_args *d, int nthreads)
     if (!d) return STREAM_BAD_ARGUMENT;
     return stream_idle_rebuild(d->C, d->K, d->mg, d->kn, d->counts, d->GC, d->gmin, d->gmax, d->weight, d->W,
                                d->sorted_lo, d->sorted_hi, d->w, d->nw, nthreads);
+}
+
+int aqr_stream_cluster_scan(const aqr_stream_cluster_scan_args *d, int nthreads) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_cluster_scan(d->x, d->y, d->A, d->C, d->B, d->N, d->pre_scale, d->pre_shift, d->K, d->sq, d->G,
+                               d->stride, d->GC, d->M, d->cluster, d->states, d->maps, d->blend, d->counts, d->lo, d->hi,
+                               nthreads);
+}
+
+int aqr_stream_cluster_push(const aqr_stream_cluster_push_args *d, int nthreads) {
+    if (!d) return STREAM_BAD_ARGUMENT;
+    return stream_cluster_push(d->C, d->bins, d->W, d->M, d->N, d->cluster, d->lo, d->hi, d->counts, d->states,
+                               d->filled, d->head, nthreads);
 }
 
 /* stream_scan with STREAM_MAP | STREAM_COUNT of the batch b on the bound layer d. */

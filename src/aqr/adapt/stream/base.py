@@ -15,6 +15,7 @@ reference the C kernels are tested against). :mod:`aqr.adapt.stream.running` dec
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple, Union
 
@@ -181,6 +182,64 @@ def check_scan(x: torch.Tensor, images: int, knots: torch.Tensor, source: torch.
         raise ValueError(f"streaming state of {knots.shape[0]} channels for a layer output of {c}")
 
 
+class ClusterScan(NamedTuple):
+    """What :meth:`StreamKernels.cluster_scan` returns: each image's extremes ``lo``/``hi`` ``(N, C)`` (where it has
+    a cluster), each cluster's histogram ``counts`` ``(M, C, cells + 4)`` int32, and whether every value read was
+    finite (as :class:`ScanResult`'s ``finite``)."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    counts: torch.Tensor
+    finite: Flag
+
+
+def check_clusters(x: torch.Tensor, images: int, source: torch.Tensor, of: torch.Tensor,
+                   states: Sequence[tuple[torch.Tensor, StreamTable]], maps: Sequence[bool], blend: float,
+                   y: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless :meth:`StreamKernels.cluster_scan`'s arguments fit: ``x`` (A, C, B) of
+    ``images`` images, ``y`` its shape and contiguous, ``of`` ``(images,)`` int64 on the CPU below ``len(states)``,
+    one ``maps`` flag per state, each state fitting ``x`` and ``source`` on one grid, ``blend`` in [0, 1]."""
+    a, c, _ = x.shape
+    if images < 1 or a % images:
+        raise ValueError(f"a layer output of {a} rows cannot hold {images} images")
+    if y.shape != x.shape or not y.is_contiguous():
+        raise ValueError(f"cluster_scan writes a contiguous map of {tuple(x.shape)}, got {tuple(y.shape)}")
+    if of.shape != (images,) or of.dtype != torch.int64 or of.device.type != "cpu":
+        raise ValueError(f"cluster_scan: the images' clusters must be a CPU int64 tensor ({images},), got "
+                         f"{tuple(of.shape)} {of.dtype} on {of.device}")
+    if not states or len(maps) != len(states):
+        raise ValueError(f"cluster_scan: {len(states)} cluster states and {len(maps)} map flags")
+    if images and bool((of >= len(states)).any()):
+        raise ValueError(f"cluster_scan: an image's cluster is not below {len(states)}")
+    if not 0.0 <= blend <= 1.0:
+        raise ValueError(f"cluster_scan: blend must lie in [0, 1], got {blend}")
+    for knots, table in states:
+        check_scan(x, images, knots, source, table)
+        if table.grid != states[0][1].grid:
+            raise ValueError(f"cluster_scan: the clusters' tables have grids {states[0][1].grid} and {table.grid}")
+
+
+def check_pushes(of: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, counts: torch.Tensor,
+                 states: Sequence[tuple[TailWindow, PendingGroup]]) -> None:
+    """Raise ``ValueError`` unless :meth:`StreamKernels.cluster_push`'s arguments fit: ``of`` ``(N,)`` CPU int64 below
+    ``len(states)``, ``lo``/``hi`` ``(N, C)``, ``counts`` one histogram per state on its group's bins, and every
+    window of one size."""
+    n = of.shape[0] if of.ndim == 1 else -1
+    if n < 1 or of.dtype != torch.int64 or of.device.type != "cpu":
+        raise ValueError(f"cluster_push: the images' clusters must be a CPU int64 tensor (N,), got {tuple(of.shape)}")
+    if lo.ndim != 2 or lo.shape[0] != n or hi.shape != lo.shape:
+        raise ValueError(f"cluster_push: extremes {tuple(lo.shape)}, {tuple(hi.shape)} for {n} images")
+    c = lo.shape[1]
+    if not states or counts.ndim != 3 or counts.shape[:2] != (len(states), c):
+        raise ValueError(f"cluster_push: counts {tuple(counts.shape)} for {len(states)} clusters of {c} channels")
+    if bool((of >= len(states)).any()):
+        raise ValueError(f"cluster_push: an image's cluster is not below {len(states)}")
+    size = states[0][0].size
+    for window, group in states:
+        if window.size != size or window.ring_lo.shape[1] != c or group.counts.shape != counts.shape[1:]:
+            raise ValueError("cluster_push: the clusters' windows and groups do not all fit the batch")
+
+
 def check_mixture_weights(weights: torch.Tensor | None, groups: int) -> None:
     """:meth:`StreamKernels.mixture`'s ``weights``: ``None`` or one per group (their values are the
     kernels' to check)."""
@@ -218,6 +277,51 @@ class StreamKernels(abc.ABC):
         own histogram on those bins, of every ``stride``-th value by flat position within its rows; with
         ``PAIRED``, ``counts`` ``(2, C, cells + 4)``: those of the even images summed, then the odd images'.
         """
+
+    def cluster_scan(self, x: torch.Tensor, images: int, pre: Affine | None, source: torch.Tensor,
+                     of: torch.Tensor, states: Sequence[tuple[torch.Tensor, StreamTable]], maps: Sequence[bool],
+                     blend: float, y: torch.Tensor, stride: int, cells: int) -> ClusterScan:
+        """``target="mixed"``'s clusters: each image ``n`` of ``x`` (A, C, B) whose cluster ``k = of[n]`` (``of``
+        ``(images,)`` int64 on the CPU; ``-1``: none) is :meth:`scan`-ned alone (``COUNT``, and ``MAP`` where
+        ``maps[k]``) on cluster ``k``'s ``states[k]`` (knots, table): its extremes, its histogram added to
+        ``counts[k]`` ``(M, C, cells + 4)``, and, where ``maps[k]``, the rows of ``y`` (the shared state's map of
+        ``x``, contiguous, changed in place) moved ``blend`` of the way to its map, ``y + blend * (m - y)`` in
+        float32. ``lo``/``hi`` rows of images of no cluster are meaningless. This form calls :meth:`scan` once
+        per image (the reference the C kernels' single call is held to)."""
+        a, c, _ = x.shape
+        check_clusters(x, images, source, of, states, maps, blend, y)
+        rows = a // images
+        counts = torch.zeros(len(states), c, cells + EDGE_BINS, dtype=torch.int32, device=x.device)
+        lo, hi = torch.zeros(images, c, device=x.device), torch.zeros(images, c, device=x.device)
+        weight = torch.tensor(blend, dtype=torch.float32, device=x.device)
+        finite: Flag = True
+        for n, k in enumerate(of.tolist()):
+            if k < 0:
+                continue
+            knots, table = states[k]
+            part = slice(n * rows, (n + 1) * rows)
+            r = self.scan(x[part], 1, pre, knots, source, table, COUNT | (MAP if maps[k] else 0), stride, cells)
+            finite = all_finite(finite, r.finite)
+            if finite is False:
+                return ClusterScan(lo, hi, counts, False)
+            lo[n], hi[n] = r.lo[0], r.hi[0]
+            counts[k] += r.counts.to(torch.int32)
+            if maps[k]:
+                y[part] = y[part] + weight * (r.y.to(y.dtype) - y[part])
+        return ClusterScan(lo, hi, counts, finite)
+
+    def cluster_push(self, of: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, counts: torch.Tensor,
+                     states: Sequence[tuple[TailWindow, PendingGroup]]) -> list[int]:
+        """``target="mixed"``'s commit of :meth:`cluster_scan`'s batch: each cluster ``k``'s images (``of == k``, in
+        batch order) :meth:`push`-ed into its ``states[k]`` (window, group) with its histogram ``counts[k]``; a
+        cluster of no image is not touched. Returns how many images each cluster took."""
+        check_pushes(of, lo, hi, counts, states)
+        sizes = torch.bincount(of + 1, minlength=len(states) + 1)[1:].tolist()
+        for k, (size, (window, group)) in enumerate(zip(sizes, states)):
+            if size:
+                index = (of == k).nonzero().view(-1).to(lo.device)
+                self.push(window, group, counts[k], lo.index_select(0, index), hi.index_select(0, index))
+        return sizes
 
     def bind(self, knots: torch.Tensor, source: torch.Tensor, table: StreamTable, window: TailWindow,
              group: PendingGroup, stride: int, cells: int) -> object | None:

@@ -21,14 +21,20 @@ every image maps with the shared state alone. A centre that took fewer than :dat
 largest one's images is moved onto an image of the batch (where a centre has taken none, or every
 :data:`REASSIGN_EVERY` ``x components`` batches), so no centre stays stranded on an outlier.
 
-Per later layer (:meth:`MixedLayerStream.batch_step`) the shared state steps the whole batch, and each
-cluster's images step that cluster's state as ``"stream"`` steps a batch of that many images; a cluster's
-state starts, on its first images, as a copy of the shared one. Why the blend: a domain split into several
-clusters by its images' content maps each part onto the whole source distribution, which costs accuracy
-on a stream of one domain at a time; the shared half of the map keeps it (measured in ``docs/method.md``).
+Per later layer (:meth:`MixedLayerStream.batch_step`) the shared state steps the whole batch as ``"stream"``
+does; then one kernel call (:meth:`aqr.adapt.stream.base.StreamKernels.cluster_scan`) scans each clustered image
+alone on its cluster's state as it was before the batch: the image's map (its edge lines stretched to its own
+extremes) is blended into the shared map, and its values are counted on the cluster's bins. At the commit one
+more call (:meth:`~aqr.adapt.stream.base.StreamKernels.cluster_push`) pushes each cluster's images into its tail
+window and pending group, as a small batch of ``"stream"``; a cluster rebuilds its knots and table every
+:data:`CLUSTER_REBUILD_EVERY` of its images (each takes a few images of every batch: rebuilding all of them at
+every batch would cost more than mapping them). A cluster's state starts, on its first images, as a copy of the
+shared one. Why the blend: a domain split into several clusters by its images' content maps each part onto the
+whole source distribution, which costs accuracy on a stream of one domain at a time; the shared half of the map
+keeps it (measured in ``docs/method.md``).
 
-The assignment is read on the host (the members of each cluster), so the target runs on the CPU only (off
-it, a clear ``ValueError``): off the CPU it would stall the device's queue.
+The assignment and the clusters' sizes are read on the host (the kernels' calls take them as CPU tensors), so
+the target runs on the CPU only (off it, a clear ``ValueError``): off the CPU it would stall the device's queue.
 
 A batch enters the state only when the whole forward pass was finite (as ``"stream"``: staged, then
 committed; the router's centres once per batch, at the commit). The layers' states (:meth:`export_state`)
@@ -37,6 +43,7 @@ and the router's (:meth:`ComponentRouter.export_state`) are plain values in ``st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,9 +53,9 @@ import torch
 
 from aqr.adapt.config import AQRConfig, check_blend, check_components
 from aqr.adapt.layer_maps import host_reads_are_cheap
-from aqr.adapt.stream.base import Flag, StreamKernels, all_finite
+from aqr.adapt.stream.base import ClusterScan, Flag, StreamKernels, all_finite
 from aqr.adapt.stream.batch import BatchCommit, BatchValues
-from aqr.adapt.stream.running import BatchKnots, LayerStream, Staged, StreamSettings
+from aqr.adapt.stream.running import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, Staged, StreamSettings
 from aqr.backends import Affine
 from aqr.core.descriptors import DescriptorStats, image_descriptors
 
@@ -58,22 +65,9 @@ SEED_IMAGES = 64
 REASSIGN_RATIO = 0.01
 # ... checked where a centre took no image yet, else every REASSIGN_EVERY x components batches.
 REASSIGN_EVERY = 10
+# A cluster's state rebuilds its knots and table every this many of its images (at least).
+CLUSTER_REBUILD_EVERY = 32
 ROUTER_SEED = 0  # the seed of the centres' draws: the same stream gives the same clusters
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """One batch's images grouped by cluster: ``of`` ``(N,)`` each image's cluster (CPU, int64; -1: none, the
-    shared state's map alone) and ``members`` ``[(cluster, images' indices)]`` in cluster order."""
-
-    of: torch.Tensor
-    members: tuple[tuple[int, torch.Tensor], ...]
-
-    @classmethod
-    def of_components(cls, of: torch.Tensor) -> Assignment:
-        """The assignment ``of`` (each image's cluster), its members worked out."""
-        members = tuple((int(k), (of == k).nonzero().view(-1)) for k in torch.unique(of).tolist() if k >= 0)
-        return cls(of, members)
 
 
 def squared_distances(z: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
@@ -151,15 +145,16 @@ class ComponentRouter:
         """A new batch (or a second pass over one): nothing recorded."""
         self._recorded: dict[str, torch.Tensor] = {}
         self._whitened: torch.Tensor | None = None
-        self._assignment: Assignment | None = None
+        self._assignment: torch.Tensor | None = None
 
     def record(self, layer: str, descriptors: torch.Tensor) -> None:
         """The batch's descriptors ``(N, 2 C)`` at ``layer`` (one of :attr:`layers`)."""
         self._recorded[layer] = descriptors.detach().to("cpu", torch.float64)
 
-    def assignment(self) -> Assignment | None:
-        """The batch's clusters, worked out once all of :attr:`layers` recorded; ``None`` before that or before
-        the centres are seeded (every image maps with the shared state)."""
+    def assignment(self) -> torch.Tensor | None:
+        """The batch's clusters ``(N,)`` (CPU, int64; -1: none, the shared state's map alone), worked out once all
+        of :attr:`layers` recorded; ``None`` before that or before the centres are seeded (every image maps with
+        the shared state)."""
         if self._whitened is None:
             if any(name not in self._recorded for name in self.layers):
                 return None
@@ -168,8 +163,7 @@ class ComponentRouter:
             if self.seeded:
                 of = squared_distances(self._whitened, self.centres).argmin(dim=1)
                 # an image whose descriptor overflowed (finite values of 1e20 have an infinite spread) joins none
-                of = of.masked_fill(~torch.isfinite(self._whitened).all(dim=1), -1)
-                self._assignment = Assignment.of_components(of)
+                self._assignment = of.masked_fill(~torch.isfinite(self._whitened).all(dim=1), -1)
         return self._assignment
 
     def commit(self) -> None:
@@ -282,17 +276,18 @@ class LayerRoute:
 
 @dataclass
 class MixedStaged:
-    """What a batch leaves to a layer's commit: the shared state's update and ``(cluster, starts, staged)`` per
-    cluster that took images (``starts``: the cluster's state is first a copy of the shared one)."""
+    """What a batch leaves to a layer's commit: the shared state's update and, where the images were clustered,
+    each image's cluster ``of``, extremes ``lo``/``hi`` and each cluster's histogram ``counts`` (on its knots'
+    bins: the shared state's where it ``starts``, i.e. first copies the shared one), with the router's
+    ``generations`` of the clusters when the batch ran."""
 
     shared: Staged
-    parts: list[tuple[int, bool, Staged]]
-
-
-def _select(x: torch.Tensor, images: int, index: torch.Tensor) -> torch.Tensor:
-    """The rows of the images ``index`` of ``x`` (A, C, B), in that order."""
-    a, c, b = x.shape
-    return x.reshape(images, -1).index_select(0, index).reshape(len(index) * (a // images), c, b)
+    of: torch.Tensor | None = None
+    lo: torch.Tensor | None = None
+    hi: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    starts: tuple[bool, ...] = ()
+    generations: torch.Tensor | None = None
 
 
 SHARED = "shared."  # the prefix of the shared state's entries in a layer's exported state
@@ -304,7 +299,7 @@ class MixedLayerStream:
     layer map asks of its state as a :class:`~aqr.adapt.stream.running.LayerStream` does."""
 
     target: ClassVar[str] = "mixed"
-    takes_small_steps: ClassVar[bool] = False  # each cluster's images are selected first: the general step
+    takes_small_steps: ClassVar[bool] = False  # the general step: the clusters scan the batch after it
 
     def __init__(self, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
                  batch_knots: BatchKnots, route: LayerRoute, blend: float) -> None:
@@ -315,7 +310,9 @@ class MixedLayerStream:
         self.blend = float(blend)
         self.shared = LayerStream(source, settings, kernels, batch_knots)
         clusters = 0 if route.describes else route.router.components
-        self.parts = [LayerStream(source, settings, kernels, batch_knots) for _ in range(clusters)]
+        # a cluster rebuilds every CLUSTER_REBUILD_EVERY of its images (see the module docs), or rebuild_every
+        part_settings = dataclasses.replace(settings, rebuild_every=max(settings.rebuild_every, CLUSTER_REBUILD_EVERY))
+        self.parts = [LayerStream(source, part_settings, kernels, batch_knots) for _ in range(clusters)]
         # the router's generation of each cluster when its state here started (an older one starts again)
         self.generations = torch.zeros(clusters, dtype=torch.int64)
         self.source = self.shared.source
@@ -325,10 +322,11 @@ class MixedLayerStream:
         """The shared state's running knots (what a gradient through the map reads)."""
         return self.shared.knots
 
-    def _starts(self, k: int) -> bool:
-        """Whether cluster ``k``'s state here starts (again) from the shared one: it has none, or its centre was
+    def _starts(self) -> list[bool]:
+        """Whether each cluster's state here starts (again) from the shared one: it has none, or its centre was
         moved onto a new image since it started."""
-        return not self.parts[k].started or int(self.generations[k]) != int(self.route.router.generation[k])
+        moved = (self.generations != self.route.router.generation).tolist()
+        return [not part.started or m for part, m in zip(self.parts, moved)]
 
     @classmethod
     def from_config(cls, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
@@ -364,7 +362,7 @@ class MixedLayerStream:
     def channels(self) -> int:
         return self.shared.channels
 
-    def _assignment(self, x: torch.Tensor, images: int, pre: Affine | None) -> Assignment | None:
+    def _assignment(self, x: torch.Tensor, images: int, pre: Affine | None) -> torch.Tensor | None:
         """Record the descriptors (a descriptor layer) or read the batch's clusters (a later one); ``ValueError``
         off the CPU, where reading the members on the host would stall the device."""
         if not host_reads_are_cheap(x.device):
@@ -376,67 +374,70 @@ class MixedLayerStream:
             return None
         return router.assignment() if self.blend > 0 else None
 
-    def _blend_in(self, rows: torch.Tensor, index: torch.Tensor, mapped: torch.Tensor) -> None:
-        """The rows ``index`` of the shared map ``rows`` (images, values) become ``blend`` of the way to their
-        cluster's map ``mapped`` (those images' values, in that order)."""
-        mine = mapped.reshape(len(index), -1).to(rows.dtype)
-        rows.index_copy_(0, index, torch.lerp(rows.index_select(0, index), mine, self.blend))
+    def _clusters(self, x: torch.Tensor, images: int, pre: Affine | None, of: torch.Tensor, maps: list[bool],
+                  y: torch.Tensor) -> ClusterScan:
+        """Every clustered image scanned on its cluster's committed state, in one kernel call: counted on its
+        knots' bins (a cluster that starts, on the shared state's) and, where ``maps[k]``, its rows of the shared
+        map ``y`` moved ``blend`` of the way to its cluster's map (:meth:`StreamKernels.cluster_scan`)."""
+        states = [(part.knots, part.current_table()) if mapped else (self.shared.knots, part.table)
+                  for part, mapped in zip(self.parts, maps)]
+        return self.kernels.cluster_scan(x, images, pre, self.source, of, states, maps, self.blend, y, COUNT_STRIDE,
+                                         COUNT_CELLS)
 
     # ---- one batch ----------------------------------------------------------------------------
     def batch_step(self, x: torch.Tensor, batch: BatchValues,
                    pre: Affine | None = None) -> tuple[torch.Tensor | None, MixedStaged | None, Flag]:
-        """The shared state steps ``x`` (A, C, B); each cluster's images step its state (a new one's, the shared
-        state's), blended into theirs: ``(y, staged, finite)`` as :meth:`LayerStream.flagged_step`."""
+        """The shared state steps ``x`` (A, C, B); each clustered image is then mapped by its cluster's committed
+        state, blended into the shared map, and counted for it (:meth:`_clusters`): ``(y, staged, finite)`` as
+        :meth:`LayerStream.flagged_step`."""
         images = batch.images
-        assignment = self._assignment(x, images, pre)
+        of = self._assignment(x, images, pre)
         y, shared, finite = self._view(self.shared).flagged_step(x, images, pre)
         if finite is False or y is None:
             return None, None, False
-        staged = MixedStaged(shared, [])  # type: ignore[arg-type]
-        if assignment is None:
-            return y, staged, finite
+        if of is None or not self.shared.started:  # a cluster's state starts from a started shared one
+            return y, MixedStaged(shared), finite  # type: ignore[arg-type]
         y = y.contiguous()
-        rows = y.view(images, -1)
-        for k, index in assignment.members:
-            starts = self._starts(k)
-            mapped, step, ok = self._view(self.shared if starts else self.parts[k]).flagged_step(
-                _select(x, images, index), len(index), pre)
-            if ok is False or mapped is None:
-                return None, None, False
-            self._blend_in(rows, index, mapped)
-            staged.parts.append((k, starts, step))  # type: ignore[arg-type]
-            finite = all_finite(finite, ok)
-        return y, staged, finite
+        starts = self._starts()
+        r = self._clusters(x, images, pre, of, [not s for s in starts], y)
+        if r.finite is False:
+            return None, None, False
+        staged = MixedStaged(shared, of, r.lo, r.hi, r.counts, tuple(starts),  # type: ignore[arg-type]
+                             self.route.router.generation.clone())
+        return y, staged, all_finite(finite, r.finite)
 
     def flagged_held(self, x: torch.Tensor, images: int,
                      pre: Affine | None = None) -> tuple[torch.Tensor | None, Flag]:
         """``x`` mapped with the committed states (a cluster that has none, the shared one's alone), staging
         nothing: ``(y, finite)``."""
-        assignment = self._assignment(x, images, pre)
+        of = self._assignment(x, images, pre)
         y, finite = self._view(self.shared).flagged_held(x, images, pre)
-        if finite is False or y is None or assignment is None:
+        if finite is False or y is None or of is None:
             return y, finite
+        maps = [not starts for starts in self._starts()]
+        mapped = torch.tensor(maps + [False])[of]  # of == -1 reads the last flag
+        of = torch.where(mapped, of, torch.full_like(of, -1))  # a cluster without a state of its own scans nothing
         y = y.contiguous()
-        rows = y.view(images, -1)
-        for k, index in assignment.members:
-            if self._starts(k):
-                continue
-            mapped, ok = self._view(self.parts[k]).flagged_held(_select(x, images, index), len(index), pre)
-            if ok is False or mapped is None:
-                return None, False
-            self._blend_in(rows, index, mapped)
-            finite = all_finite(finite, ok)
-        return y, finite
+        r = self._clusters(x, images, pre, of, maps, y)
+        if r.finite is False:
+            return None, False
+        return y, all_finite(finite, r.finite)
 
     def commit_batch(self, staged: MixedStaged, commit: BatchCommit) -> None:
-        """Apply what :meth:`batch_step` staged: a cluster's new state first copies the shared one (as it was before
-        this batch), then each cluster and the shared state commit, and the router moves its centres (once)."""
-        for k, starts, _ in staged.parts:
-            if starts:
+        """Apply what :meth:`batch_step` staged: a cluster that starts first copies the shared state (as it was
+        before this batch), then each cluster commits its images as a small batch of ``"stream"`` (extremes into
+        its window, histogram into its group, its knots and table rebuilt when due), the shared state commits,
+        and the router moves its centres (once)."""
+        if staged.of is not None:
+            took = torch.bincount(staged.of + 1, minlength=len(self.parts) + 1)[1:] > 0
+            for k in (took & torch.tensor(staged.starts)).nonzero().view(-1).tolist():
                 self.parts[k].load_state(self.shared.export_state())
-                self.generations[k] = self.route.router.generation[k]
-        for k, _, step in staged.parts:
-            self.parts[k].commit(step)
+                self.generations[k] = staged.generations[k]  # type: ignore[index]
+            sizes = self.kernels.cluster_push(staged.of, staged.lo, staged.hi, staged.counts,  # type: ignore[arg-type]
+                                              [(part.window, part.group) for part in self.parts])
+            for part, size in zip(self.parts, sizes):
+                if size:
+                    part.pushed(size)
         self.shared.commit(staged.shared)
         router = self.route.router
         commit.once(("mixed-router", id(router)), router.commit)

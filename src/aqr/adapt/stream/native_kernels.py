@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, PendingGroup, ScanResult,
-                                   StreamKernels, StreamTable, TailWindow, check_mixture_weights, check_scan)
+from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, ClusterScan, PendingGroup, ScanResult,
+                                   StreamKernels, StreamTable, TailWindow, check_clusters, check_mixture_weights,
+                                   check_pushes, check_scan)
 from aqr.backends import build, layout
 from aqr.backends.base import Affine
 from aqr.backends.native import NativeKernelError, native_takes
@@ -31,7 +33,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Set the stream entry points' argument types on the loaded kernels (idempotent): a descriptor
     (:mod:`aqr.backends.layout`) and the thread count, or, for the three of few arguments, those."""
     structs = lib.structs
-    for name in ("scan", "push", "merge", "tables", "group_merge", "merge_map", "large", "idle_rebuild"):
+    for name in ("scan", "push", "merge", "tables", "group_merge", "merge_map", "large", "idle_rebuild",
+                 "cluster_scan", "cluster_push"):
         layout.declare(lib, structs, f"aqr_stream_{name}", f"aqr_stream_{name}_args", _C)
     layout.declare(lib, structs, "aqr_stream_shift_test", "aqr_stream_shift_test_args")
     layout.declare(lib, structs, "aqr_stream_bound_scan", "aqr_stream_layer",
@@ -138,6 +141,57 @@ class NativeStreamKernels(StreamKernels):
             glo=table.glo.data_ptr(), ginv=table.ginv.data_ptr(), stride=stride, GC=cells, counts=_ptr(counts),
             lo=lo.data_ptr(), hi=hi.data_ptr(), mode=mode), torch.get_num_threads()), "scan")
         return ScanResult(y, lo, hi, counts, status == 0)
+
+    def cluster_scan(self, x: torch.Tensor, images: int, pre: Affine | None, source: torch.Tensor,
+                     of: torch.Tensor, states: Sequence[tuple[torch.Tensor, StreamTable]], maps: Sequence[bool],
+                     blend: float, y: torch.Tensor, stride: int, cells: int) -> ClusterScan:
+        # StreamKernels.cluster_scan in one C call (aqr_stream_cluster_scan): the clusters' states passed by address
+        x = x.contiguous()
+        a, c, b = x.shape
+        check_clusters(x, images, source, of, states, maps, blend, y)
+        for knots, table in states:  # the C side reads them as they are: CPU, float32, contiguous (as allocated)
+            for t in (knots, table.pairs, table.glo, table.ginv):
+                if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                    raise ValueError("cluster_scan: a cluster's state is not contiguous float32 on the CPU")
+        m = len(states)
+        addresses = torch.tensor([[knots.data_ptr(), table.pairs.data_ptr(), table.glo.data_ptr(),
+                                   table.ginv.data_ptr()] for knots, table in states], dtype=torch.int64)
+        flags = torch.tensor([bool(f) for f in maps], dtype=torch.int32)
+        of = of.contiguous()
+        counts = torch.empty(m, c, cells + EDGE_BINS, dtype=torch.int32)
+        lo, hi = torch.empty(images, c), torch.empty(images, c)
+        scale, shift = (None, None) if pre is None else pre
+        lib = self.lib
+        status = _check(lib.aqr_stream_cluster_scan(lib.structs["aqr_stream_cluster_scan_args"].of(
+            x=x.data_ptr(), y=y.data_ptr(), A=a, C=c, B=b, N=images, pre_scale=_ptr(scale), pre_shift=_ptr(shift),
+            K=source.shape[1], sq=source.data_ptr(), G=states[0][1].grid, stride=stride, GC=cells, M=m,
+            cluster=of.data_ptr(), states=addresses.data_ptr(), maps=flags.data_ptr(), blend=float(blend),
+            counts=counts.data_ptr(), lo=lo.data_ptr(), hi=hi.data_ptr()), torch.get_num_threads()), "cluster_scan")
+        return ClusterScan(lo, hi, counts, status == 0)
+
+    def cluster_push(self, of: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, counts: torch.Tensor,
+                     states: Sequence[tuple[TailWindow, PendingGroup]]) -> list[int]:
+        # StreamKernels.cluster_push in one C call (aqr_stream_cluster_push); the windows' counters advanced here
+        check_pushes(of, lo, hi, counts, states)
+        buffers = [(g.counts, g.gmin, g.gmax, w.ring_lo, w.sorted_lo, w.ring_hi, w.sorted_hi) for w, g in states]
+        if any(t.device.type != "cpu" or not t.is_contiguous() for row in buffers for t in row):
+            raise ValueError("cluster_push: a cluster's window or group is not contiguous on the CPU")
+        addresses = torch.tensor([[t.data_ptr() for t in row] for row in buffers], dtype=torch.int64)
+        filled = torch.tensor([w.filled for w, _ in states], dtype=torch.int64)
+        head = torch.tensor([w.head for w, _ in states], dtype=torch.int64)
+        of, lo, hi, counts = of.contiguous(), _cpu_float(lo), _cpu_float(hi), _cpu_float(counts, torch.int32)
+        n, c = lo.shape
+        window = states[0][0].size
+        lib = self.lib
+        _check(lib.aqr_stream_cluster_push(lib.structs["aqr_stream_cluster_push_args"].of(
+            C=c, bins=counts.shape[2], W=window, M=len(states), N=n, cluster=of.data_ptr(), lo=lo.data_ptr(),
+            hi=hi.data_ptr(), counts=counts.data_ptr(), states=addresses.data_ptr(), filled=filled.data_ptr(),
+            head=head.data_ptr()), torch.get_num_threads()), "cluster_push")
+        sizes = torch.bincount(of + 1, minlength=len(states) + 1)[1:].tolist()
+        for size, (w, _) in zip(sizes, states):
+            w.filled = min(w.filled + size, w.size)
+            w.head = (w.head + size) % w.size
+        return sizes
 
     def large(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
               table: StreamTable, window: TailWindow, group: PendingGroup, weight: float, tail_weights: torch.Tensor,

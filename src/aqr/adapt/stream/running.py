@@ -516,9 +516,15 @@ class LayerStream:
                 kern.push(self.window, self.group, None, staged.lo, staged.hi)
                 weight = batch_weight(images, self.seen + self.group.images, s.horizon)
                 self.knots[:, 1:-1] = torch.lerp(self.knots[:, 1:-1], staged.batch_knots[:, 1:-1], weight)
-            self.group.images += images
-            if self._rebuild_due(self.group.images):
-                self._rebuild(cdf=staged.batch_knots is None)
+            self.pushed(images, cdf=staged.batch_knots is None)
+
+    def pushed(self, images: int, cdf: bool = True) -> None:
+        """The rest of a small batch's commit once its ``images`` were pushed into the window and the group (by
+        :meth:`commit`, or for many states at once by :meth:`StreamKernels.cluster_push`): the group counts them,
+        and the knots and table are rebuilt where that is due."""
+        self.group.images += images
+        if self._rebuild_due(self.group.images):
+            self._rebuild(cdf=cdf)
 
     def _commit_bound(self, staged: StagedBound) -> None:
         """:meth:`commit` of a :meth:`small_step` batch: its push and, where it completes a group (or the stream
