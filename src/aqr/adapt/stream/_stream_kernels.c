@@ -1507,16 +1507,93 @@ static int stream_large(const float *x, float *y, int64_t A, int64_t C, int64_t 
     return status;
 }
 
+typedef struct {
+    const float *x;
+    float *y;
+    int64_t A, C, B, N, K, G, GC, stride, M;
+    const float *pre_scale, *pre_shift, *sq;
+    const int64_t *of, *states;
+    const int32_t *maps;
+    float blend;
+    int32_t *counts;
+    float *lo, *hi;
+    int32_t *bad;     /* (C): a non-finite value in the channel */
+    int32_t *no_mem;  /* (C): a part that could not allocate its row */
+} stream_cluster_args;
+
+/* Channel c of every clustered image, channel by channel so that the clusters' tables of the channel stay in
+   the cache (image by image, every channel's tables of every cluster would pass through it for each image):
+   the same operations, in the same order per image, as stream_scan_channel of the image alone. */
+static void stream_cluster_channel(const stream_cluster_args *a, int64_t c, float *row) {
+    const int64_t K = a->K, G = a->G, B = a->B, rows = a->A / a->N, stride = a->stride;
+    const int64_t bins = a->GC + STREAM_EDGE_BINS;
+    const float ps = a->pre_scale ? a->pre_scale[c] : 1.0f, pb = a->pre_shift ? a->pre_shift[c] : 0.0f;
+    const float *s = a->sq + c * K;
+    int bad = 0;
+    for (int64_t n = 0; n < a->N && !bad; n++) {
+        const int64_t k = a->of[n];
+        if (k < 0) continue;
+        const int64_t *at = a->states + 4 * k;
+        const float *kn = (const float *)(intptr_t)at[0] + c * K;
+        const float *tab = (const float *)(intptr_t)at[1] + c * 2 * (G + 2);
+        const float g0 = ((const float *)(intptr_t)at[2])[c], gi = ((const float *)(intptr_t)at[3])[c];
+        const double span = (double)kn[K - 2] - (double)kn[1];
+        const stream_bins q = {ps, pb, kn[0], kn[1], kn[K - 2], kn[K - 1],
+                               span > 0 ? stream_float((double)a->GC / span) : 0.0f, a->GC};
+        const int map = a->maps[k] != 0;
+        int32_t *cnt = a->counts + (k * a->C + c) * bins;
+        float mn = INFINITY, mx = -INFINITY;
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t at_x = ((n * rows + r) * a->C + c) * B;
+            stream_map_row(a->x + at_x, map ? row + r * B : NULL, B, ps, pb, tab, g0, gi, G, q.k1, q.kb, &mn, &mx,
+                           &bad);
+            const int64_t skip = (r * B) % stride; /* flat positions within the image's rows */
+            stream_count_row(a->x + at_x, skip ? stride - skip : 0, B, stride, &q, cnt);
+        }
+        a->lo[n * a->C + c] = mn;
+        a->hi[n * a->C + c] = mx;
+        if (bad || !map) continue;
+        if (mn < q.k0 || mx > q.kl) { /* stretch the edge lines to the image's extremes */
+            float al, bl, ah, bh;
+            stream_line(mn < q.k0 ? mn : q.k0, s[0], q.k1, s[1], s[1], &al, &bl);
+            stream_line(q.kb, s[K - 2], mx > q.kl ? mx : q.kl, s[K - 1], s[K - 2], &ah, &bh);
+            for (int64_t r = 0; r < rows; r++)
+                stream_stretch_row(a->x + ((n * rows + r) * a->C + c) * B, row + r * B, B, ps, pb, q.k1, q.kb, al,
+                                   bl, ah, bh);
+        }
+        const float w = a->blend;
+        for (int64_t r = 0; r < rows; r++) {
+            float *yp = a->y + ((n * rows + r) * a->C + c) * B;
+            const float *mp = row + r * B;
+            for (int64_t b = 0; b < B; b++) yp[b] = yp[b] + w * (mp[b] - yp[b]);
+        }
+    }
+    a->bad[c] = bad;
+}
+
+static void stream_cluster_part(void *p, int part, int64_t c0, int64_t c1) {
+    (void)part;
+    const stream_cluster_args *a = (const stream_cluster_args *)p;
+    if (c0 >= c1) return;
+    float *row = malloc(sizeof(float) * (size_t)(a->A / a->N * a->B)); /* one image's map of one channel */
+    if (!row) {
+        a->no_mem[c0] = 1;
+        return;
+    }
+    for (int64_t c = c0; c < c1; c++) stream_cluster_channel(a, c, row);
+    free(row);
+}
+
 /* target="mixed"'s clusters, in one call: each image n of x (A, C, B; N images of A / N rows, read as
  * pre_scale * x + pre_shift) whose cluster k = of[n] is in [0, M) is scanned as a batch of its own on
- * cluster k's state (stream_scan of its rows alone, N = 1): its extremes into lo / hi (N, C), its values at
- * the flat positions within its rows that are multiples of stride counted into counts (M, C, GC + 4) on
- * the bins of cluster k's knots, and, where maps[k], y's rows (the shared state's map, written in place)
- * moved blend of the way to cluster k's map of them: y + blend * (m - y), in float. states (M, 4) holds
- * cluster k's knots (C, K), table pairs (C, G + 2, 2), glo and ginv (C) as addresses; sq (C, K) the
- * source knots. An image of no cluster (of[n] < 0) is left as it is, its lo / hi unwritten; of[n] >= M
- * is refused before anything is written. Returns STREAM_OK, STREAM_NONFINITE (a value NaN or +-inf: the
- * outputs are then meaningless), STREAM_NO_MEMORY or STREAM_BAD_ARGUMENT. */
+ * cluster k's state (as stream_scan of its rows alone, N = 1, with the same bits): its extremes into lo / hi
+ * (N, C), its values at the flat positions within its rows that are multiples of stride counted into counts
+ * (M, C, GC + 4) on the bins of cluster k's knots, and, where maps[k], y's rows (the shared state's map,
+ * written in place) moved blend of the way to cluster k's map of them: y + blend * (m - y), in float.
+ * states (M, 4) holds cluster k's knots (C, K), table pairs (C, G + 2, 2), glo and ginv (C) as addresses;
+ * sq (C, K) the source knots. An image of no cluster (of[n] < 0) is left as it is, its lo / hi unwritten;
+ * of[n] >= M is refused before anything is written. Returns STREAM_OK, STREAM_NONFINITE (a value NaN or
+ * +-inf: the outputs are then meaningless), STREAM_NO_MEMORY or STREAM_BAD_ARGUMENT. */
 static int stream_cluster_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N,
                                const float *pre_scale, const float *pre_shift, int64_t K, const float *sq, int64_t G,
                                int64_t stride, int64_t GC, int64_t M, const int64_t *of, const int64_t *states,
@@ -1530,32 +1607,18 @@ static int stream_cluster_scan(const float *x, float *y, int64_t A, int64_t C, i
         if (of[n] >= M) return STREAM_BAD_ARGUMENT;
     for (int64_t k = 0; k < 4 * M; k++)
         if (!states[k]) return STREAM_BAD_ARGUMENT;
-    const int64_t rows = A / N, image = rows * C * B, bins = GC + STREAM_EDGE_BINS;
-    const float w = (float)blend;
-    /* one image's map (rows, C, B) and histogram (C, bins) */
-    float *mem = malloc(sizeof(float) * (size_t)(image + C * bins));
-    if (!mem) return STREAM_NO_MEMORY;
-    float *mapped = mem;
-    int32_t *own = (int32_t *)(mem + image);
-    memset(counts, 0, sizeof(int32_t) * (size_t)(M * C * bins));
+    int32_t *flags = calloc((size_t)(2 * C), sizeof(int32_t));
+    if (!flags) return STREAM_NO_MEMORY;
+    memset(counts, 0, sizeof(int32_t) * (size_t)(M * C * (GC + STREAM_EDGE_BINS)));
+    stream_cluster_args a = {x, y, A, C, B, N, K, G, GC, stride, M, pre_scale, pre_shift, sq, of, states, maps,
+                             (float)blend, counts, lo, hi, flags, flags + C};
+    parallel_for(stream_cluster_part, &a, C, stream_parts(C, A * C * B, nthreads));
     int status = STREAM_OK;
-    for (int64_t n = 0; n < N && status == STREAM_OK; n++) {
-        const int64_t k = of[n];
-        if (k < 0) continue;
-        const int64_t *at = states + 4 * k;
-        const int map = maps[k] != 0;
-        status = stream_scan(x + n * image, map ? mapped : NULL, rows, C, B, 1, pre_scale, pre_shift, K,
-                             (const float *)(intptr_t)at[0], sq, (const float *)(intptr_t)at[1], G,
-                             (const float *)(intptr_t)at[2], (const float *)(intptr_t)at[3], stride, GC, own,
-                             lo + n * C, hi + n * C, map ? STREAM_MAP | STREAM_COUNT : STREAM_COUNT, nthreads);
-        if (status != STREAM_OK) break;
-        int32_t *total = counts + k * C * bins;
-        for (int64_t j = 0; j < C * bins; j++) total[j] += own[j];
-        if (!map) continue;
-        float *yn = y + n * image;
-        for (int64_t j = 0; j < image; j++) yn[j] = yn[j] + w * (mapped[j] - yn[j]);
+    for (int64_t c = 0; c < C; c++) {
+        status = flags[c] && status == STREAM_OK ? STREAM_NONFINITE : status;
+        status = flags[C + c] ? STREAM_NO_MEMORY : status;
     }
-    free(mem);
+    free(flags);
     return status;
 }
 
