@@ -83,6 +83,17 @@ def _cpu_float(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     return t.to("cpu", dtype).contiguous()
 
 
+def _addresses(tensors: list[torch.Tensor], dtype: torch.dtype | None, what: str) -> list[int]:
+    """The tensors' addresses for a C call that reads them as they are; ``ValueError`` naming ``what`` unless each
+    is a contiguous CPU tensor (of ``dtype``, where given)."""
+    addresses = []
+    for t in tensors:
+        if not t.is_contiguous() or t.is_cuda or t.device.type != "cpu" or (dtype is not None and t.dtype != dtype):
+            raise ValueError(f"{what} is not a contiguous {dtype or ''} tensor on the CPU")
+        addresses.append(t.data_ptr())
+    return addresses
+
+
 def _group_fields(group: PendingGroup | None) -> dict[str, int | None]:
     """A descriptor's fields for the pending group (its counts, its extremes), NULL without one."""
     if group is None:
@@ -149,14 +160,11 @@ class NativeStreamKernels(StreamKernels):
         x = x.contiguous()
         a, c, b = x.shape
         check_clusters(x, images, source, of, states, maps, blend, y)
-        for knots, table in states:  # the C side reads them as they are: CPU, float32, contiguous (as allocated)
-            for t in (knots, table.pairs, table.glo, table.ginv):
-                if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-                    raise ValueError("cluster_scan: a cluster's state is not contiguous float32 on the CPU")
         m = len(states)
-        addresses = torch.tensor([[knots.data_ptr(), table.pairs.data_ptr(), table.glo.data_ptr(),
-                                   table.ginv.data_ptr()] for knots, table in states], dtype=torch.int64)
-        flags = torch.tensor([bool(f) for f in maps], dtype=torch.int32)
+        addresses = torch.tensor(_addresses([t for knots, table in states
+                                             for t in (knots, table.pairs, table.glo, table.ginv)], torch.float32,
+                                            "a cluster's state"), dtype=torch.int64)
+        flags = torch.tensor(maps, dtype=torch.int32)
         of = of.contiguous()
         counts = torch.empty(m, c, cells + EDGE_BINS, dtype=torch.int32)
         lo, hi = torch.empty(images, c), torch.empty(images, c)
@@ -173,10 +181,9 @@ class NativeStreamKernels(StreamKernels):
                      states: Sequence[tuple[TailWindow, PendingGroup]]) -> list[int]:
         # StreamKernels.cluster_push in one C call (aqr_stream_cluster_push); the windows' counters advanced here
         check_pushes(of, lo, hi, counts, states)
-        buffers = [(g.counts, g.gmin, g.gmax, w.ring_lo, w.sorted_lo, w.ring_hi, w.sorted_hi) for w, g in states]
-        if any(t.device.type != "cpu" or not t.is_contiguous() for row in buffers for t in row):
-            raise ValueError("cluster_push: a cluster's window or group is not contiguous on the CPU")
-        addresses = torch.tensor([[t.data_ptr() for t in row] for row in buffers], dtype=torch.int64)
+        addresses = torch.tensor(_addresses([t for w, g in states for t in (g.counts, g.gmin, g.gmax, w.ring_lo,
+                                                                            w.sorted_lo, w.ring_hi, w.sorted_hi)],
+                                            None, "a cluster's window or group"), dtype=torch.int64)
         filled = torch.tensor([w.filled for w, _ in states], dtype=torch.int64)
         head = torch.tensor([w.head for w, _ in states], dtype=torch.int64)
         of, lo, hi, counts = of.contiguous(), _cpu_float(lo), _cpu_float(hi), _cpu_float(counts, torch.int32)
