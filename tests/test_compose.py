@@ -292,6 +292,44 @@ def test_a_copy_continues_the_stream(name: str) -> None:
     assert torch.allclose(twin(x), method(x), atol=1e-6)
 
 
+WINDOWS = [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [4, 1, 2, 3], [4, 5, 2, 3], [4, 5, 6, 3]]  # window=4, one image at a time
+
+
+@pytest.mark.parametrize("name", COMPOSED)
+def test_per_batch_map_runs_on_the_window_between_its_steps(name: str) -> None:
+    """At batch 1 through the sliding window, an image between the window's steps is scored from the window's
+    forward with the per-batch map of the window's quantiles, as at the step: before the first step exactly
+    ``aqr`` on the window, after it the updated affine weights over the mapped window (not the bare model)."""
+    model = bn_cnn()
+    pre, post = stats_of(model, "pre-affine"), stats_of(model)
+    x = images(len(WINDOWS), seed=21, shift=0.8)
+    aqr_alone = create("aqr", model, stats=post, compile=False)
+    method = quiet_create(name, model, stats=pre, protocol="online", window=4, compile=False, **partner_options(name))
+    unmapped_differs = False
+    for i, window in enumerate(WINDOWS):
+        out = method(x[i:i + 1])[0]
+        if i == 3:
+            continue  # the window's step: the method's ordinary step on x[:4]
+        with torch.no_grad():
+            expected = method.model(x[window])[window.index(i)]  # the configured copy: maps each forward's batch
+            unmapped = method.predict_held(x[window])[window.index(i)]  # what predict_held holds: no per-batch map
+        assert torch.allclose(out, expected, atol=1e-5), (name, i)
+        if i < 3:
+            assert torch.allclose(out, aqr_alone(x[window])[window.index(i)], atol=1e-5), (name, i)
+        unmapped_differs |= not torch.allclose(out, unmapped, atol=1e-3)
+    assert unmapped_differs  # the images would have been scored otherwise without the map
+
+
+def test_aqr_lame_maps_the_window_with_its_own_quantiles() -> None:
+    model = bn_cnn()
+    stats = stats_of(model)
+    x = images(len(WINDOWS), seed=22, shift=0.8)
+    method = create("aqr+lame", model, stats=stats, protocol="online", window=4, compile=False)
+    batched = create("aqr+lame", model, stats=stats, protocol="online", compile=False)
+    for i, window in enumerate(WINDOWS):
+        assert torch.allclose(method(x[i:i + 1])[0], batched(x[window])[window.index(i)], atol=1e-5), i
+
+
 def test_episodic_streaming_target_warns() -> None:
     model = bn_cnn()
     with pytest.warns(UserWarning, match="episodic protocol restarts it"):

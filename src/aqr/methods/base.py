@@ -239,6 +239,13 @@ class TTAMethod(nn.Module):
         under ``no_grad``, updating nothing: by default the configured model with its current weights."""
         return self.model(x)
 
+    def predict_window(self, window: torch.Tensor) -> torch.Tensor:
+        """Logits of the sliding window between its steps (batch 1, ``window > 1``), under ``no_grad``, changing
+        nothing: by default :meth:`predict_held` with :attr:`holds_state`, else :meth:`predict`. A method whose
+        held prediction leaves out per-batch work the window is there for overrides it (per-batch AQR's map in a
+        composition: the window is the batch its quantiles come from)."""
+        return self.predict_held(window) if self.holds_state else self.predict(window)
+
     # ---- protocol -----------------------------------------------------------------------
     @property
     def updates_weights(self) -> bool:
@@ -276,7 +283,7 @@ class TTAMethod(nn.Module):
             self.reset_keeping_window()
         with self._seeded(x.device), torch.no_grad():
             try:
-                logits = self.predict_held(window) if self.holds_state else self.predict(window)
+                logits = self.predict_window(window)
             except ValueError as err:
                 if len(window) > 1 or "more than 1 value per channel" not in str(err):
                     raise

@@ -146,6 +146,14 @@ class PreAffineComposition:
         with self.aqr.held():
             return super().predict_held(x)  # type: ignore[misc]
 
+    def predict_window(self, window: torch.Tensor) -> torch.Tensor:
+        """Between the sliding window's steps: the partner's held prediction (its current affine weights) with
+        the per-batch target mapping the window by its own quantiles, as the window's step does (:meth:`predict_held`
+        maps nothing for a per-batch target); a streaming target maps with its committed state (:meth:`predict_held`)."""
+        if self.holds_state and self.aqr.batch is None:  # type: ignore[attr-defined]
+            return super().predict_held(window)  # type: ignore[misc]
+        return super().predict_window(window)  # type: ignore[misc]
+
     def loss(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
         """The partner's loss; its auxiliary forward passes (ROID's augmented images) leave AQR's stream alone."""
         with self.aqr.frozen():
