@@ -11,13 +11,11 @@ import aqr
 import aqr.core.calibrate as calibration
 from aqr.core.descriptors import (
     MAX_DESCRIPTOR_WIDTH,
-    MOMENT_VALUES,
     STD_FLOOR,
     DescriptorStats,
     descriptor_layers,
     descriptor_stats,
     image_descriptors,
-    image_moments,
 )
 from aqr.core.layers import as_acb, norm_layers
 from tests.models_tiny import bn_cnn, gn_cnn, images, tiny_vit
@@ -76,20 +74,6 @@ def test_image_descriptors_are_each_images_standardized_mean_and_log_std():
     torch.testing.assert_close(image_descriptors(x, 2, pre, source), image_descriptors(read, 2, None, source))
     with pytest.raises(ValueError, match="6 rows cannot be split into 4 images"):
         image_descriptors(x, 4, None, source)
-
-
-def test_image_moments_of_long_rows_read_every_step_th_position():
-    g = torch.Generator().manual_seed(1)
-    b = 4 * MOMENT_VALUES + 3  # every 4th position of each row: 4 * MOMENT_VALUES + 3 positions give 257 each
-    x = torch.randn(4, 2, b, generator=g) * 3 + 1  # 2 images of 2 rows, 2 channels
-    mean, std = image_moments(x, 2)
-    for i in range(2):
-        for c in range(2):
-            values = x[2 * i:2 * i + 2, c, ::4].flatten()
-            assert float(mean[i, c]) == pytest.approx(float(values.mean()), abs=1e-5)
-            assert float(std[i, c]) == pytest.approx(float(values.std(correction=0)), abs=1e-5)
-    short = x[..., : 2 * MOMENT_VALUES - 1]  # below twice MOMENT_VALUES: every position
-    assert float(image_moments(short, 2)[0][0, 0]) == pytest.approx(float(short[:2, 0].mean()), abs=1e-5)
 
 
 def test_descriptor_layers_take_the_first_third_within_the_width():

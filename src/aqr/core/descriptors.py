@@ -24,8 +24,6 @@ Affine = tuple[torch.Tensor, torch.Tensor]
 STD_FLOOR = 0.05
 #: the widest concatenation of descriptors (2 C per layer) :func:`descriptor_layers` picks.
 MAX_DESCRIPTOR_WIDTH = 1024
-#: the positions of a row (at least) an image's moments read: every ``B // MOMENT_VALUES``-th of ``B``.
-MOMENT_VALUES = 256
 #: the source images whose descriptors :func:`aqr.calibrate` keeps (the first ones).
 MAX_DESCRIPTOR_IMAGES = 10_000
 #: eigenvalues of the source covariance are floored at this fraction of their mean before whitening.
@@ -42,8 +40,7 @@ def image_descriptors(x: torch.Tensor, images: int, pre: Affine | None, source: 
 
 def image_moments(x: torch.Tensor, images: int, pre: Affine | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each image's per-channel mean and population standard deviation ``(images, C)`` float32 over its rows and
-    positions of the layer output ``x`` (A, C, B) (``images`` images of ``A // images`` rows each; of each row's
-    ``B`` positions every ``B // MOMENT_VALUES``-th where ``B >= 2 MOMENT_VALUES``), read as
+    positions of the layer output ``x`` (A, C, B) (``images`` images of ``A // images`` rows each), read as
     ``pre[0] * x + pre[1]`` where ``pre`` is given."""
     a, c, b = x.shape
     if images < 1 or a % images:
@@ -51,11 +48,8 @@ def image_moments(x: torch.Tensor, images: int, pre: Affine | None = None) -> tu
     rows = a // images
     if b == 1:  # tokens as rows (a LayerNorm's output): reduce over the rows, no copy
         v, dim = x.reshape(images, rows, c).float(), 1
-    else:  # positions: every step-th of each row, at least MOMENT_VALUES of them (a mean of 256 values
-        # describes a domain as well as one of 1,024, at a quarter of the cost)
-        step = max(1, b // MOMENT_VALUES)
-        v = x.reshape(images, rows, c, b)[..., ::step].float()
-        v, dim = v.transpose(1, 2).reshape(images, c, -1), 2
+    else:
+        v, dim = x.reshape(images, rows, c, b).float().transpose(1, 2).reshape(images, c, rows * b), 2
     # two passes (the mean, then the mean square of the deviations) over one dimension: on one CPU thread
     # about 10 x faster than torch.var_mean's single pass, and as accurate (torch's sums are pairwise)
     centre = v.mean(dim=dim, keepdim=True)
