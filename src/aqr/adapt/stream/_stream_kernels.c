@@ -240,12 +240,24 @@ typedef struct {
     int64_t GC;
 } stream_bins;
 
-static stream_bins stream_channel_bins(const stream_scan_args *a, int64_t c) {
-    const float *k = a->kn + c * a->K;
-    const double span = (double)k[a->K - 2] - (double)k[1];
-    stream_bins q = {a->pre_scale ? a->pre_scale[c] : 1.0f, a->pre_shift ? a->pre_shift[c] : 0.0f, k[0], k[1],
-                     k[a->K - 2], k[a->K - 1], span > 0 ? stream_float((double)a->GC / span) : 0.0f, a->GC};
+/* The bins of one channel's knots k (K of them), its values read as ps * x + pb. */
+static stream_bins stream_knot_bins(const float *k, int64_t K, int64_t GC, float ps, float pb) {
+    const double span = (double)k[K - 2] - (double)k[1];
+    stream_bins q = {ps, pb, k[0], k[1], k[K - 2], k[K - 1], span > 0 ? stream_float((double)GC / span) : 0.0f, GC};
     return q;
+}
+
+static stream_bins stream_channel_bins(const stream_scan_args *a, int64_t c) {
+    return stream_knot_bins(a->kn + c * a->K, a->K, a->GC, a->pre_scale ? a->pre_scale[c] : 1.0f,
+                            a->pre_shift ? a->pre_shift[c] : 0.0f);
+}
+
+/* The edge lines of a map on the bins q onto the source knots s (K of them), stretched out to the extremes
+   lo / hi where they pass the knots' ends: (slope, intercept) below k1 into line[0..1], from kb on into
+   line[2..3]. */
+static void stream_edge_lines(const stream_bins *q, const float *s, int64_t K, float lo, float hi, float line[4]) {
+    stream_line(lo < q->k0 ? lo : q->k0, s[0], q->k1, s[1], s[1], &line[0], &line[1]);
+    stream_line(q->kb, s[K - 2], hi > q->kl ? hi : q->kl, s[K - 1], s[K - 2], &line[2], &line[3]);
 }
 
 static inline int64_t stream_bin(const stream_bins *q, float v) {
@@ -356,12 +368,11 @@ static void stream_scan_channel(const stream_scan_args *a, int64_t c) {
     }
     a->bad[c] = bad;
     if (bad || !a->y || !(bmin < k0 || bmax > kl)) return;
-    float al, bl, ah, bh; /* stretch the edge lines to the batch's extremes */
-    stream_line(bmin < k0 ? bmin : k0, s[0], k1, s[1], s[1], &al, &bl);
-    stream_line(kb, s[K - 2], bmax > kl ? bmax : kl, s[K - 1], s[K - 2], &ah, &bh);
+    float line[4]; /* stretch the edge lines to the batch's extremes */
+    stream_edge_lines(&q, s, K, bmin, bmax, line);
     for (int64_t r = 0; r < a->A; r++) {
         const int64_t at = (r * a->C + c) * B;
-        stream_stretch_row(a->x + at, a->y + at, B, ps, pb, k1, kb, al, bl, ah, bh);
+        stream_stretch_row(a->x + at, a->y + at, B, ps, pb, k1, kb, line[0], line[1], line[2], line[3]);
     }
 }
 
@@ -1537,9 +1548,7 @@ static void stream_cluster_channel(const stream_cluster_args *a, int64_t c, floa
         const float *kn = (const float *)(intptr_t)at[0] + c * K;
         const float *tab = (const float *)(intptr_t)at[1] + c * 2 * (G + 2);
         const float g0 = ((const float *)(intptr_t)at[2])[c], gi = ((const float *)(intptr_t)at[3])[c];
-        const double span = (double)kn[K - 2] - (double)kn[1];
-        const stream_bins q = {ps, pb, kn[0], kn[1], kn[K - 2], kn[K - 1],
-                               span > 0 ? stream_float((double)a->GC / span) : 0.0f, a->GC};
+        const stream_bins q = stream_knot_bins(kn, K, a->GC, ps, pb);
         const int map = a->maps[k] != 0;
         int32_t *cnt = a->counts + (k * a->C + c) * bins;
         float mn = INFINITY, mx = -INFINITY;
@@ -1554,12 +1563,11 @@ static void stream_cluster_channel(const stream_cluster_args *a, int64_t c, floa
         a->hi[n * a->C + c] = mx;
         if (bad || !map) continue;
         if (mn < q.k0 || mx > q.kl) { /* stretch the edge lines to the image's extremes */
-            float al, bl, ah, bh;
-            stream_line(mn < q.k0 ? mn : q.k0, s[0], q.k1, s[1], s[1], &al, &bl);
-            stream_line(q.kb, s[K - 2], mx > q.kl ? mx : q.kl, s[K - 1], s[K - 2], &ah, &bh);
+            float line[4];
+            stream_edge_lines(&q, s, K, mn, mx, line);
             for (int64_t r = 0; r < rows; r++)
-                stream_stretch_row(a->x + ((n * rows + r) * a->C + c) * B, row + r * B, B, ps, pb, q.k1, q.kb, al,
-                                   bl, ah, bh);
+                stream_stretch_row(a->x + ((n * rows + r) * a->C + c) * B, row + r * B, B, ps, pb, q.k1, q.kb,
+                                   line[0], line[1], line[2], line[3]);
         }
         const float w = a->blend;
         for (int64_t r = 0; r < rows; r++) {

@@ -209,7 +209,7 @@ def check_clusters(x: torch.Tensor, images: int, source: torch.Tensor, of: torch
                          f"{tuple(of.shape)} {of.dtype} on {of.device}")
     if not states or len(maps) != len(states):
         raise ValueError(f"cluster_scan: {len(states)} cluster states and {len(maps)} map flags")
-    if images and bool((of >= len(states)).any()):
+    if bool((of >= len(states)).any()):
         raise ValueError(f"cluster_scan: an image's cluster is not below {len(states)}")
     if not 0.0 <= blend <= 1.0:
         raise ValueError(f"cluster_scan: blend must lie in [0, 1], got {blend}")
@@ -238,6 +238,11 @@ def check_pushes(of: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, counts: t
     for window, group in states:
         if window.size != size or window.ring_lo.shape[1] != c or group.counts.shape != counts.shape[1:]:
             raise ValueError("cluster_push: the clusters' windows and groups do not all fit the batch")
+
+
+def cluster_sizes(of: torch.Tensor, clusters: int) -> list[int]:
+    """How many of the images took each of ``clusters`` clusters, from each image's cluster ``of`` (-1: none)."""
+    return torch.bincount(of + 1, minlength=clusters + 1)[1:].tolist()
 
 
 def check_mixture_weights(weights: torch.Tensor | None, groups: int) -> None:
@@ -316,7 +321,7 @@ class StreamKernels(abc.ABC):
         batch order) :meth:`push`-ed into its ``states[k]`` (window, group) with its histogram ``counts[k]``; a
         cluster of no image is not touched. Returns how many images each cluster took."""
         check_pushes(of, lo, hi, counts, states)
-        sizes = torch.bincount(of + 1, minlength=len(states) + 1)[1:].tolist()
+        sizes = cluster_sizes(of, len(states))
         for k, (size, (window, group)) in enumerate(zip(sizes, states)):
             if size:
                 index = (of == k).nonzero().view(-1).to(lo.device)

@@ -53,7 +53,7 @@ import torch
 
 from aqr.adapt.config import AQRConfig, check_blend, check_components
 from aqr.adapt.layer_maps import host_reads_are_cheap
-from aqr.adapt.stream.base import ClusterScan, Flag, StreamKernels, all_finite
+from aqr.adapt.stream.base import ClusterScan, Flag, StreamKernels, all_finite, cluster_sizes
 from aqr.adapt.stream.batch import BatchCommit, BatchValues
 from aqr.adapt.stream.running import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, Staged, StreamSettings
 from aqr.backends import Affine
@@ -429,9 +429,11 @@ class MixedLayerStream:
         its window, histogram into its group, its knots and table rebuilt when due), the shared state commits,
         and the router moves its centres (once)."""
         if staged.of is not None:
-            took = torch.bincount(staged.of + 1, minlength=len(self.parts) + 1)[1:] > 0
-            for k in (took & torch.tensor(staged.starts)).nonzero().view(-1).tolist():
-                self.parts[k].load_state(self.shared.export_state())
+            starting = [k for k, (size, starts) in enumerate(zip(cluster_sizes(staged.of, len(self.parts)),
+                                                                  staged.starts)) if size and starts]
+            shared = self.shared.export_state() if starting else None  # as it was before this batch
+            for k in starting:
+                self.parts[k].load_state(shared)  # type: ignore[arg-type]
                 self.generations[k] = staged.generations[k]  # type: ignore[index]
             sizes = self.kernels.cluster_push(staged.of, staged.lo, staged.hi, staged.counts,  # type: ignore[arg-type]
                                               [(part.window, part.group) for part in self.parts])

@@ -18,7 +18,7 @@ import torch
 
 from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, ClusterScan, PendingGroup, ScanResult,
                                    StreamKernels, StreamTable, TailWindow, check_clusters, check_mixture_weights,
-                                   check_pushes, check_scan)
+                                   check_pushes, check_scan, cluster_sizes)
 from aqr.backends import build, layout
 from aqr.backends.base import Affine
 from aqr.backends.native import NativeKernelError, native_takes
@@ -88,7 +88,7 @@ def _addresses(tensors: list[torch.Tensor], dtype: torch.dtype | None, what: str
     is a contiguous CPU tensor (of ``dtype``, where given)."""
     addresses = []
     for t in tensors:
-        if not t.is_contiguous() or t.is_cuda or t.device.type != "cpu" or (dtype is not None and t.dtype != dtype):
+        if not t.is_contiguous() or t.device.type != "cpu" or (dtype is not None and t.dtype != dtype):
             raise ValueError(f"{what} is not a contiguous {dtype or ''} tensor on the CPU")
         addresses.append(t.data_ptr())
     return addresses
@@ -194,7 +194,7 @@ class NativeStreamKernels(StreamKernels):
             C=c, bins=counts.shape[2], W=window, M=len(states), N=n, cluster=of.data_ptr(), lo=lo.data_ptr(),
             hi=hi.data_ptr(), counts=counts.data_ptr(), states=addresses.data_ptr(), filled=filled.data_ptr(),
             head=head.data_ptr()), torch.get_num_threads()), "cluster_push")
-        sizes = torch.bincount(of + 1, minlength=len(states) + 1)[1:].tolist()
+        sizes = cluster_sizes(of, len(states))
         for size, (w, _) in zip(sizes, states):
             w.filled = min(w.filled + size, w.size)
             w.head = (w.head + size) % w.size
