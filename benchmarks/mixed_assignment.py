@@ -8,11 +8,11 @@ separates the clustering from the rest: it replays a field cell (batch 64, onlin
 whose clusters are named by a label per image instead of its k-means (``--labels own`` keeps the
 k-means; the first third of the layers map with the shared state, as always), and prints the stream's
 accuracy. ``--blend`` is the target's ``blend``
-(1: the cluster's map alone; 0: ``target="stream"``). The labels (``--labels``):
+(1: the cluster's map alone while the classes show no runs; 0: ``target="robust"``). The labels (``--labels``):
 
 - ``own``: the target's own k-means; this run also records each image's descriptor
   (:func:`aqr.core.descriptors.image_descriptors`) at every layer, which the other labels need, in
-  ``--descriptors`` (with ``--blend 0`` it is ``target="stream"``, value for value);
+  ``--descriptors`` (with ``--blend 0`` it is ``target="robust"``, value for value);
 - ``domain``: the true corruption of each image (an oracle: no method knows it);
 - ``kmeans``: k-means (``--k`` clusters) of the images' descriptors of the first ``--desc-layers`` layers
   (default all), each layer's z-scored and weighted by one over the square root of its width,

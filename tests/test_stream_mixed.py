@@ -1,5 +1,5 @@
 """target="mixed": the clusters' seeding, assignment and update on hand-checkable descriptors, its equality with
-target="stream" at blend 0, its state continuing bit for bit, and its options."""
+target="robust" at blend 0, its state continuing bit for bit, and its options."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import aqr
 from aqr.adapt.config import AQRConfig
 from aqr.adapt.stream.mixed import SEED_IMAGES, ComponentRouter, seed_centres, squared_distances
+from aqr.adapt.stream.robust import RUN_WINDOW
 from aqr.core.descriptors import DescriptorStats, image_descriptors
 from aqr.methods import plan
 from tests.models_tiny import bn_cnn, gn_cnn, images, tiny_vit
@@ -125,9 +126,9 @@ def test_descriptors_are_each_images_standardized_mean_and_log_std() -> None:
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 @pytest.mark.parametrize("batch", [1, 3, 16])
-def test_blend_0_is_streaming_aqr_value_for_value(name: str, batch: int) -> None:
+def test_blend_0_is_robust_aqr_value_for_value(name: str, batch: int) -> None:
     model, stats = calibrated(name)
-    stream = aqr.AQR(model, stats, target="stream", compile=False)
+    stream = aqr.AQR(model, stats, target="robust", compile=False)
     shared = aqr.AQR(model, stats, target="mixed", blend=0.0, compile=False)
     for seed in range(SEED_IMAGES // batch + 4):
         x = shifted(batch, seed)
@@ -140,13 +141,14 @@ def test_blend_0_is_streaming_aqr_value_for_value(name: str, batch: int) -> None
 def test_clusters_take_their_images_on_a_stream_of_two_domains_and_the_state_continues_bit_for_bit(name: str) -> None:
     model, stats = calibrated(name)
     adapter = aqr.AQR(model, stats, target="mixed", components=3, compile=False)
-    stream = aqr.AQR(model, stats, target="stream", compile=False)
+    robust = aqr.AQR(model, stats, target="robust", compile=False)
     differ = False
-    for seed in range(24):  # both domains in each batch
+    for seed in range(40):  # both domains in each batch
         x = torch.cat([images(4, seed=seed), shifted(4, 2 * seed + 1)])
-        differ |= not torch.equal(adapter(x), stream(x))
+        differ |= not torch.equal(adapter(x), robust(x))
     # a cluster maps its images with its state before the batch (the shared state, at batch 8, with the batch
-    # merged in first), so even a cluster that takes every image changes the map
+    # merged in first), so even a cluster that takes every image changes the map, once the predicted classes
+    # show they do not come in runs (RUN_WINDOW of them)
     assert adapter._batch.router.seeded and differ
     # the tiny ViT's token-normalized layers tell its two domains apart too little for two clusters: one takes
     # every image there
@@ -166,6 +168,28 @@ def test_clusters_take_their_images_on_a_stream_of_two_domains_and_the_state_con
     other = aqr.AQR(model, stats, target="stream", compile=False)
     with pytest.raises(RuntimeError, match="target='mixed'"):
         other.load_state_dict(state)
+
+
+def test_the_clusters_share_is_0_until_the_classes_show_no_runs_and_fades_as_they_come_in_runs() -> None:
+    model, stats = calibrated("bn")
+    adapter = aqr.AQR(model, stats, target="mixed", components=2, compile=False)
+    robust = aqr.AQR(model, stats, target="robust", compile=False)
+    for seed in range(RUN_WINDOW // 8):  # runs are 1 until RUN_WINDOW classes were seen: robust AQR's map
+        x = torch.cat([images(4, seed=seed), shifted(4, 2 * seed + 1)])
+        assert torch.equal(adapter(x), robust(x))
+    assert adapter._batch.router.seeded
+    runs = {}
+    for seed in range(RUN_WINDOW // 8, RUN_WINDOW // 8 + 6):
+        x = torch.cat([images(4, seed=seed), shifted(4, 2 * seed + 1)])
+        runs[seed] = adapter._batch.kind.batch_shares(adapter._batch.recent, adapter.config)[1]  # this batch's
+        same_map = torch.equal(adapter(x), robust(x))
+        if runs[seed] == 1.0:
+            assert same_map
+    assert min(runs.values()) < 1.0  # i.i.d. classes: the clusters map
+    for layer in adapter._maps.values():
+        stream = layer.streams[torch.device("cpu")]
+        assert stream._blend(1.0) == 0.0 and stream._blend(0.0) == stream.blend == 0.3
+        assert stream._blend(0.5) == pytest.approx(0.15)
 
 
 def test_reset_forgets_the_clusters() -> None:
@@ -190,8 +214,9 @@ def test_the_options_are_checked_and_refused_elsewhere() -> None:
         AQRConfig(target="mixed", blend=1.5)
     with pytest.raises(ValueError, match="components=4: an option of target='mixed' only"):
         AQRConfig(target="stream", components=4)
-    with pytest.raises(ValueError, match="groups=4: an option of target='robust' only"):
-        AQRConfig(target="mixed", groups=4)
+    assert AQRConfig(target="mixed", groups=4, own_batch=False).robust.groups == 4  # robust AQR's options are its own
+    with pytest.raises(ValueError, match="balance=0.5 .* not supported with it"):
+        AQRConfig(target="mixed", balance=0.5)
     assert plan("aqr", {"target": "mixed", "components": 4}).config.components == 4
 
 

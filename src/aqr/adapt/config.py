@@ -258,17 +258,27 @@ class RobustTarget(StreamTarget):
 
 
 class MixedTarget(StreamTarget):
-    """Streaming AQR for streams that mix domains (``target="mixed"``): per layer one running estimate of every
-    image and ``components`` more, one per cluster of the images' statistics at the first layers; each image
-    mapped with a blend of the two (:mod:`aqr.adapt.stream.mixed`). Needs statistics calibrated with
+    """Streaming AQR for streams that mix domains (``target="mixed"``): per layer robust AQR's class-balanced
+    running state of every image (:class:`RobustTarget`'s, so classes that come in runs are handled as there)
+    and ``components`` running estimates more, one per cluster of the images' statistics at the first layers;
+    each image mapped with a blend of the two (:mod:`aqr.adapt.stream.mixed`). Needs statistics calibrated with
     ``descriptors=True``.
 
-    A target of its own rather than an option of ``"stream"`` and ``"robust"``: its images are grouped by their
-    domain before the forward pass reaches the logits, robust AQR's by their predicted class after it; the two
-    groupings nest (classes within each component) and would multiply the state, which nothing measured yet
-    asks for. With ``blend=0`` it is ``"stream"``, value for value."""
+    The clusters group images by their domain before the forward pass reaches the logits, robust AQR's groups
+    by their predicted class after it. The two groupings are not nested (that would multiply the state): the
+    clusters' part of the map fades as the predicted classes come in runs (``blend`` times ``1 - runs``), since a
+    cluster's running estimate of a run of one class holds its content. With ``blend=0`` it is ``"robust"``,
+    value for value."""
 
     name: ClassVar[str] = "mixed"
+    needs_classes: ClassVar[bool] = True
+
+    def check_robust_options(self, config: AQRConfig) -> None:
+        """Robust AQR's options are its own, save ``balance < 1``: its clusters map onto the layer's source knots,
+        so the shared state maps onto them too."""
+        if config.balance < 1:
+            raise ValueError(f"target='mixed' maps every image onto the layer's source knots: balance={config.balance:g}"
+                             " (the groups' own source knots) is not supported with it")
 
     def check_mixed_options(self, config: AQRConfig) -> None:
         """Its own options: nothing to refuse; its clusters' states count their images' histograms, the
@@ -278,7 +288,9 @@ class MixedTarget(StreamTarget):
                              f"estimator={config.estimator!r} is not supported with it")
 
     def describe(self, config: AQRConfig) -> str:
-        return super().describe(config) + f", components={config.components}, blend={config.blend:g}"
+        return (super().describe(config) + f", groups={config.groups}, class_horizon={config.class_horizon:g}"
+                + ("" if config.own_batch else ", own_batch=False")
+                + f", components={config.components}, blend={config.blend:g}")
 
 
 TARGET_KINDS: dict[str, Target] = {kind.name: kind for kind in (Target(), StreamTarget(), RobustTarget(),
@@ -335,8 +347,9 @@ class AQRConfig:
             predicted classes come in runs (a mixture of running estimates per group of predicted
             classes; without runs the running estimate of all images, :mod:`aqr.adapt.stream.robust`), for
             streams whose classes come in runs; the model must return logits ``(N, classes)``; ``"mixed"``:
-            up to ``components`` running estimates per layer, each image mapped with the one its statistics
-            at the first recalibrated layer pick (:mod:`aqr.adapt.stream.mixed`), for streams that mix domains.
+            ``"robust"``'s state and up to ``components`` running estimates more per layer, each image mapped
+            with a blend of the shared map and the one its statistics at the first recalibrated layers pick
+            (:mod:`aqr.adapt.stream.mixed`), for streams that mix domains; logits as ``"robust"``.
         estimator: the stream's estimate, ``"cdf-ema"`` (EMA of the per-channel CDFs; default) or
             ``"knot-ema"`` (EMA of the batches' knots; biased at small batches).
         horizon: the stream's EMA horizon in images (per-image weight ``1 / horizon``; effective
@@ -350,10 +363,10 @@ class AQRConfig:
             the default) or ``"moments"``, the control: the affine map from the batch's mean and std
             onto the source's measured mean and std (:class:`aqr.adapt.layer_maps.MomentMap`; the quantile options
             ``tail``, ``mode``, ... do not apply to it).
-        groups: ``target="robust"``: the most groups of predicted classes (class ``y`` in group
+        groups: ``target="robust"`` (and ``"mixed"``): the most groups of predicted classes (class ``y`` in group
             ``y % groups``), each with a running CDF; memory grows with it.
-        class_horizon: ``target="robust"``: each group's EMA horizon, in images of that group.
-        own_batch: ``target="robust"``: while the recent predicted classes show no runs, a batch of
+        class_horizon: ``target="robust"`` (and ``"mixed"``): each group's EMA horizon, in images of that group.
+        own_batch: ``target="robust"`` (and ``"mixed"``): while the recent predicted classes show no runs, a batch of
             ``rebuild_every`` or more images joins its own target as in ``target="stream"``
             (:func:`aqr.adapt.stream.robust.own_batch_share`), by the part of its difference from the target
             that sampling does not explain (:func:`aqr.adapt.stream.robust.shift_share`); ``False``: every
@@ -369,7 +382,8 @@ class AQRConfig:
         components: ``target="mixed"``: the clusters of images (and running estimates per layer beside the
             shared one) it keeps: the domains it tells apart at once.
         blend: ``target="mixed"``: an image's map is ``blend`` times its cluster's and ``1 - blend`` times the
-            shared estimate's (0 is ``target="stream"``, value for value).
+            shared estimate's while the predicted classes show no runs, fading to 0 as they come in runs (0 is
+            ``target="robust"``, value for value).
     """
 
     # Each option once: its type, its default and its group (the group views are built from these)

@@ -402,10 +402,10 @@ class AQR(nn.Module):
             return out
 
     def _predicted(self, out: object, images: int) -> torch.Tensor:
-        """Each image's predicted class from the logits (``target="robust"``)."""
+        """Each image's predicted class from the logits (the targets that take them: ``"robust"``, ``"mixed"``)."""
         if not _are_logits(out, images):
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(f"target='robust' needs the model to return logits (N, classes) for N = {images} "
+            raise ValueError(f"target={self._target.name!r} needs the model to return logits (N, classes) for N = {images} "
                              f"images, got {shape}; the stream's state is unchanged")
         return out.argmax(dim=1)
 

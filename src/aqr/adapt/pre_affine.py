@@ -192,7 +192,8 @@ class PreAffineAQR:
                 if self.target.needs_classes:
                     if logits is None or logits.ndim != 2 or logits.shape[0] != batch.images:
                         shape = tuple(logits.shape) if logits is not None else type(out).__name__
-                        raise ValueError(f"target='robust' needs the model to return logits (N, classes), got {shape}")
+                        raise ValueError(f"target={self.target.name!r} needs the model to return logits (N, classes), "
+                                         f"got {shape}")
                     labels = logits.argmax(dim=1)
                 self.batch.commit(labels)  # type: ignore[union-attr]
             elif not finite and self.config.on_nonfinite == "raise":

@@ -3,9 +3,12 @@
 A stream whose batches draw from many corruptions at once has a pooled per-channel distribution that fits
 none of them: ``target="stream"`` maps every image with that mixture's quantiles, and each domain is
 mapped with the others' shift. ``aqr.AQR(model, stats, target="mixed")`` keeps, per recalibrated layer, the
-running state ``"stream"`` keeps (the *shared* state, stepped by every image) and ``components`` more, one
-per *cluster* of images, and maps each image as ``blend`` times its cluster's map plus ``1 - blend`` times
-the shared state's.
+running state ``"robust"`` keeps (the *shared* state, stepped by every image, class-balanced while the
+predicted classes come in runs: :mod:`aqr.adapt.stream.robust`) and ``components`` more, one per *cluster* of
+images, each a running state of ``"stream"``, and maps each image as ``b`` times its cluster's map plus
+``1 - b`` times the shared state's, ``b = blend * (1 - runs)``: a cluster's running estimate holds the content
+of a run of one class, so its share fades as the predicted classes come in runs (``runs``, robust AQR's, of
+the batch; a held batch takes the last committed one's).
 
 Clusters (:class:`ComponentRouter`, one per :class:`aqr.AQR`). At the first recalibrated layers (a third of
 them, :class:`aqr.core.descriptors.DescriptorStats`'s ``layers``) each image's *descriptor* is read: per
@@ -21,7 +24,7 @@ every image maps with the shared state alone. A centre that took fewer than :dat
 largest one's images is moved onto an image of the batch (where a centre has taken none, or every
 :data:`REASSIGN_EVERY` ``x components`` batches), so no centre stays stranded on an outlier.
 
-Per later layer (:meth:`MixedLayerStream.batch_step`) the shared state steps the whole batch as ``"stream"``
+Per later layer (:meth:`MixedLayerStream.batch_step`) the shared state steps the whole batch as ``"robust"``
 does; then one kernel call (:meth:`aqr.adapt.stream.base.StreamKernels.cluster_scan`) scans each clustered image
 alone on its cluster's state as it was before the batch: the image's map (its edge lines stretched to its own
 extremes) is blended into the shared map, and its values are counted on the cluster's bins. At the commit one
@@ -29,16 +32,20 @@ more call (:meth:`~aqr.adapt.stream.base.StreamKernels.cluster_push`) pushes eac
 window and pending group, as a small batch of ``"stream"``; a cluster rebuilds its knots and table every
 :data:`CLUSTER_REBUILD_EVERY` of its images (each takes a few images of every batch: rebuilding all of them at
 every batch would cost more than mapping them). A cluster's state starts, on its first images, as a copy of the
-shared one. Why the blend: a domain split into several clusters by its images' content maps each part onto the
-whole source distribution, which costs accuracy on a stream of one domain at a time; the shared half of the map
+shared one's running estimate (its knots, tail window and counts, not its class groups). The clusters count
+their images while their share is 0 too, so they are ready when it grows.
+
+Why the blend: a domain split into several clusters by its images' content maps each part onto the whole
+source distribution, which costs accuracy on a stream of one domain at a time; the shared part of the map
 keeps it (measured in ``docs/method.md``).
 
 The assignment and the clusters' sizes are read on the host (the kernels' calls take them as CPU tensors), so
 the target runs on the CPU only (off it, a clear ``ValueError``): off the CPU it would stall the device's queue.
 
-A batch enters the state only when the whole forward pass was finite (as ``"stream"``: staged, then
-committed; the router's centres once per batch, at the commit). The layers' states (:meth:`export_state`)
-and the router's (:meth:`ComponentRouter.export_state`) are plain values in ``state_dict``.
+A batch enters the state only when the whole forward pass was finite (as ``"robust"``: staged, then
+committed with the batch's predicted classes; the router's centres once per batch, at the commit). The
+layers' states (:meth:`export_state`) and the router's (:meth:`ComponentRouter.export_state`) are plain
+values in ``state_dict``.
 """
 
 from __future__ import annotations
@@ -55,7 +62,8 @@ from aqr.adapt.config import AQRConfig, check_blend, check_components
 from aqr.adapt.layer_maps import host_reads_are_cheap
 from aqr.adapt.stream.base import ClusterScan, Flag, StreamKernels, all_finite, cluster_sizes
 from aqr.adapt.stream.batch import BatchCommit, BatchValues
-from aqr.adapt.stream.running import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, Staged, StreamSettings
+from aqr.adapt.stream.robust import RobustLayerStream, RobustSettings, RobustStaged
+from aqr.adapt.stream.running import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings
 from aqr.backends import Affine
 from aqr.core.descriptors import DescriptorStats, image_descriptors
 
@@ -281,7 +289,7 @@ class MixedStaged:
     bins: the shared state's where it ``starts``, i.e. first copies the shared one), with the router's
     ``generations`` of the clusters when the batch ran."""
 
-    shared: Staged
+    shared: RobustStaged
     of: torch.Tensor | None = None
     lo: torch.Tensor | None = None
     hi: torch.Tensor | None = None
@@ -295,20 +303,21 @@ SHARED = "shared."  # the prefix of the shared state's entries in a layer's expo
 
 class MixedLayerStream:
     """One layer's shared running state and, after the descriptor layers, one per cluster (see the module
-    docs): ``shared`` and ``parts[k]`` are :class:`~aqr.adapt.stream.running.LayerStream`'s. It answers what a
-    layer map asks of its state as a :class:`~aqr.adapt.stream.running.LayerStream` does."""
+    docs): ``shared`` is a :class:`~aqr.adapt.stream.robust.RobustLayerStream`, each of ``parts`` a
+    :class:`~aqr.adapt.stream.running.LayerStream`. It answers what a layer map asks of its state as a
+    :class:`~aqr.adapt.stream.running.LayerStream` does."""
 
     target: ClassVar[str] = "mixed"
     takes_small_steps: ClassVar[bool] = False  # the general step: the clusters scan the batch after it
 
-    def __init__(self, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
+    def __init__(self, source: torch.Tensor, settings: StreamSettings, robust: RobustSettings, kernels: StreamKernels,
                  batch_knots: BatchKnots, route: LayerRoute, blend: float) -> None:
         check_blend(blend)
         self.settings = settings
         self.kernels = kernels
         self.route = route
         self.blend = float(blend)
-        self.shared = LayerStream(source, settings, kernels, batch_knots)
+        self.shared = RobustLayerStream(source, settings, robust, kernels, batch_knots)
         clusters = 0 if route.describes else route.router.components
         # a cluster rebuilds every CLUSTER_REBUILD_EVERY of its images (see the module docs), or rebuild_every
         part_settings = dataclasses.replace(settings, rebuild_every=max(settings.rebuild_every, CLUSTER_REBUILD_EVERY))
@@ -316,6 +325,8 @@ class MixedLayerStream:
         # the router's generation of each cluster when its state here started (an older one starts again)
         self.generations = torch.zeros(clusters, dtype=torch.int64)
         self.source = self.shared.source
+        # the entries of a cluster's exported state: what it copies of the shared one when it starts
+        self._part_names = frozenset(self.parts[0].export_state()) if self.parts else frozenset()
 
     @property
     def knots(self) -> torch.Tensor:
@@ -332,22 +343,27 @@ class MixedLayerStream:
     def from_config(cls, config: AQRConfig, source: torch.Tensor, settings: StreamSettings, kernels: StreamKernels,
                     batch_knots: BatchKnots, group_source: torch.Tensor | None = None,
                     route: LayerRoute | None = None) -> MixedLayerStream:
-        """One layer's states for ``config`` (``group_source`` is not taken: no class groups); ``route``: the
-        layer's place in its :class:`aqr.AQR`'s router, which this target needs."""
+        """One layer's states for ``config`` (``group_source`` is not taken: the target maps onto the layer's source
+        knots); ``route``: the layer's place in its :class:`aqr.AQR`'s router, which this target needs."""
         if route is None:
             raise ValueError("target='mixed' needs the router of its aqr.AQR (built with the statistics' descriptors)")
-        return cls(source, settings, kernels, batch_knots, route, config.blend)
+        return cls(source, settings, RobustSettings.of(config), kernels, batch_knots, route, config.blend)
 
     @classmethod
     def batch_shares(cls, recent: list[int], config: AQRConfig) -> tuple[float, float]:
-        """``(own, runs)``: this state reads no predicted classes, ``(0, 1)`` as ``"stream"``."""
-        return 0.0, 1.0
+        """``(own, runs)`` from the recent predicted classes, as ``"robust"``."""
+        return RobustLayerStream.batch_shares(recent, config)
+
+    def _blend(self, runs: float) -> float:
+        """The clusters' share of an image's map: ``blend`` while the predicted classes show no runs, fading to 0
+        as they come in runs (``runs`` 1), where a cluster's running estimate holds the content of its run."""
+        return self.blend * (1.0 - min(1.0, max(0.0, runs)))
 
     def _view(self, part: LayerStream) -> LayerStream:
         """``part`` stepped by this state's kernels (a view sharing its buffers where they differ)."""
         if part.kernels is self.kernels:
             return part
-        view = object.__new__(LayerStream)
+        view = object.__new__(type(part))
         view.__dict__.update(part.__dict__)
         view.kernels = self.kernels
         view._bound = None
@@ -372,34 +388,35 @@ class MixedLayerStream:
         if self.route.describes:
             router.record(self.route.name, image_descriptors(x, images, pre, self.source))
             return None
-        return router.assignment() if self.blend > 0 else None
+        return router.assignment() if self.blend > 0 else None  # the clusters learn while their share is 0 too
 
     def _clusters(self, x: torch.Tensor, images: int, pre: Affine | None, of: torch.Tensor, maps: list[bool],
-                  y: torch.Tensor) -> ClusterScan:
+                  y: torch.Tensor, blend: float) -> ClusterScan:
         """Every clustered image scanned on its cluster's committed state, in one kernel call: counted on its
         knots' bins (a cluster that starts, on the shared state's) and, where ``maps[k]``, its rows of the shared
         map ``y`` moved ``blend`` of the way to its cluster's map (:meth:`StreamKernels.cluster_scan`)."""
         states = [(part.knots, part.current_table()) if mapped else (self.shared.knots, part.table)
                   for part, mapped in zip(self.parts, maps)]
-        return self.kernels.cluster_scan(x, images, pre, self.source, of, states, maps, self.blend, y, COUNT_STRIDE,
+        return self.kernels.cluster_scan(x, images, pre, self.source, of, states, maps, blend, y, COUNT_STRIDE,
                                          COUNT_CELLS)
 
     # ---- one batch ----------------------------------------------------------------------------
     def batch_step(self, x: torch.Tensor, batch: BatchValues,
                    pre: Affine | None = None) -> tuple[torch.Tensor | None, MixedStaged | None, Flag]:
-        """The shared state steps ``x`` (A, C, B); each clustered image is then mapped by its cluster's committed
-        state, blended into the shared map, and counted for it (:meth:`_clusters`): ``(y, staged, finite)`` as
-        :meth:`LayerStream.flagged_step`."""
+        """The shared state steps ``x`` (A, C, B) as robust AQR's does; each clustered image is then mapped by its
+        cluster's committed state, blended into the shared map, and counted for it (:meth:`_clusters`):
+        ``(y, staged, finite)`` as :meth:`LayerStream.flagged_step`."""
         images = batch.images
+        blend = self._blend(batch.runs)
         of = self._assignment(x, images, pre)
-        y, shared, finite = self._view(self.shared).flagged_step(x, images, pre)
+        y, shared, finite = self._view(self.shared).batch_step(x, batch, pre)
         if finite is False or y is None:
             return None, None, False
         if of is None or not self.shared.started:  # a cluster's state starts from a started shared one
             return y, MixedStaged(shared), finite  # type: ignore[arg-type]
         y = y.contiguous()
         starts = self._starts()
-        r = self._clusters(x, images, pre, of, [not s for s in starts], y)
+        r = self._clusters(x, images, pre, of, [not s for s in starts], y, blend)
         if r.finite is False:
             return None, None, False
         staged = MixedStaged(shared, of, r.lo, r.hi, r.counts, tuple(starts),  # type: ignore[arg-type]
@@ -408,8 +425,9 @@ class MixedLayerStream:
 
     def flagged_held(self, x: torch.Tensor, images: int,
                      pre: Affine | None = None) -> tuple[torch.Tensor | None, Flag]:
-        """``x`` mapped with the committed states (a cluster that has none, the shared one's alone), staging
-        nothing: ``(y, finite)``."""
+        """``x`` mapped with the committed states (a cluster that has none, the shared one's alone; the clusters'
+        share from the last committed batch's runs), staging nothing: ``(y, finite)``."""
+        blend = self._blend(self.shared.runs)
         of = self._assignment(x, images, pre)
         y, finite = self._view(self.shared).flagged_held(x, images, pre)
         if finite is False or y is None or of is None:
@@ -418,20 +436,22 @@ class MixedLayerStream:
         mapped = torch.tensor(maps + [False])[of]  # of == -1 reads the last flag
         of = torch.where(mapped, of, torch.full_like(of, -1))  # a cluster without a state of its own scans nothing
         y = y.contiguous()
-        r = self._clusters(x, images, pre, of, maps, y)
+        r = self._clusters(x, images, pre, of, maps, y, blend)
         if r.finite is False:
             return None, False
         return y, all_finite(finite, r.finite)
 
     def commit_batch(self, staged: MixedStaged, commit: BatchCommit) -> None:
         """Apply what :meth:`batch_step` staged: a cluster that starts first copies the shared state (as it was
-        before this batch), then each cluster commits its images as a small batch of ``"stream"`` (extremes into
-        its window, histogram into its group, its knots and table rebuilt when due), the shared state commits,
-        and the router moves its centres (once)."""
+        before this batch: its running estimate of every image, without its class groups), then each cluster
+        commits its images as a small batch of ``"stream"`` (extremes into its window, histogram into its group,
+        its knots and table rebuilt when due), the shared state commits with the batch's predicted classes, and
+        the router moves its centres (once)."""
         if staged.of is not None:
             starting = [k for k, (size, starts) in enumerate(zip(cluster_sizes(staged.of, len(self.parts)),
                                                                   staged.starts)) if size and starts]
-            shared = self.shared.export_state() if starting else None  # as it was before this batch
+            shared = ({name: value for name, value in self.shared.export_state().items() if name in self._part_names}
+                      if starting else None)  # as it was before this batch
             for k in starting:
                 self.parts[k].load_state(shared)  # type: ignore[arg-type]
                 self.generations[k] = staged.generations[k]  # type: ignore[index]
@@ -440,7 +460,7 @@ class MixedLayerStream:
             for part, size in zip(self.parts, sizes):
                 if size:
                     part.pushed(size)
-        self.shared.commit(staged.shared)
+        self.shared.commit_batch(staged.shared, commit)
         router = self.route.router
         commit.once(("mixed-router", id(router)), router.commit)
 
