@@ -272,6 +272,11 @@ def channels_last(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def in_rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` (A, C, B) is laid out as :func:`channels_last` lays it out."""
+    return t.transpose(1, 2).is_contiguous()
+
+
 def same_values(got: torch.Tensor, want: torch.Tensor) -> bool:
     """The same shape and values, NaN where NaN (an extreme of +0 and -0 may come out either way in either layout)."""
     return got.shape == want.shape and bool(((got == want) | (got.isnan() & want.isnan())).all())
@@ -279,7 +284,7 @@ def same_values(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def check_rows(native: NativeStreamKernels, case: dict, table: StreamTable) -> None:
     """The kernels read a channels-last ``x`` (strided rows, as ``torch.channels_last`` gives) in place and write its
-    map in that layout: every scan mode, ``large`` and ``merge_map`` give the values of the contiguous ``x``."""
+    map in that layout: every scan mode, the bound scan, ``large`` and ``merge_map`` give the contiguous ``x``'s values."""
     x, knots, source, images, pre = case["x"], case["knots"], case["source"], case["images"], case["pre"]
     cells, stride = case["cells"], case["stride"]
     rows = channels_last(x)
@@ -294,10 +299,16 @@ def check_rows(native: NativeStreamKernels, case: dict, table: StreamTable) -> N
         assert (got.counts is None) == (want.counts is None), f"rows scan {mode}: counts"
         assert got.counts is None or torch.equal(got.counts, want.counts), f"rows scan {mode}: histograms differ"
         if mode & MAP:
-            assert got.y.stride() == rows.stride(), f"rows scan {mode}: the map is not in the input's layout"
+            assert in_rows(got.y), f"rows scan {mode}: the map is not in the input's layout"
             assert same_values(got.y, want.y), f"rows scan {mode}: maps differ"
     window = TailWindow.empty(x.shape[1], case["window"])
     group = PendingGroup.empty(x.shape[1], cells)
+    bound = native.bind(knots.clone(), source, cloned(table), window, group, stride, cells)
+    affine = pre or (torch.ones(x.shape[1]), torch.zeros(x.shape[1]))
+    (y, stage, finite), (y_rows, stage_rows, finite_rows) = (bound.map_count(t, images, affine) for t in (x, rows))
+    assert finite and finite_rows, "bound scan: a finite batch was not mapped"
+    assert in_rows(y_rows) and same_values(y_rows, y), "rows bound scan: maps differ"
+    assert same_values(stage_rows, stage), "rows bound scan: stages differ"  # extremes, then counts as int32
     for extremes in case["pushes"][:2]:
         if len(extremes[0]):
             native.push(window, group, None, extremes[0], extremes[1])
@@ -306,13 +317,13 @@ def check_rows(native: NativeStreamKernels, case: dict, table: StreamTable) -> N
     both = [native.large(t, images, pre, knots, source, table, window, group, case["weight"], tail_weights, stride,
                          cells) for t in (x, rows)]
     assert both[0] is not None and both[1] is not None, "large: a finite batch was not mapped"
-    assert both[1][0].stride() == rows.stride() and same_values(both[1][0], both[0][0]), "rows large: maps differ"
+    assert in_rows(both[1][0]) and same_values(both[1][0], both[0][0]), "rows large: maps differ"
     assert same_values(both[1][1], both[0][1]), "rows large: knots differ"
     counted = native.scan(x, images, pre, knots, source, table, COUNT, stride, cells)
     both = [native.merge_map(t, images, pre, knots, source, table.grid, window, None, counted.counts, counted.lo,
                              counted.hi, case["weight"], tail_weights, stride, cells) for t in (x, rows)]
     assert both[0] is not None and both[1] is not None, "merge_map: a finite batch was not mapped"
-    assert both[1][0].stride() == rows.stride() and same_values(both[1][0], both[0][0]), "rows merge_map: maps differ"
+    assert in_rows(both[1][0]) and same_values(both[1][0], both[0][0]), "rows merge_map: maps differ"
 
 
 def check_bound(native: NativeStreamKernels, case: dict, table: StreamTable) -> None:

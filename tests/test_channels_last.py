@@ -163,17 +163,17 @@ class _Layout(nn.Module):
 
 @needs_kernels
 @pytest.mark.parametrize("target", ["stream", "robust"])
-def test_streaming_maps_of_large_batches_keep_the_channels_last_layout(target):
-    """The general step (batches of ``rebuild_every`` images or more, and every batch of robust AQR's) reads a
-    channels-last layer output in place and writes its map in that layout (the next convolution runs on it as
-    in the plain model), with the contiguous images' logits bit for bit."""
+def test_streaming_maps_keep_the_channels_last_layout(target):
+    """The small steps (batches under ``rebuild_every`` images) and the general step (larger batches, and every
+    batch of robust AQR's) read a channels-last layer output in place and write its map in that layout (the next
+    convolution runs on it as in the plain model), with the contiguous images' logits bit for bit."""
     model = _bn_model()
     model.insert(1, _Layout())
     g = torch.Generator().manual_seed(15)
     stats = aqr.calibrate(model, [torch.randn(32, 12, 6, 6, generator=g) for _ in range(4)])
     layouts = [aqr.AQR(model, stats, target=target, rebuild_every=8) for _ in range(2)]
     probe = next(m for m in layouts[1]._twin.modules() if isinstance(m, _Layout))
-    for size in (16, 8, 40, 9):
+    for size in (16, 8, 1, 40, 3, 9, 1):
         x = torch.randn(size, 12, 6, 6, generator=g) * 1.4 + 0.3
         want = layouts[0](x)
         probe.seen.clear()

@@ -104,7 +104,7 @@ def _layout(x: torch.Tensor, grid: int) -> tuple[torch.Tensor, int]:
     a, c, b = x.shape
     if x.is_contiguous():
         return x, 0
-    if c > 1 and b > 1 and x.stride() == (b * c, 1, c) and c * (grid + 2) < 2**31:
+    if c > 1 and b > 1 and x.transpose(1, 2).is_contiguous() and c * (grid + 2) < 2**31:
         return x, ROWS
     return x.contiguous(), 0
 
@@ -428,7 +428,7 @@ class BoundStream:
         lib = kernels.lib
         self._scan_fn, self._commit_fn = lib.aqr_stream_bound_scan, lib.aqr_stream_bound_commit
         self._batch, self._commit = lib.structs["aqr_stream_bound_batch"], lib.structs["aqr_stream_bound_commit_args"]
-        self.channels, self.bins = c, bins
+        self.channels, self.bins, self.grid = c, bins, g
         self._tensors = (knots, source, table, window, group)  # the buffers whose addresses are used below
         self._window = window
         # a committed stage, which the next scan of as many images reuses (allocating and freeing one stage
@@ -453,16 +453,20 @@ class BoundStream:
         return self.channels * (2 * images + self.bins)
 
     def map_count(self, x: torch.Tensor, images: int, pre: Affine) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """:meth:`NativeStreamKernels.scan` of ``x`` with ``MAP | COUNT`` on the bound state: ``x`` a contiguous
-        float32 CPU tensor ``(A, C, ...)`` of at least one value, read as ``(A, C, B)``, and ``pre`` an
-        affine of contiguous float32 CPU tensors ``(C,)`` (the caller's to ensure). Returns ``y`` shaped as
-        ``x``, the staged extremes and counts (:meth:`stage_floats`, for :meth:`commit`; the buffer of the
-        last batch committed, where it has the size) and whether every value was finite."""
+        """:meth:`NativeStreamKernels.scan` of ``x`` with ``MAP | COUNT`` on the bound state: ``x`` a float32
+        CPU tensor ``(A, C, ...)`` of at least one value, contiguous or channels-last (the channels its fastest
+        axis, the others in order: read in place), read as ``(A, C, B)``, and ``pre`` an affine of contiguous
+        float32 CPU tensors ``(C,)`` (the caller's to ensure). Returns ``y`` shaped and laid out as ``x``, the
+        staged extremes and counts (:meth:`stage_floats`, for :meth:`commit`; the buffer of the last batch
+        committed, where it has the size) and whether every value was finite."""
         shape = x.shape
         a, c = shape[0], self.channels
         if shape[1] != c or images < 1 or a % images:
             raise ValueError(f"a layer output {tuple(shape)} for a streaming state of {c} channels and a batch "
                              f"of {images} images (streaming AQR needs the batch dimension first)")
+        rows = 0
+        if not x.is_contiguous():  # a channels-last x read in place (as its rows), another layout copied
+            x, rows = _layout(x.reshape(a, c, -1), self.grid)
         y = torch.empty_like(x)
         stage, floats = self._spare, self.stage_floats(images)
         if stage is not None and stage.numel() == floats:
@@ -470,11 +474,12 @@ class BoundStream:
         else:
             stage = torch.empty(floats)
         batch = self._batch.of(x=x.data_ptr(), y=y.data_ptr(), A=a, B=x.numel() // (a * c), N=images,
-                               pre_scale=pre[0].data_ptr(), pre_shift=pre[1].data_ptr(), stage=stage.data_ptr())
+                               pre_scale=pre[0].data_ptr(), pre_shift=pre[1].data_ptr(), stage=stage.data_ptr(),
+                               rows=rows)
         status = self._scan_fn(self._descriptor, batch, torch.get_num_threads())
         if status < 0:
             _check(status, "bound_scan")
-        return y, stage, status == 0
+        return y.view(shape), stage, status == 0
 
     def staged_parts(self, stage: torch.Tensor, images: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(lo, hi, counts)`` of a batch's ``stage`` from :meth:`map_count` (views)."""
