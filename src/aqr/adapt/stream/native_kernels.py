@@ -479,7 +479,7 @@ class BoundStream:
         status = self._scan_fn(self._descriptor, batch, torch.get_num_threads())
         if status < 0:
             _check(status, "bound_scan")
-        return y.view(shape), stage, status == 0
+        return y if y.shape == shape else y.view(shape), stage, status == 0
 
     def staged_parts(self, stage: torch.Tensor, images: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(lo, hi, counts)`` of a batch's ``stage`` from :meth:`map_count` (views)."""

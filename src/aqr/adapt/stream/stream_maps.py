@@ -154,8 +154,9 @@ class StreamLayerMap(LayerMap):
             if var is None or mean is None:  # not foldable
                 return super().layer_forward(module, forward, x)
             # a channels-last x is read in place and mapped into its layout; another layout as one contiguous block
-            y, staged = stream.small_step(x if channels_last_rows(x) is not None else x.contiguous(), batch.images,
-                                          self._affine_of(module, var, mean, weight, bias))
+            laid_out = x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)  # (cheap checks first)
+            y, staged = stream.small_step(x if laid_out or channels_last_rows(x) is not None else x.contiguous(),
+                                          batch.images, self._affine_of(module, var, mean, weight, bias))
             if staged is None:
                 batch.mark_nonfinite()
                 return self._nonfinite(forward(x))
