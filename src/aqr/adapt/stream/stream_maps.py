@@ -28,7 +28,7 @@ from aqr.adapt.stream.robust import MARGINAL_WINDOW
 from aqr.adapt.stream.running import LayerStream
 from aqr.adapt.stream.torch_kernels import TorchStreamKernels
 from aqr.backends import Affine, LayerBackend, SubsetCache, Targets
-from aqr.backends.native import NativeBackend, native_takes
+from aqr.backends.native import NativeBackend, channels_last_rows, native_takes
 from aqr.core.layers import as_acb
 from aqr.core.stats import SourceStats
 
@@ -153,12 +153,10 @@ class StreamLayerMap(LayerMap):
             var, mean, weight, bias = batch_norm_tensors(module)
             if var is None or mean is None:  # not foldable
                 return super().layer_forward(module, forward, x)
-            # another layout (channels_last) is read as one contiguous block: the map's output is one, and so
-            # are the layers' after it (one copy per forward, not one per layer and a general step). The bound
-            # scan could read channels-last rows in place, but at batch 1 the ResNet-20 then took 0.5-0.8 ms an
-            # image more (cost_check-like round-robin, 5 of 5 runs), though each layer's scan took ~5 us more only
-            y, staged = stream.small_step(x.contiguous(), batch.images,
-                                          self._affine_of(module, var, mean, weight, bias))
+            # a channels-last x is read in place and mapped into its layout; another layout as one contiguous block
+            laid_out = x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)  # (cheap checks first)
+            y, staged = stream.small_step(x if laid_out or channels_last_rows(x) is not None else x.contiguous(),
+                                          batch.images, self._affine_of(module, var, mean, weight, bias))
             if staged is None:
                 batch.mark_nonfinite()
                 return self._nonfinite(forward(x))
