@@ -163,10 +163,10 @@ class _Layout(nn.Module):
 
 @needs_kernels
 @pytest.mark.parametrize("target", ["stream", "robust"])
-def test_streaming_maps_keep_the_channels_last_layout(target):
-    """The small steps (batches under ``rebuild_every`` images) and the general step (larger batches, and every
-    batch of robust AQR's) read a channels-last layer output in place and write its map in that layout (the next
-    convolution runs on it as in the plain model), with the contiguous images' logits bit for bit."""
+def test_streaming_maps_of_large_batches_keep_the_channels_last_layout(target):
+    """The general step (batches of ``rebuild_every`` images or more, and every batch of robust AQR's) reads a
+    channels-last layer output in place and writes its map in that layout (the next convolution runs on it as
+    in the plain model), with the contiguous images' logits bit for bit, between small steps (which copy it)."""
     model = _bn_model()
     model.insert(1, _Layout())
     g = torch.Generator().manual_seed(15)
@@ -178,5 +178,6 @@ def test_streaming_maps_keep_the_channels_last_layout(target):
         want = layouts[0](x)
         probe.seen.clear()
         got = layouts[1](x.contiguous(memory_format=CL))
-        assert probe.seen == [True], f"batch of {size}: the first map's output is not channels-last"
+        if size >= 8 or target == "robust":
+            assert probe.seen == [True], f"batch of {size}: the first map's output is not channels-last"
         assert torch.equal(_bits(got), _bits(want)), f"batch of {size}"
