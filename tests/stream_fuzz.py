@@ -31,9 +31,9 @@ from aqr.adapt.stream.running import extreme_weights
 
 FLT_MAX = float(np.finfo(np.float32).max)
 SPECIAL = [FLT_MAX, -FLT_MAX, 1e38, -1e38, 2e38, -2e38, 1e-45, -1e-45, 0.0, -0.0, 1.0, -1.0, 1e-30]
-# (images, rows per image, C, B)
+# (images, rows per image, C, B); 9 and 17 channels: a channels-last layout's vectors of eight channels and a rest
 LAYOUTS = [(1, 1, 1, 1), (1, 1, 3, 20), (2, 1, 2, 5), (3, 2, 2, 1), (2, 4, 3, 1), (4, 1, 1, 17), (1, 5, 4, 3),
-           (2, 1, 2, 53)]
+           (2, 1, 2, 53), (2, 1, 9, 6), (1, 2, 17, 3)]
 
 
 def floats(special_weight: int = 1) -> st.SearchStrategy[float]:
@@ -140,6 +140,7 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
                 "shift_test differs"
     check_bound(native, case, tables[0])
     check_clusters(native, case, tables[0])
+    check_rows(native, case, tables[0])
     windows = [TailWindow.empty(c, case["window"]) for _ in range(2)]
     groups = [PendingGroup.empty(c, cells) for _ in range(2)]
     counts = want.counts if want.finite else torch.zeros(c, cells + 4, dtype=torch.int32)
@@ -264,6 +265,65 @@ def check_clusters(native: NativeStreamKernels, case: dict, table: StreamTable) 
             assert torch.equal(bits(getattr(w0, name)), bits(getattr(w1, name))), f"cluster push: window {name}"
         assert torch.equal(g0.counts, g1.counts) and torch.equal(bits(g0.gmin), bits(g1.gmin)) and \
             torch.equal(bits(g0.gmax), bits(g1.gmax)), "cluster push: groups differ"
+
+
+def channels_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (A, C, B) laid out as a channels-last layer output's rows: each position's C values side by side."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def in_rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` (A, C, B) is laid out as :func:`channels_last` lays it out."""
+    return t.transpose(1, 2).is_contiguous()
+
+
+def same_values(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The same shape and values, NaN where NaN (an extreme of +0 and -0 may come out either way in either layout)."""
+    return got.shape == want.shape and bool(((got == want) | (got.isnan() & want.isnan())).all())
+
+
+def check_rows(native: NativeStreamKernels, case: dict, table: StreamTable) -> None:
+    """The kernels read a channels-last ``x`` (strided rows, as ``torch.channels_last`` gives) in place and write its
+    map in that layout: every scan mode, the bound scan, ``large`` and ``merge_map`` give the contiguous ``x``'s values."""
+    x, knots, source, images, pre = case["x"], case["knots"], case["source"], case["images"], case["pre"]
+    cells, stride = case["cells"], case["stride"]
+    rows = channels_last(x)
+    for mode in (0, MAP, COUNT, MAP | COUNT, IMAGE_COUNT, MAP | IMAGE_COUNT, IMAGE_COUNT | PAIRED,
+                 MAP | IMAGE_COUNT | PAIRED):
+        want = native.scan(x, images, pre, knots, source, table, mode, stride, cells)
+        got = native.scan(rows, images, pre, knots, source, table, mode, stride, cells)
+        assert got.finite == want.finite, f"rows scan {mode}: finite flags differ"
+        if not want.finite:
+            return
+        assert same_values(got.lo, want.lo) and same_values(got.hi, want.hi), f"rows scan {mode}: extremes differ"
+        assert (got.counts is None) == (want.counts is None), f"rows scan {mode}: counts"
+        assert got.counts is None or torch.equal(got.counts, want.counts), f"rows scan {mode}: histograms differ"
+        if mode & MAP:
+            assert in_rows(got.y), f"rows scan {mode}: the map is not in the input's layout"
+            assert same_values(got.y, want.y), f"rows scan {mode}: maps differ"
+    window = TailWindow.empty(x.shape[1], case["window"])
+    group = PendingGroup.empty(x.shape[1], cells)
+    bound = native.bind(knots.clone(), source, cloned(table), window, group, stride, cells)
+    affine = pre or (torch.ones(x.shape[1]), torch.zeros(x.shape[1]))
+    (y, stage, finite), (y_rows, stage_rows, finite_rows) = (bound.map_count(t, images, affine) for t in (x, rows))
+    assert finite and finite_rows, "bound scan: a finite batch was not mapped"
+    assert in_rows(y_rows) and same_values(y_rows, y), "rows bound scan: maps differ"
+    assert same_values(stage_rows, stage), "rows bound scan: stages differ"  # extremes, then counts as int32
+    for extremes in case["pushes"][:2]:
+        if len(extremes[0]):
+            native.push(window, group, None, extremes[0], extremes[1])
+    held = min(window.filled + images, window.size)
+    tail_weights = extreme_weights(held, max(1, held // 2))
+    both = [native.large(t, images, pre, knots, source, table, window, group, case["weight"], tail_weights, stride,
+                         cells) for t in (x, rows)]
+    assert both[0] is not None and both[1] is not None, "large: a finite batch was not mapped"
+    assert in_rows(both[1][0]) and same_values(both[1][0], both[0][0]), "rows large: maps differ"
+    assert same_values(both[1][1], both[0][1]), "rows large: knots differ"
+    counted = native.scan(x, images, pre, knots, source, table, COUNT, stride, cells)
+    both = [native.merge_map(t, images, pre, knots, source, table.grid, window, None, counted.counts, counted.lo,
+                             counted.hi, case["weight"], tail_weights, stride, cells) for t in (x, rows)]
+    assert both[0] is not None and both[1] is not None, "merge_map: a finite batch was not mapped"
+    assert in_rows(both[1][0]) and same_values(both[1][0], both[0][0]), "rows merge_map: maps differ"
 
 
 def check_bound(native: NativeStreamKernels, case: dict, table: StreamTable) -> None:

@@ -147,3 +147,37 @@ def test_rows_of_many_channels_map_in_tiles_to_the_bits_of_fewer_channels():
         parts.append(table_map(LIB, x[:, c].contiguous(), Targets(tq[c], mean[c], std[c], torch.tensor(True)), part,
                                (pre[0][c].contiguous(), pre[1][c].contiguous())))
     assert torch.equal(_bits(whole), _bits(torch.cat(parts, 1)))
+
+
+class _Layout(nn.Module):
+    """The identity, noting whether each input it sees is channels-last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.is_contiguous(memory_format=CL) and not x.is_contiguous())
+        return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("target", ["stream", "robust"])
+def test_streaming_maps_of_large_batches_keep_the_channels_last_layout(target):
+    """The general step (batches of ``rebuild_every`` images or more, and every batch of robust AQR's) reads a
+    channels-last layer output in place and writes its map in that layout (the next convolution runs on it as
+    in the plain model), with the contiguous images' logits bit for bit, between small steps (which copy it)."""
+    model = _bn_model()
+    model.insert(1, _Layout())
+    g = torch.Generator().manual_seed(15)
+    stats = aqr.calibrate(model, [torch.randn(32, 12, 6, 6, generator=g) for _ in range(4)])
+    layouts = [aqr.AQR(model, stats, target=target, rebuild_every=8) for _ in range(2)]
+    probe = next(m for m in layouts[1]._twin.modules() if isinstance(m, _Layout))
+    for size in (16, 8, 1, 40, 3, 9, 1):
+        x = torch.randn(size, 12, 6, 6, generator=g) * 1.4 + 0.3
+        want = layouts[0](x)
+        probe.seen.clear()
+        got = layouts[1](x.contiguous(memory_format=CL))
+        if size >= 8 or target == "robust":
+            assert probe.seen == [True], f"batch of {size}: the first map's output is not channels-last"
+        assert torch.equal(_bits(got), _bits(want)), f"batch of {size}"

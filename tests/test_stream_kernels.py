@@ -222,7 +222,7 @@ def test_sizes_and_counters_out_of_bounds_are_refused() -> None:
             ginv=table.ginv.data_ptr(), stride=5, GC=8, counts=counts.data_ptr(), lo=lo.data_ptr(), hi=hi.data_ptr(),
             mode=mode), 1)
 
-    for mode in (COUNT | PAIRED, MAP | PAIRED, 16):  # PAIRED without IMAGE_COUNT, a mode out of range
+    for mode in (COUNT | PAIRED, MAP | PAIRED, 32):  # PAIRED without IMAGE_COUNT, a mode out of range (16: ROWS)
         assert scan(x, mode) == -2, mode
     groups = torch.zeros(2, c, k)
     assert lib.aqr_stream_mixture(2, c, k, groups.data_ptr(), None, 1, knots.data_ptr(), 1) == -2  # a grid of one point

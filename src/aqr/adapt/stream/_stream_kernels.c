@@ -51,6 +51,9 @@
 
 enum { STREAM_OK = 0, STREAM_NONFINITE = 1, STREAM_NO_MEMORY = -1, STREAM_BAD_ARGUMENT = -2 };
 enum { STREAM_MAP = 1, STREAM_COUNT = 2, STREAM_IMAGE_COUNT = 4, STREAM_PAIRED = 8 };
+/* A layout flag beside the modes: x and y hold (A, B, C), each of the A * B positions' C values side by side
+   (a channels-last output), instead of (A, C, B). */
+enum { STREAM_ROWS = 16 };
 enum { STREAM_EDGE_BINS = 4 }; /* below p0, [p0, p1), [p_{K-2}, p_{K-1}), from p_{K-1} on */
 
 /* Layer outputs of more values than this are split over the thread team. */
@@ -113,7 +116,9 @@ static void stream_line(double x0, double y0, double x1, double y1, double y_fla
  * mode & STREAM_IMAGE_COUNT (not with STREAM_COUNT): counts (N, C, GC + 4) = each image's own
  * histogram on those bins, of every stride-th value by flat position within the image's rows; with
  * STREAM_PAIRED, counts (2, C, GC + 4) = those of the even images summed, then the odd images'.
- * Always lo / hi (N, C): each image's extremes. Returns STREAM_OK, STREAM_NONFINITE when a value v
+ * Always lo / hi (N, C): each image's extremes. With STREAM_ROWS, x and y are laid out (A, B, C) (the
+ * position r * B + b's C values side by side) and every output is the one of the (A, C, B) layout.
+ * Returns STREAM_OK, STREAM_NONFINITE when a value v
  * is NaN or +-inf (y, counts, lo and hi are then partly written and meaningless), or
  * STREAM_BAD_ARGUMENT. */
 typedef struct {
@@ -395,12 +400,224 @@ static void stream_scan_part(void *p, int part, int64_t c0, int64_t c1) {
     }
 }
 
+/* Channels per block of stream_scan_rows_part: its per-channel state stays on the stack. */
+enum { STREAM_ROWS_BLOCK = 64 };
+
+/* A block's per-channel parameters (index j: channel c0 + j), as stream_scan_channel reads them. */
+typedef struct {
+    float ps[STREAM_ROWS_BLOCK], pb[STREAM_ROWS_BLOCK], g0[STREAM_ROWS_BLOCK], gi[STREAM_ROWS_BLOCK];
+    float k0[STREAM_ROWS_BLOCK], k1[STREAM_ROWS_BLOCK], kb[STREAM_ROWS_BLOCK], kl[STREAM_ROWS_BLOCK];
+    float cinv[STREAM_ROWS_BLOCK];
+    int32_t base[STREAM_ROWS_BLOCK]; /* channel c0 + j's first pair in the table (C * (G + 2) fits in int32) */
+    stream_bins q[STREAM_ROWS_BLOCK];
+} stream_rows_params;
+
+/* Channel j of the block over P positions C apart from x (y: NULL, or the map's, likewise): the map and the
+   extremes of stream_map_row, value by value, folded into *mn, *mx, *bad. */
+static void stream_rows_map1(const stream_scan_args *a, const stream_rows_params *r, int64_t j, const float *x,
+                             float *y, int64_t P, float *mn, float *mx, int32_t *bad) {
+    const int64_t C = a->C, G = a->G;
+    const float ps = r->ps[j], pb = r->pb[j], g0 = r->g0[j], gi = r->gi[j], k1 = r->k1[j], kb = r->kb[j];
+    const float *tab = a->pairs + 2 * (int64_t)r->base[j];
+    float lo = *mn, hi = *mx;
+    int nonfinite = 0;
+    for (int64_t p = 0; p < P; p++) {
+        const float v = x[p * C] * ps + pb;
+        nonfinite |= stream_nonfinite(v);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+        if (y) {
+            int64_t cell = stream_index((v - g0) * gi + 1.0f, G + 1);
+            cell = v >= kb ? G + 1 : cell;
+            cell = v < k1 ? 0 : cell;
+            y[p * C] = tab[2 * cell] * v + tab[2 * cell + 1];
+        }
+    }
+    *mn = lo, *mx = hi, *bad |= nonfinite;
+}
+
+#ifdef __AVX2__
+/* stream_rows_map1 on the eight channels j..j + 7 at once (a lane each): the same operations lane by lane. */
+static void stream_rows_map8(const stream_scan_args *a, const stream_rows_params *r, int64_t j, const float *x,
+                             float *y, int64_t P, float *mn, float *mx, int32_t *bad) {
+    const int64_t C = a->C, G = a->G;
+    const __m256 vps = _mm256_loadu_ps(r->ps + j), vpb = _mm256_loadu_ps(r->pb + j);
+    const __m256 vg0 = _mm256_loadu_ps(r->g0 + j), vgi = _mm256_loadu_ps(r->gi + j);
+    const __m256 vk1 = _mm256_loadu_ps(r->k1 + j), vkb = _mm256_loadu_ps(r->kb + j);
+    const __m256i vbase = _mm256_loadu_si256((const __m256i *)(r->base + j));
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps(), vtop = _mm256_set1_ps((float)(G + 1));
+    const __m256i last = _mm256_set1_epi32((int)(G + 1)), first = _mm256_setzero_si256();
+    __m256 vmn = _mm256_loadu_ps(mn), vmx = _mm256_loadu_ps(mx), vbad = _mm256_setzero_ps();
+    if (y) {
+        for (int64_t p = 0; p < P; p++) {
+            const __m256 v = affine_step(x + p * C, vps, vpb, &vmn, &vmx, &vbad);
+            __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, vg0), vgi), one);
+            t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* max(NaN, 0) is 0: its second operand */
+            __m256i cell = _mm256_cvttps_epi32(t);
+            cell = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(last),
+                                                        _mm256_cmp_ps(v, vkb, _CMP_GE_OQ)));
+            cell = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(first),
+                                                        _mm256_cmp_ps(v, vk1, _CMP_LT_OQ)));
+            _mm256_storeu_ps(y + p * C, pair_lookup(a->pairs, _mm256_add_epi32(cell, vbase), v));
+        }
+    } else {
+        for (int64_t p = 0; p < P; p++) (void)affine_step(x + p * C, vps, vpb, &vmn, &vmx, &vbad);
+    }
+    _mm256_storeu_ps(mn, vmn);
+    _mm256_storeu_ps(mx, vmx);
+    const __m256i was = _mm256_loadu_si256((const __m256i *)bad);
+    _mm256_storeu_si256((__m256i *)bad, _mm256_or_si256(was, _mm256_srli_epi32(_mm256_castps_si256(vbad), 31)));
+}
+
+/* The bins of stream_bin for the eight channels j..j + 7 of the values at x (v = ps * x + pb), as
+   stream_count_row computes them. */
+static inline __m256i stream_rows_bins8(const stream_rows_params *r, int64_t j, const float *x, int64_t GC) {
+    const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps((float)(GC - 1));
+    const __m256i two = _mm256_set1_epi32(2), one = _mm256_set1_epi32(1), first = _mm256_setzero_si256();
+    const __m256i inner_top = _mm256_set1_epi32((int)(GC + 2)), last = _mm256_set1_epi32((int)(GC + 3));
+    const __m256 k0 = _mm256_loadu_ps(r->k0 + j), k1 = _mm256_loadu_ps(r->k1 + j), kb = _mm256_loadu_ps(r->kb + j);
+    const __m256 kl = _mm256_loadu_ps(r->kl + j), cinv = _mm256_loadu_ps(r->cinv + j);
+    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(r->ps + j)),
+                                   _mm256_loadu_ps(r->pb + j));
+    __m256 t = _mm256_mul_ps(_mm256_sub_ps(v, k1), cinv);
+    t = _mm256_min_ps(_mm256_max_ps(t, zero), top);
+    __m256i bin = _mm256_add_epi32(_mm256_cvttps_epi32(t), two);
+    const __m256i above = _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(inner_top), _mm256_castsi256_ps(last), _mm256_cmp_ps(v, kl, _CMP_GE_OQ)));
+    bin = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bin), _mm256_castsi256_ps(above),
+                                               _mm256_cmp_ps(v, kb, _CMP_GE_OQ)));
+    const __m256i below = _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(one), _mm256_castsi256_ps(first), _mm256_cmp_ps(v, k0, _CMP_LT_OQ)));
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bin), _mm256_castsi256_ps(below),
+                                                _mm256_cmp_ps(v, k1, _CMP_LT_OQ)));
+}
+#endif
+
+/* One block of w <= STREAM_ROWS_BLOCK channels from c0 of a channels-last x (STREAM_ROWS): per channel, the
+   per-value operations of stream_scan_channel (stream_map_row, stream_count_row, stream_stretch_row) on
+   the same values, so its outputs (an extreme of +0 and -0 may come out either way). Eight channels to a
+   vector where the AVX2 build has them, over an image's positions (C values apart) at a time. */
+static void stream_scan_rows_block(const stream_scan_args *a, int64_t c0, int64_t w) {
+    const int64_t C = a->C, K = a->K, N = a->N, GC = a->GC, stride = a->stride;
+    const int64_t P = a->A / N * a->B, bins = GC + STREAM_EDGE_BINS; /* positions per image */
+    const int per_image = (a->mode & STREAM_IMAGE_COUNT) != 0, paired = (a->mode & STREAM_PAIRED) != 0;
+    const int counting = (a->mode & (STREAM_COUNT | STREAM_IMAGE_COUNT)) != 0;
+    stream_rows_params r;
+    float mn[STREAM_ROWS_BLOCK], mx[STREAM_ROWS_BLOCK], bmin[STREAM_ROWS_BLOCK], bmax[STREAM_ROWS_BLOCK];
+    float line[4][STREAM_ROWS_BLOCK]; /* per channel: (slope, intercept) below k1, from kb on */
+    int32_t bad[STREAM_ROWS_BLOCK], stretches[STREAM_ROWS_BLOCK], *cnt[STREAM_ROWS_BLOCK];
+    for (int64_t j = 0; j < w; j++) {
+        const int64_t c = c0 + j;
+        const stream_bins q = stream_channel_bins(a, c);
+        r.q[j] = q;
+        r.ps[j] = q.ps, r.pb[j] = q.pb, r.k0[j] = q.k0, r.k1[j] = q.k1, r.kb[j] = q.kb, r.kl[j] = q.kl;
+        r.cinv[j] = q.cinv, r.g0[j] = a->glo[c], r.gi[j] = a->ginv[c];
+        r.base[j] = (int32_t)(c * (a->G + 2));
+        bmin[j] = INFINITY, bmax[j] = -INFINITY, bad[j] = 0;
+        cnt[j] = (a->mode & STREAM_COUNT) ? a->counts + c * bins : NULL;
+        if (cnt[j]) memset(cnt[j], 0, sizeof(int32_t) * (size_t)bins);
+        if (paired)
+            for (int64_t half = 0; half < 2; half++)
+                memset(a->counts + (half * C + c) * bins, 0, sizeof(int32_t) * (size_t)bins);
+    }
+    for (int64_t n = 0; n < N; n++) {
+        const float *x = a->x + n * P * C + c0;
+        float *y = a->y ? a->y + n * P * C + c0 : NULL;
+        for (int64_t j = 0; j < w; j++) {
+            mn[j] = INFINITY, mx[j] = -INFINITY;
+            if (per_image) {
+                cnt[j] = a->counts + ((paired ? n & 1 : n) * C + c0 + j) * bins;
+                if (!paired) memset(cnt[j], 0, sizeof(int32_t) * (size_t)bins);
+            }
+        }
+        int64_t j = 0;
+#ifdef __AVX2__
+        for (; j + 8 <= w; j += 8) stream_rows_map8(a, &r, j, x + j, y ? y + j : NULL, P, mn + j, mx + j, bad + j);
+#endif
+        for (; j < w; j++) stream_rows_map1(a, &r, j, x + j, y ? y + j : NULL, P, mn + j, mx + j, bad + j);
+        if (counting) { /* flat positions (per image or over the batch) a multiple of stride */
+            const int64_t skip = per_image ? 0 : (n * P) % stride;
+            for (int64_t p = skip ? stride - skip : 0; p < P; p += stride) {
+                const float *xp = x + p * C;
+                j = 0;
+#ifdef __AVX2__
+                for (; j + 8 <= w; j += 8) {
+                    int32_t lane[8];
+                    _mm256_storeu_si256((__m256i *)lane, stream_rows_bins8(&r, j, xp + j, GC));
+                    for (int k = 0; k < 8; k++) cnt[j + k][lane[k]]++;
+                }
+#endif
+                for (; j < w; j++) cnt[j][stream_bin(&r.q[j], xp[j] * r.ps[j] + r.pb[j])]++;
+            }
+        }
+        for (j = 0; j < w; j++) {
+            a->lo[n * C + c0 + j] = mn[j];
+            a->hi[n * C + c0 + j] = mx[j];
+            bmin[j] = mn[j] < bmin[j] ? mn[j] : bmin[j];
+            bmax[j] = mx[j] > bmax[j] ? mx[j] : bmax[j];
+        }
+    }
+    int stretch = 0; /* channels whose edge lines reach out to the batch's extremes */
+    for (int64_t j = 0; j < w; j++) {
+        a->bad[c0 + j] = bad[j];
+        float l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        stretches[j] = !bad[j] && a->y && (bmin[j] < r.q[j].k0 || bmax[j] > r.q[j].kl);
+        if (stretches[j]) {
+            stream_edge_lines(&r.q[j], a->sq + (c0 + j) * K, K, bmin[j], bmax[j], l);
+            stretch = 1;
+        } else { /* a lane of the vectors below left as mapped: its finite values are none below or from */
+            r.k1[j] = -INFINITY, r.kb[j] = INFINITY;
+        }
+        for (int k = 0; k < 4; k++) line[k][j] = l[k];
+    }
+    if (!stretch) return;
+    const int64_t positions = N * P;
+    int64_t j = 0;
+#ifdef __AVX2__
+    for (; j + 8 <= w; j += 8) {
+        const __m256 vps = _mm256_loadu_ps(r.ps + j), vpb = _mm256_loadu_ps(r.pb + j);
+        const __m256 vk1 = _mm256_loadu_ps(r.k1 + j), vkb = _mm256_loadu_ps(r.kb + j);
+        const __m256 val = _mm256_loadu_ps(line[0] + j), vbl = _mm256_loadu_ps(line[1] + j);
+        const __m256 vah = _mm256_loadu_ps(line[2] + j), vbh = _mm256_loadu_ps(line[3] + j);
+        int any = 0;
+        for (int k = 0; k < 8; k++) any |= stretches[j + k];
+        if (!any) continue;
+        for (int64_t p = 0; p < positions; p++) { /* as stream_stretch_row */
+            const float *xp = a->x + p * C + c0 + j;
+            float *yp = a->y + p * C + c0 + j;
+            const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xp), vps), vpb);
+            const __m256 low = _mm256_cmp_ps(v, vk1, _CMP_LT_OQ), high = _mm256_cmp_ps(v, vkb, _CMP_GE_OQ);
+            if (_mm256_movemask_ps(_mm256_or_ps(low, high)) == 0) continue;
+            __m256 out = _mm256_blendv_ps(_mm256_loadu_ps(yp), _mm256_add_ps(_mm256_mul_ps(vah, v), vbh), high);
+            out = _mm256_blendv_ps(out, _mm256_add_ps(_mm256_mul_ps(val, v), vbl), low);
+            _mm256_storeu_ps(yp, out);
+        }
+    }
+#endif
+    for (; j < w; j++) {
+        if (!stretches[j]) continue;
+        for (int64_t p = 0; p < positions; p++) {
+            const float v = a->x[p * C + c0 + j] * r.ps[j] + r.pb[j];
+            if (v < r.k1[j]) a->y[p * C + c0 + j] = line[0][j] * v + line[1][j];
+            else if (v >= r.kb[j]) a->y[p * C + c0 + j] = line[2][j] * v + line[3][j];
+        }
+    }
+}
+
+static void stream_scan_rows_part(void *p, int part, int64_t c0, int64_t c1) {
+    (void)part;
+    for (int64_t c = c0; c < c1; c += STREAM_ROWS_BLOCK)
+        stream_scan_rows_block((const stream_scan_args *)p, c, c + STREAM_ROWS_BLOCK < c1 ? STREAM_ROWS_BLOCK : c1 - c);
+}
+
 static int stream_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N,
                        const float *pre_scale, const float *pre_shift, int64_t K, const float *kn,
                        const float *sq, const float *pairs, int64_t G, const float *glo, const float *ginv,
                        int64_t stride, int64_t GC, int32_t *counts, float *lo, float *hi, int mode, int nthreads) {
     if (!stream_sizes_ok(C, K, G, GC) || A < 1 || B < 1 || N < 1 || A % N || stride < 1 ||
-        A > INT64_MAX / C / B || mode < 0 || mode > (STREAM_MAP | STREAM_COUNT | STREAM_IMAGE_COUNT | STREAM_PAIRED) ||
+        A > INT64_MAX / C / B || mode < 0 ||
+        mode > (STREAM_MAP | STREAM_COUNT | STREAM_IMAGE_COUNT | STREAM_PAIRED | STREAM_ROWS) ||
+        ((mode & STREAM_ROWS) && C > INT32_MAX / (G + 2)) || /* stream_scan_rows_block's int32 pair indices */
         ((mode & STREAM_COUNT) && (mode & STREAM_IMAGE_COUNT)) ||
         ((mode & STREAM_PAIRED) && !(mode & STREAM_IMAGE_COUNT)) ||
         !x || !kn || !sq || !pairs || !glo || !ginv || !lo || !hi || ((mode & STREAM_MAP) && !y) ||
@@ -410,7 +627,8 @@ static int stream_scan(const float *x, float *y, int64_t A, int64_t C, int64_t B
     if (!bad) return STREAM_NO_MEMORY;
     stream_scan_args a = {x, (mode & STREAM_MAP) ? y : NULL, A, C, B, N, K, G, GC, stride, pre_scale, pre_shift,
                    kn, sq, pairs, glo, ginv, counts, lo, hi, mode, bad};
-    parallel_for(stream_scan_part, &a, C, stream_parts(C, A * C * B, nthreads));
+    parallel_for((mode & STREAM_ROWS) ? stream_scan_rows_part : stream_scan_part, &a, C,
+                 stream_parts(C, A * C * B, nthreads));
     int status = STREAM_OK;
     for (int64_t c = 0; c < C; c++) status = bad[c] ? STREAM_NONFINITE : status;
     free(bad);
@@ -1447,14 +1665,16 @@ int aqr_stream_shift_distances(int64_t N, int64_t C, int64_t K, const float *kn,
  * meaningless), STREAM_NO_MEMORY or STREAM_BAD_ARGUMENT.
  *
  * aqr_stream_large: x counted on the bins of the knots kn first (aqr_stream_scan, STREAM_COUNT; pairs /
- * glo / ginv the committed table, not read), then aqr_stream_merge_map with those counts. */
+ * glo / ginv the committed table, not read), then aqr_stream_merge_map with those counts.
+ *
+ * Both read x and write y laid out (A, B, C) where rows is nonzero (aqr_stream_scan's STREAM_ROWS). */
 static int stream_merge_map(const float *x, float *y, int64_t A, int64_t C, int64_t B, int64_t N, const float *pre_scale,
                             const float *pre_shift, int64_t K, const float *kn, const float *sq, int64_t G, int64_t stride,
                             int64_t GC, const int32_t *counts, const float *lo, const float *hi, const int32_t *pending,
                             const float *gmin, const float *gmax, int64_t W, const float *ring_lo, const float *sorted_lo,
                             const float *ring_hi, const float *sorted_hi, int64_t filled, int64_t head, const double *w,
                             int64_t nw, double weight, float *kn_out, float *ring_lo_out, float *sorted_lo_out,
-                            float *ring_hi_out, float *sorted_hi_out, int nthreads) {
+                            float *ring_hi_out, float *sorted_hi_out, int rows, int nthreads) {
     if (!stream_sizes_ok(C, K, G, GC) || N < 1 || W < 1 || W > (1 << 24) || filled < 0 || filled > W ||
         nw < 1 || nw > (filled + N < W ? filled + N : W) || !counts || !lo || !hi || !pending != !gmin ||
         !gmin != !gmax || !w || !kn || !kn_out || !y || !ring_lo || !sorted_lo || !ring_hi || !sorted_hi ||
@@ -1489,7 +1709,7 @@ static int stream_merge_map(const float *x, float *y, int64_t A, int64_t C, int6
     if (status == STREAM_OK) status = stream_tables(C, K, kn_out, sq, G, table, table_lo, table_inv, nthreads);
     if (status == STREAM_OK)
         status = stream_scan(x, y, A, C, B, N, pre_scale, pre_shift, K, kn_out, sq, table, G, table_lo, table_inv,
-                             stride, GC, NULL, map_lo, map_hi, STREAM_MAP, nthreads);
+                             stride, GC, NULL, map_lo, map_hi, STREAM_MAP | (rows ? STREAM_ROWS : 0), nthreads);
     free(mem);
     return status;
 }
@@ -1500,7 +1720,7 @@ static int stream_large(const float *x, float *y, int64_t A, int64_t C, int64_t 
                         const float *gmin, const float *gmax, int64_t W, const float *ring_lo, const float *sorted_lo,
                         const float *ring_hi, const float *sorted_hi, int64_t filled, int64_t head, const double *w,
                         int64_t nw, double weight, float *kn_out, float *ring_lo_out, float *sorted_lo_out,
-                        float *ring_hi_out, float *sorted_hi_out, int nthreads) {
+                        float *ring_hi_out, float *sorted_hi_out, int rows, int nthreads) {
     if (!stream_sizes_ok(C, K, G, GC) || N < 1 || N > INT64_MAX / C / 8) return STREAM_BAD_ARGUMENT;
     const int64_t bins = GC + STREAM_EDGE_BINS;
     float *mem = malloc(sizeof(float) * (size_t)(C * bins + 2 * N * C)); /* counts (C, bins) int32, lo / hi (N, C) */
@@ -1508,11 +1728,11 @@ static int stream_large(const float *x, float *y, int64_t A, int64_t C, int64_t 
     int32_t *counts = (int32_t *)mem;
     float *lo = mem + C * bins, *hi = lo + N * C;
     int status = stream_scan(x, NULL, A, C, B, N, pre_scale, pre_shift, K, kn, sq, pairs, G, glo, ginv, stride, GC,
-                             counts, lo, hi, STREAM_COUNT, nthreads);
+                             counts, lo, hi, STREAM_COUNT | (rows ? STREAM_ROWS : 0), nthreads);
     if (status == STREAM_OK)
         status = stream_merge_map(x, y, A, C, B, N, pre_scale, pre_shift, K, kn, sq, G, stride, GC, counts, lo, hi,
                                   pending, gmin, gmax, W, ring_lo, sorted_lo, ring_hi, sorted_hi, filled, head, w,
-                                  nw, weight, kn_out, ring_lo_out, sorted_lo_out, ring_hi_out, sorted_hi_out,
+                                  nw, weight, kn_out, ring_lo_out, sorted_lo_out, ring_hi_out, sorted_hi_out, rows,
                                   nthreads);
     free(mem);
     return status;
@@ -1747,11 +1967,12 @@ static int stream_idle_rebuild(int64_t C, int64_t K, float *mg, float *kn, const
     STREAM_BATCH_FIELDS(F, ST) F(ST, I, int64_t, K) F(ST, P, const float *, kn) F(ST, P, const float *, sq) \
     F(ST, I, int64_t, G) F(ST, I, int64_t, stride) F(ST, I, int64_t, GC) F(ST, P, const int32_t *, counts) \
     F(ST, P, const float *, lo) F(ST, P, const float *, hi) STREAM_GROUP_FIELDS(F, ST)                 \
-    STREAM_WINDOW_FIELDS(F, ST) F(ST, I, int64_t, filled) F(ST, I, int64_t, head) STREAM_COPIES_FIELDS(F, ST)
+    STREAM_WINDOW_FIELDS(F, ST) F(ST, I, int64_t, filled) F(ST, I, int64_t, head) STREAM_COPIES_FIELDS(F, ST) \
+    F(ST, C, int, rows)
 #define STREAM_LARGE_FIELDS(F, ST)                                                                      \
     STREAM_BATCH_FIELDS(F, ST) STREAM_TABLE_FIELDS(F, ST) F(ST, I, int64_t, stride) F(ST, I, int64_t, GC) \
     STREAM_GROUP_FIELDS(F, ST) STREAM_WINDOW_FIELDS(F, ST) F(ST, I, int64_t, filled) F(ST, I, int64_t, head) \
-    STREAM_COPIES_FIELDS(F, ST)
+    STREAM_COPIES_FIELDS(F, ST) F(ST, C, int, rows)
 #define STREAM_IDLE_REBUILD_FIELDS(F, ST)                                                               \
     F(ST, I, int64_t, C) F(ST, I, int64_t, K) F(ST, P, float *, mg) F(ST, P, float *, kn)              \
     F(ST, P, const int32_t *, counts) F(ST, I, int64_t, GC) F(ST, P, const float *, gmin)              \
@@ -1779,11 +2000,11 @@ static int stream_idle_rebuild(int64_t C, int64_t K, float *mg, float *kn, const
     STREAM_GROUP_FIELDS(F, ST) STREAM_WINDOW_FIELDS(F, ST)
 /* A batch of N images on a bound layer: x (A, C, B) read as pre_scale * x + pre_shift, mapped into y;
    stage (2 N C + C (GC + 4) floats) takes lo (N, C), hi (N, C) and the counts (C, GC + 4) as int32, in
-   that order, for aqr_stream_bound_commit. */
+   that order, for aqr_stream_bound_commit. rows nonzero: x and y laid out (A, B, C) (STREAM_ROWS). */
 #define STREAM_BOUND_BATCH_FIELDS(F, ST)                                                                \
     F(ST, P, const float *, x) F(ST, P, float *, y) F(ST, I, int64_t, A) F(ST, I, int64_t, B)          \
     F(ST, I, int64_t, N) F(ST, P, const float *, pre_scale) F(ST, P, const float *, pre_shift)        \
-    F(ST, P, float *, stage)
+    F(ST, P, float *, stage) F(ST, C, int, rows)
 /* Its commit: the window's counters before it, the stage of N images, and, where rebuild, the group's
    weight and the tails' weights tail_w (ntail). */
 #define STREAM_BOUND_COMMIT_FIELDS(F, ST)                                                               \
@@ -1856,7 +2077,8 @@ int aqr_stream_merge_map(const aqr_stream_merge_map_args *d, int nthreads) {
     return stream_merge_map(d->x, d->y, d->A, d->C, d->B, d->N, d->pre_scale, d->pre_shift, d->K, d->kn, d->sq, d->G,
                             d->stride, d->GC, d->counts, d->lo, d->hi, d->pending, d->gmin, d->gmax, d->W, d->ring_lo,
                             d->sorted_lo, d->ring_hi, d->sorted_hi, d->filled, d->head, d->w, d->nw, d->weight,
-                            d->kn_out, d->ring_lo_out, d->sorted_lo_out, d->ring_hi_out, d->sorted_hi_out, nthreads);
+                            d->kn_out, d->ring_lo_out, d->sorted_lo_out, d->ring_hi_out, d->sorted_hi_out, d->rows,
+                            nthreads);
 }
 
 int aqr_stream_large(const aqr_stream_large_args *d, int nthreads) {
@@ -1864,7 +2086,7 @@ int aqr_stream_large(const aqr_stream_large_args *d, int nthreads) {
     return stream_large(d->x, d->y, d->A, d->C, d->B, d->N, d->pre_scale, d->pre_shift, d->K, d->kn, d->sq, d->pairs,
                         d->G, d->glo, d->ginv, d->stride, d->GC, d->pending, d->gmin, d->gmax, d->W, d->ring_lo,
                         d->sorted_lo, d->ring_hi, d->sorted_hi, d->filled, d->head, d->w, d->nw, d->weight, d->kn_out,
-                        d->ring_lo_out, d->sorted_lo_out, d->ring_hi_out, d->sorted_hi_out, nthreads);
+                        d->ring_lo_out, d->sorted_lo_out, d->ring_hi_out, d->sorted_hi_out, d->rows, nthreads);
 }
 
 int aqr_stream_idle_rebuild(const aqr_stream_idle_rebuild_args *d, int nthreads) {
@@ -1892,7 +2114,7 @@ int aqr_stream_bound_scan(const aqr_stream_layer *d, const aqr_stream_bound_batc
     const int64_t C = d->C, N = b->N;
     return stream_scan(b->x, b->y, b->A, C, b->B, N, b->pre_scale, b->pre_shift, d->K, d->kn, d->sq, d->pairs, d->G,
                        d->glo, d->ginv, d->stride, d->GC, (int32_t *)(b->stage + 2 * N * C), b->stage,
-                       b->stage + N * C, STREAM_MAP | STREAM_COUNT, nthreads);
+                       b->stage + N * C, STREAM_MAP | STREAM_COUNT | (b->rows ? STREAM_ROWS : 0), nthreads);
 }
 
 /* stream_commit on the bound layer d of what aqr_stream_bound_scan left in b's stage. */

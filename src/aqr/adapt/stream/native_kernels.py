@@ -94,6 +94,21 @@ def _addresses(tensors: list[torch.Tensor], dtype: torch.dtype | None, what: str
     return addresses
 
 
+ROWS = 16  # _stream_kernels.c's STREAM_ROWS: x and y laid out (A, B, C), beside the scan modes
+
+
+def _layout(x: torch.Tensor, grid: int) -> tuple[torch.Tensor, int]:
+    """``x`` (A, C, B) as the kernels read it, and ``ROWS`` where that is the ``(A, B, C)`` layout of a
+    channels-last output (each position's channels side by side, read in place) or 0: contiguous (a copy
+    of any other layout, and of one whose pair indices, ``C * (grid + 2)``, would not fit in int32)."""
+    a, c, b = x.shape
+    if x.is_contiguous():
+        return x, 0
+    if c > 1 and b > 1 and x.transpose(1, 2).is_contiguous() and c * (grid + 2) < 2**31:
+        return x, ROWS
+    return x.contiguous(), 0
+
+
 def _group_fields(group: PendingGroup | None) -> dict[str, int | None]:
     """A descriptor's fields for the pending group (its counts, its extremes), NULL without one."""
     if group is None:
@@ -134,7 +149,7 @@ class NativeStreamKernels(StreamKernels):
 
     def scan(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
              table: StreamTable, mode: int, stride: int, cells: int) -> ScanResult:
-        x = x.contiguous()
+        x, rows = _layout(x, table.grid)  # a channels-last x is read, and y written, in place of its rows
         a, c, b = x.shape
         check_scan(x, images, knots, source, table, mode)
         y = torch.empty_like(x) if mode & MAP else None
@@ -150,7 +165,7 @@ class NativeStreamKernels(StreamKernels):
             x=x.data_ptr(), y=_ptr(y), A=a, C=c, B=b, N=images, pre_scale=_ptr(scale), pre_shift=_ptr(shift),
             K=knots.shape[1], kn=knots.data_ptr(), sq=source.data_ptr(), pairs=table.pairs.data_ptr(), G=table.grid,
             glo=table.glo.data_ptr(), ginv=table.ginv.data_ptr(), stride=stride, GC=cells, counts=_ptr(counts),
-            lo=lo.data_ptr(), hi=hi.data_ptr(), mode=mode), torch.get_num_threads()), "scan")
+            lo=lo.data_ptr(), hi=hi.data_ptr(), mode=mode | rows), torch.get_num_threads()), "scan")
         return ScanResult(y, lo, hi, counts, status == 0)
 
     def cluster_scan(self, x: torch.Tensor, images: int, pre: Affine | None, source: torch.Tensor,
@@ -204,18 +219,18 @@ class NativeStreamKernels(StreamKernels):
               table: StreamTable, window: TailWindow, group: PendingGroup, weight: float, tail_weights: torch.Tensor,
               stride: int, cells: int) -> tuple[torch.Tensor, torch.Tensor, TailWindow] | None:
         # StreamKernels.large in one C call (aqr_stream_large): the same operations in the same order, without
-        # six calls' arguments and the state's copies made in torch
-        x = x.contiguous()
+        # six calls' arguments and the state's copies made in torch; a channels-last x read in place
+        x, rows = _layout(x, table.grid)
         check_scan(x, images, knots, source, table, COUNT)
         middle = dict(pairs=table.pairs.data_ptr(), G=table.grid, glo=table.glo.data_ptr(),
-                      ginv=table.ginv.data_ptr(), stride=stride, GC=cells)
+                      ginv=table.ginv.data_ptr(), stride=stride, GC=cells, rows=rows)
         return self._merged("large", x, images, pre, knots, source, middle, window, group, weight, tail_weights)
 
     def merge_map(self, x: torch.Tensor, images: int, pre: Affine | None, knots: torch.Tensor, source: torch.Tensor,
                   grid: int, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor, lo: torch.Tensor,
                   hi: torch.Tensor, weight: float, tail_weights: torch.Tensor, stride: int,
                   cells: int) -> tuple[torch.Tensor, torch.Tensor, TailWindow] | None:
-        x = x.contiguous()
+        x, rows = _layout(x, grid)
         a, c, _ = x.shape
         if images < 1 or a % images or knots.shape[0] != c or source.shape != knots.shape:
             raise ValueError(f"merge_map: a layer output {tuple(x.shape)} of {images} images for knots "
@@ -225,7 +240,8 @@ class NativeStreamKernels(StreamKernels):
         if counts.shape != (c, cells + EDGE_BINS) or lo.shape != (images, c) or hi.shape != (images, c):
             raise ValueError(f"merge_map: counts {tuple(counts.shape)} and extremes {tuple(lo.shape)}, "
                              f"{tuple(hi.shape)} for {images} images of {c} channels and {cells} cells")
-        middle = dict(G=grid, stride=stride, GC=cells, counts=counts.data_ptr(), lo=lo.data_ptr(), hi=hi.data_ptr())
+        middle = dict(G=grid, stride=stride, GC=cells, counts=counts.data_ptr(), lo=lo.data_ptr(), hi=hi.data_ptr(),
+                      rows=rows)
         return self._merged("merge_map", x, images, pre, knots, source, middle, window, group, weight, tail_weights)
 
     def large_flagged(self, *args: object) -> tuple[torch.Tensor | None, torch.Tensor | None, TailWindow | None, bool]:
@@ -412,7 +428,7 @@ class BoundStream:
         lib = kernels.lib
         self._scan_fn, self._commit_fn = lib.aqr_stream_bound_scan, lib.aqr_stream_bound_commit
         self._batch, self._commit = lib.structs["aqr_stream_bound_batch"], lib.structs["aqr_stream_bound_commit_args"]
-        self.channels, self.bins = c, bins
+        self.channels, self.bins, self.grid = c, bins, g
         self._tensors = (knots, source, table, window, group)  # the buffers whose addresses are used below
         self._window = window
         # a committed stage, which the next scan of as many images reuses (allocating and freeing one stage
@@ -437,16 +453,20 @@ class BoundStream:
         return self.channels * (2 * images + self.bins)
 
     def map_count(self, x: torch.Tensor, images: int, pre: Affine) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """:meth:`NativeStreamKernels.scan` of ``x`` with ``MAP | COUNT`` on the bound state: ``x`` a contiguous
-        float32 CPU tensor ``(A, C, ...)`` of at least one value, read as ``(A, C, B)``, and ``pre`` an
-        affine of contiguous float32 CPU tensors ``(C,)`` (the caller's to ensure). Returns ``y`` shaped as
-        ``x``, the staged extremes and counts (:meth:`stage_floats`, for :meth:`commit`; the buffer of the
-        last batch committed, where it has the size) and whether every value was finite."""
+        """:meth:`NativeStreamKernels.scan` of ``x`` with ``MAP | COUNT`` on the bound state: ``x`` a float32
+        CPU tensor ``(A, C, ...)`` of at least one value, contiguous or channels-last (the channels its fastest
+        axis, the others in order: read in place), read as ``(A, C, B)``, and ``pre`` an affine of contiguous
+        float32 CPU tensors ``(C,)`` (the caller's to ensure). Returns ``y`` shaped and laid out as ``x``, the
+        staged extremes and counts (:meth:`stage_floats`, for :meth:`commit`; the buffer of the last batch
+        committed, where it has the size) and whether every value was finite."""
         shape = x.shape
         a, c = shape[0], self.channels
         if shape[1] != c or images < 1 or a % images:
             raise ValueError(f"a layer output {tuple(shape)} for a streaming state of {c} channels and a batch "
                              f"of {images} images (streaming AQR needs the batch dimension first)")
+        rows = 0
+        if not x.is_contiguous():  # a channels-last x read in place (as its rows), another layout copied
+            x, rows = _layout(x.reshape(a, c, -1), self.grid)
         y = torch.empty_like(x)
         stage, floats = self._spare, self.stage_floats(images)
         if stage is not None and stage.numel() == floats:
@@ -454,11 +474,12 @@ class BoundStream:
         else:
             stage = torch.empty(floats)
         batch = self._batch.of(x=x.data_ptr(), y=y.data_ptr(), A=a, B=x.numel() // (a * c), N=images,
-                               pre_scale=pre[0].data_ptr(), pre_shift=pre[1].data_ptr(), stage=stage.data_ptr())
+                               pre_scale=pre[0].data_ptr(), pre_shift=pre[1].data_ptr(), stage=stage.data_ptr(),
+                               rows=rows)
         status = self._scan_fn(self._descriptor, batch, torch.get_num_threads())
         if status < 0:
             _check(status, "bound_scan")
-        return y, stage, status == 0
+        return y if y.shape == shape else y.view(shape), stage, status == 0
 
     def staged_parts(self, stage: torch.Tensor, images: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(lo, hi, counts)`` of a batch's ``stage`` from :meth:`map_count` (views)."""

@@ -433,8 +433,8 @@ class LayerStream:
 
     def small_step(self, x: torch.Tensor, images: int, pre: Affine) -> tuple[torch.Tensor | None, Staged | None]:
         """:meth:`step` of a started ``"cdf-ema"`` stream for a batch of fewer than ``rebuild_every`` images
-        through :meth:`bound` (which the caller has checked is not ``None``): ``x`` a contiguous float32 CPU
-        tensor ``(A, C, ...)`` of at least one value, read as ``(A, C, B)``, and ``pre`` a folded BatchNorm's
+        through :meth:`bound` (which the caller has checked is not ``None``): ``x`` a contiguous (or channels-last)
+        float32 CPU tensor ``(A, C, ...)`` of at least one value, read as ``(A, C, B)``, and ``pre`` a folded BatchNorm's
         affine; the map has ``x``'s shape. The same values as :meth:`step`, which also commit alike."""
         y, stage, finite = self.bound().map_count(x, images, pre)  # type: ignore[union-attr]
         if not finite:
