@@ -430,7 +430,7 @@ class MixedLayerStream:
         blend = self._blend(self.shared.runs)
         of = self._assignment(x, images, pre)
         y, finite = self._view(self.shared).flagged_held(x, images, pre)
-        if finite is False or y is None or of is None:
+        if finite is False or y is None or of is None or blend == 0:  # a share of 0 leaves the shared map as it is
             return y, finite
         maps = [not starts for starts in self._starts()]
         mapped = torch.tensor(maps + [False])[of]  # of == -1 reads the last flag
