@@ -271,6 +271,28 @@ static inline int64_t stream_bin(const stream_bins *q, float v) {
     return 2 + stream_index((v - q->k1) * q->cinv, q->GC - 1);
 }
 
+#ifdef __AVX2__
+/* stream_bin of eight values v at once, on bins whose edges are k0, k1, kb, kl (per lane) and cells of width
+   1 / cinv between k1 and kb; GC cells. */
+static inline __m256i stream_bins8(__m256 v, __m256 k0, __m256 k1, __m256 kb, __m256 kl, __m256 cinv, int64_t GC) {
+    const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps((float)(GC - 1));
+    const __m256i two = _mm256_set1_epi32(2), one = _mm256_set1_epi32(1), first = _mm256_setzero_si256();
+    const __m256i inner_top = _mm256_set1_epi32((int)(GC + 2)), last = _mm256_set1_epi32((int)(GC + 3));
+    /* stream_index: max(NaN, 0) is 0 (its second operand), then at most GC - 1, truncated */
+    __m256 t = _mm256_mul_ps(_mm256_sub_ps(v, k1), cinv);
+    t = _mm256_min_ps(_mm256_max_ps(t, zero), top);
+    __m256i bin = _mm256_add_epi32(_mm256_cvttps_epi32(t), two);
+    const __m256i above = _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(inner_top), _mm256_castsi256_ps(last), _mm256_cmp_ps(v, kl, _CMP_GE_OQ)));
+    bin = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bin), _mm256_castsi256_ps(above),
+                                               _mm256_cmp_ps(v, kb, _CMP_GE_OQ)));
+    const __m256i below = _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(one), _mm256_castsi256_ps(first), _mm256_cmp_ps(v, k0, _CMP_LT_OQ)));
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bin), _mm256_castsi256_ps(below),
+                                                _mm256_cmp_ps(v, k1, _CMP_LT_OQ)));
+}
+#endif
+
 /* cnt += the histogram of xp[b], xp[b + stride], ... below B (v = ps * x + pb) on the bins q: every
    value lands in a bin, NaN in one of them too (its counts are then discarded with the batch). */
 static void stream_count_row(const float *xp, int64_t b, int64_t B, int64_t stride, const stream_bins *q,
@@ -278,26 +300,12 @@ static void stream_count_row(const float *xp, int64_t b, int64_t B, int64_t stri
 #ifdef __AVX2__
     if (stride <= (INT32_MAX - 1) / 8) {
         const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)stride));
-        const __m256 vps = _mm256_set1_ps(q->ps), vpb = _mm256_set1_ps(q->pb), zero = _mm256_setzero_ps();
+        const __m256 vps = _mm256_set1_ps(q->ps), vpb = _mm256_set1_ps(q->pb);
         const __m256 k0 = _mm256_set1_ps(q->k0), k1 = _mm256_set1_ps(q->k1), kb = _mm256_set1_ps(q->kb);
         const __m256 kl = _mm256_set1_ps(q->kl), cinv = _mm256_set1_ps(q->cinv);
-        const __m256 top = _mm256_set1_ps((float)(q->GC - 1));
-        const __m256i two = _mm256_set1_epi32(2), one = _mm256_set1_epi32(1), first = _mm256_setzero_si256();
-        const __m256i inner_top = _mm256_set1_epi32((int)(q->GC + 2)), last = _mm256_set1_epi32((int)(q->GC + 3));
         for (; b + 7 * stride < B; b += 8 * stride) {
             const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_i32gather_ps(xp + b, at, 4), vps), vpb);
-            /* stream_index: max(NaN, 0) is 0 (its second operand), then at most GC - 1, truncated */
-            __m256 t = _mm256_mul_ps(_mm256_sub_ps(v, k1), cinv);
-            t = _mm256_min_ps(_mm256_max_ps(t, zero), top);
-            __m256i bin = _mm256_add_epi32(_mm256_cvttps_epi32(t), two);
-            const __m256i above = _mm256_castps_si256(_mm256_blendv_ps(
-                _mm256_castsi256_ps(inner_top), _mm256_castsi256_ps(last), _mm256_cmp_ps(v, kl, _CMP_GE_OQ)));
-            bin = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bin), _mm256_castsi256_ps(above),
-                                                       _mm256_cmp_ps(v, kb, _CMP_GE_OQ)));
-            const __m256i below = _mm256_castps_si256(_mm256_blendv_ps(
-                _mm256_castsi256_ps(one), _mm256_castsi256_ps(first), _mm256_cmp_ps(v, k0, _CMP_LT_OQ)));
-            bin = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bin), _mm256_castsi256_ps(below),
-                                                       _mm256_cmp_ps(v, k1, _CMP_LT_OQ)));
+            const __m256i bin = stream_bins8(v, k0, k1, kb, kl, cinv, q->GC);
             int32_t lane[8];
             _mm256_storeu_si256((__m256i *)lane, bin);
 #if defined(__GNUC__) || defined(__clang__)
@@ -472,24 +480,10 @@ static void stream_rows_map8(const stream_scan_args *a, const stream_rows_params
 /* The bins of stream_bin for the eight channels j..j + 7 of the values at x (v = ps * x + pb), as
    stream_count_row computes them. */
 static inline __m256i stream_rows_bins8(const stream_rows_params *r, int64_t j, const float *x, int64_t GC) {
-    const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps((float)(GC - 1));
-    const __m256i two = _mm256_set1_epi32(2), one = _mm256_set1_epi32(1), first = _mm256_setzero_si256();
-    const __m256i inner_top = _mm256_set1_epi32((int)(GC + 2)), last = _mm256_set1_epi32((int)(GC + 3));
-    const __m256 k0 = _mm256_loadu_ps(r->k0 + j), k1 = _mm256_loadu_ps(r->k1 + j), kb = _mm256_loadu_ps(r->kb + j);
-    const __m256 kl = _mm256_loadu_ps(r->kl + j), cinv = _mm256_loadu_ps(r->cinv + j);
     const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(r->ps + j)),
                                    _mm256_loadu_ps(r->pb + j));
-    __m256 t = _mm256_mul_ps(_mm256_sub_ps(v, k1), cinv);
-    t = _mm256_min_ps(_mm256_max_ps(t, zero), top);
-    __m256i bin = _mm256_add_epi32(_mm256_cvttps_epi32(t), two);
-    const __m256i above = _mm256_castps_si256(_mm256_blendv_ps(
-        _mm256_castsi256_ps(inner_top), _mm256_castsi256_ps(last), _mm256_cmp_ps(v, kl, _CMP_GE_OQ)));
-    bin = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bin), _mm256_castsi256_ps(above),
-                                               _mm256_cmp_ps(v, kb, _CMP_GE_OQ)));
-    const __m256i below = _mm256_castps_si256(_mm256_blendv_ps(
-        _mm256_castsi256_ps(one), _mm256_castsi256_ps(first), _mm256_cmp_ps(v, k0, _CMP_LT_OQ)));
-    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bin), _mm256_castsi256_ps(below),
-                                                _mm256_cmp_ps(v, k1, _CMP_LT_OQ)));
+    return stream_bins8(v, _mm256_loadu_ps(r->k0 + j), _mm256_loadu_ps(r->k1 + j), _mm256_loadu_ps(r->kb + j),
+                        _mm256_loadu_ps(r->kl + j), _mm256_loadu_ps(r->cinv + j), GC);
 }
 #endif
 
