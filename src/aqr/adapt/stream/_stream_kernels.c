@@ -185,6 +185,15 @@ AQR_WIDE static int64_t stream_map_row_wide(const float *xp, float *yp, int64_t 
 }
 #endif
 
+/* v mapped by the table tab of a channel (pairs of slope and intercept, G + 2 cells): cell 0 below k1, G + 1
+   from kb on, the grid's cell between (origin g0, width 1 / gi). */
+static inline float stream_map_value(const float *tab, float v, float g0, float gi, float k1, float kb, int64_t G) {
+    int64_t cell = stream_index((v - g0) * gi + 1.0f, G + 1);
+    cell = v >= kb ? G + 1 : cell;
+    cell = v < k1 ? 0 : cell;
+    return tab[2 * cell] * v + tab[2 * cell + 1];
+}
+
 /* One row of B values: y = the table map of v = ps * x + pb (unless y is NULL), and the row's
    extremes and non-finite flag folded into *mn, *mx, *bad. tab: the channel's (G + 2) pairs
    (slope, intercept); cell 0 below k1, G + 1 from kb on, else the grid cell of v. */
@@ -228,12 +237,7 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
         bad |= stream_nonfinite(v);
         mn = v < mn ? v : mn;
         mx = v > mx ? v : mx;
-        if (yp) {
-            int64_t cell = stream_index((v - g0) * gi + 1.0f, G + 1);
-            cell = v >= kb ? G + 1 : cell;
-            cell = v < k1 ? 0 : cell;
-            yp[b] = tab[2 * cell] * v + tab[2 * cell + 1];
-        }
+        if (yp) yp[b] = stream_map_value(tab, v, g0, gi, k1, kb, G);
     }
     *mn_io = mn, *mx_io = mx, *bad_io |= bad;
 }
@@ -434,12 +438,7 @@ static void stream_rows_map1(const stream_scan_args *a, const stream_rows_params
         nonfinite |= stream_nonfinite(v);
         lo = v < lo ? v : lo;
         hi = v > hi ? v : hi;
-        if (y) {
-            int64_t cell = stream_index((v - g0) * gi + 1.0f, G + 1);
-            cell = v >= kb ? G + 1 : cell;
-            cell = v < k1 ? 0 : cell;
-            y[p * C] = tab[2 * cell] * v + tab[2 * cell + 1];
-        }
+        if (y) y[p * C] = stream_map_value(tab, v, g0, gi, k1, kb, G);
     }
     *mn = lo, *mx = hi, *bad |= nonfinite;
 }
