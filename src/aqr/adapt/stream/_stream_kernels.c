@@ -194,6 +194,21 @@ static inline float stream_map_value(const float *tab, float v, float g0, float 
     return tab[2 * cell] * v + tab[2 * cell + 1];
 }
 
+#ifdef __AVX2__
+/* The table cells of stream_map_value for eight values v at once (per-lane g0, gi, k1, kb; G grid cells). */
+static inline __m256i stream_cells8(__m256 v, __m256 vg0, __m256 vgi, __m256 vk1, __m256 vkb, int64_t G) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps(), vtop = _mm256_set1_ps((float)(G + 1));
+    const __m256i last = _mm256_set1_epi32((int)(G + 1)), first = _mm256_setzero_si256();
+    __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, vg0), vgi), one);
+    t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* max(NaN, 0) is 0: its second operand */
+    __m256i cell = _mm256_cvttps_epi32(t);
+    cell = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(last),
+                                                _mm256_cmp_ps(v, vkb, _CMP_GE_OQ)));
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(first),
+                                                _mm256_cmp_ps(v, vk1, _CMP_LT_OQ)));
+}
+#endif
+
 /* One row of B values: y = the table map of v = ps * x + pb (unless y is NULL), and the row's
    extremes and non-finite flag folded into *mn, *mx, *bad. tab: the channel's (G + 2) pairs
    (slope, intercept); cell 0 below k1, G + 1 from kb on, else the grid cell of v. */
@@ -209,20 +224,11 @@ static inline void stream_map_row(const float *xp, float *yp, int64_t B, float p
 #ifdef __AVX2__
     if (yp) {
         const __m256 vps = _mm256_set1_ps(ps), vpb = _mm256_set1_ps(pb), vg0 = _mm256_set1_ps(g0);
-        const __m256 vgi = _mm256_set1_ps(gi), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-        const __m256 vtop = _mm256_set1_ps((float)(G + 1)), vk1 = _mm256_set1_ps(k1), vkb = _mm256_set1_ps(kb);
-        const __m256i last = _mm256_set1_epi32((int)(G + 1)), first = _mm256_setzero_si256();
+        const __m256 vgi = _mm256_set1_ps(gi), vk1 = _mm256_set1_ps(k1), vkb = _mm256_set1_ps(kb);
         __m256 vmn = _mm256_set1_ps(mn), vmx = _mm256_set1_ps(mx), vbad = _mm256_setzero_ps();
         for (; b + 8 <= B; b += 8) {
             const __m256 v = affine_step(xp + b, vps, vpb, &vmn, &vmx, &vbad);
-            __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, vg0), vgi), one);
-            t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* max(NaN, 0) is 0: its second operand */
-            __m256i cell = _mm256_cvttps_epi32(t);
-            cell = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(last),
-                                                        _mm256_cmp_ps(v, vkb, _CMP_GE_OQ)));
-            cell = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(first),
-                                                        _mm256_cmp_ps(v, vk1, _CMP_LT_OQ)));
-            _mm256_storeu_ps(yp + b, pair_lookup(tab, cell, v));
+            _mm256_storeu_ps(yp + b, pair_lookup(tab, stream_cells8(v, vg0, vgi, vk1, vkb, G), v));
         }
         fold_lanes(vmn, vmx, vbad, &mn, &mx, &bad);
     } else { /* no map: the extremes and the check alone */
@@ -452,19 +458,11 @@ static void stream_rows_map8(const stream_scan_args *a, const stream_rows_params
     const __m256 vg0 = _mm256_loadu_ps(r->g0 + j), vgi = _mm256_loadu_ps(r->gi + j);
     const __m256 vk1 = _mm256_loadu_ps(r->k1 + j), vkb = _mm256_loadu_ps(r->kb + j);
     const __m256i vbase = _mm256_loadu_si256((const __m256i *)(r->base + j));
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps(), vtop = _mm256_set1_ps((float)(G + 1));
-    const __m256i last = _mm256_set1_epi32((int)(G + 1)), first = _mm256_setzero_si256();
     __m256 vmn = _mm256_loadu_ps(mn), vmx = _mm256_loadu_ps(mx), vbad = _mm256_setzero_ps();
     if (y) {
         for (int64_t p = 0; p < P; p++) {
             const __m256 v = affine_step(x + p * C, vps, vpb, &vmn, &vmx, &vbad);
-            __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, vg0), vgi), one);
-            t = _mm256_min_ps(_mm256_max_ps(t, zero), vtop); /* max(NaN, 0) is 0: its second operand */
-            __m256i cell = _mm256_cvttps_epi32(t);
-            cell = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(last),
-                                                        _mm256_cmp_ps(v, vkb, _CMP_GE_OQ)));
-            cell = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(cell), _mm256_castsi256_ps(first),
-                                                        _mm256_cmp_ps(v, vk1, _CMP_LT_OQ)));
+            const __m256i cell = stream_cells8(v, vg0, vgi, vk1, vkb, G);
             _mm256_storeu_ps(y + p * C, pair_lookup(a->pairs, _mm256_add_epi32(cell, vbase), v));
         }
     } else {
