@@ -118,3 +118,46 @@ def test_the_cli_asks_for_baseline_and_speed_with_the_ccc_setting(capsys: pytest
         # a data folder that need not exist: the flags are checked before anything is read
         one_error_line(capsys, ["bench", "--preset", "smoke", "--data-dir", "aqr-data", "--dry-run", *extra], status,
                        *words)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_accuracy_table_resumes_with_the_same_values(ccc_grid, tmp_path: Path) -> None:
+    """Killed after a few forwards, the measurement keeps its finished rows; the rerun measures the rest only and
+    gives the uninterrupted table; a checkpoint of other arguments is refused, not mixed in."""
+    from torch import nn
+
+    grid = ccc_grid
+    images, labels = load_npz_arrays(grid.data.clean)
+    model = load_model(grid.models[0])
+    corruptions, severities = ccc_corruptions(BASELINE)[:3], (0.0, 5.0)
+    whole = measure_table(model, images[:48], labels[:48], corruptions, severities, per_cell=8)
+
+    class Counting(nn.Module):
+        def __init__(self, stop_after: int | None) -> None:
+            super().__init__()
+            self.model, self.calls, self.stop_after = model, 0, stop_after
+
+        def forward(self, x):
+            self.calls += 1
+            if self.stop_after is not None and self.calls > self.stop_after:
+                raise _Interrupted
+            return self.model(x)
+
+    checkpoint = tmp_path / "table.json.partial.json"
+    per_row = (len(corruptions) - 1) * len(severities)
+    with pytest.raises(_Interrupted):
+        measure_table(Counting(per_row * 2 + 1), images[:48], labels[:48], corruptions, severities, per_cell=8,
+                      checkpoint=checkpoint)
+    assert checkpoint.is_file()
+    rest = Counting(None)
+    resumed = measure_table(rest, images[:48], labels[:48], corruptions, severities, per_cell=8, checkpoint=checkpoint)
+    assert rest.calls == per_row * (len(corruptions) * len(severities) - 2)  # two rows were kept
+    assert resumed.pairs.keys() == whole.pairs.keys()
+    for pair, values in whole.pairs.items():
+        np.testing.assert_array_equal(resumed.pairs[pair], values)
+    with pytest.raises(ValueError, match="a checkpoint of other arguments"):
+        measure_table(model, images[:48], labels[:48], corruptions, severities, per_cell=8, seed=1,
+                      checkpoint=checkpoint)

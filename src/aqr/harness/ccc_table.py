@@ -5,11 +5,15 @@
 measures the model's accuracy on every ordered pair of CCC's corruptions for that baseline over a grid of
 severities (0 to 5 in steps of 0.5), 100 clean test images a cell drawn from ``0:5000`` (outside the
 presets' evaluation pool), and writes it where CCC cells read it (``<cifar-c>/ccc_accuracy/<model>.json``).
+It resumes: every finished row of the grid (a first corruption at one severity, against every second one) is
+kept in ``<table>.partial.json`` beside the table, which a rerun with the same arguments reads and the
+finished table replaces.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import zlib
 from collections.abc import Sequence
@@ -25,15 +29,19 @@ from aqr.data.corruption_params import CIFAR_PARAMS
 from aqr.data.corruptions import corrupt, load_frost_overlays
 from aqr.harness.ccc import table_path
 from aqr.harness.cells import parse_range
+from aqr.util.files import atomic_write
 
 
 def measure_table(model: nn.Module, images: np.ndarray, labels: np.ndarray, corruptions: Sequence[str],
                   grid: Sequence[float] = SEVERITY_GRID, per_cell: int = 100, seed: int = 0,
                   frost_overlays: Sequence[np.ndarray] | None = None, device: str | None = None,
-                  progress: bool = False, about: dict | None = None) -> AccuracyTable:
+                  progress: bool = False, about: dict | None = None,
+                  checkpoint: str | Path | None = None) -> AccuracyTable:
     """The source model's accuracy (%) on every ordered pair of ``corruptions`` at every pair of ``grid``
     severities, each cell on the same ``per_cell`` images (drawn with ``seed``), each image corrupted with its
-    own generator. The images a first corruption makes at a severity are reused for every second one."""
+    own generator. The images a first corruption makes at a severity are reused for every second one.
+    ``checkpoint``: a file that keeps every finished row (a first corruption at one severity), read back where it
+    exists, so an interrupted measurement resumes with the same values; one made with other arguments is refused."""
     from tqdm.auto import tqdm
 
     rng = np.random.default_rng(seed)
@@ -53,21 +61,54 @@ def measure_table(model: nn.Module, images: np.ndarray, labels: np.ndarray, corr
                                  frost_overlays=frost_overlays) for k, img in enumerate(batch)])
 
     crc = {name: zlib.crc32(name.encode()) for name in corruptions}
+    info = {"per_cell": len(picked), "seed": seed, **(about or {})}
+    # what the values depend on besides the model's weights: a checkpoint made with anything else is refused
+    key = {"corruptions": list(corruptions), "grid": [float(s) for s in grid], "picked": picked.tolist(), **info}
+    done = _read_checkpoint(checkpoint, key) if checkpoint is not None else {}
     pairs: dict[tuple[str, str], np.ndarray] = {}
-    bar = tqdm(total=len(corruptions) * (len(corruptions) - 1) * len(grid) ** 2, disable=not progress, unit="cell")
+    per_row = (len(corruptions) - 1) * len(grid)
+    bar = tqdm(total=len(corruptions) * per_row * len(grid), disable=not progress, unit="cell",
+               initial=len(done) * per_row)
     for a in corruptions:
         for i, s1 in enumerate(grid):
-            first = corrupted(base, a, s1, [seed, 3, crc[a], i])
-            for b in corruptions:
-                if b == a:
-                    continue
-                table = pairs.setdefault((a, b), np.zeros((len(grid), len(grid))))
-                for j, s2 in enumerate(grid):
-                    table[i, j] = accuracy(corrupted(first, b, s2, [seed, 4, crc[a], crc[b], i, j]))
-                    bar.update(1)
+            row = done.get(f"{a}|{i}")
+            if row is None:
+                first = corrupted(base, a, s1, [seed, 3, crc[a], i])
+                row = {}
+                for b in corruptions:
+                    if b != a:
+                        row[b] = [accuracy(corrupted(first, b, s2, [seed, 4, crc[a], crc[b], i, j]))
+                                  for j, s2 in enumerate(grid)]
+                        bar.update(len(grid))
+                done[f"{a}|{i}"] = row
+                if checkpoint is not None:
+                    _write_checkpoint(checkpoint, key, done)
+            for b, values in row.items():
+                pairs.setdefault((a, b), np.zeros((len(grid), len(grid))))[i] = values
     bar.close()
-    info = {"per_cell": len(picked), "seed": seed, **(about or {})}
     return AccuracyTable(tuple(float(s) for s in grid), pairs, info)
+
+
+def _read_checkpoint(path: str | Path, key: dict) -> dict[str, dict[str, list[float]]]:
+    """The finished rows a checkpoint holds (none where there is no file); a checkpoint of other arguments is refused."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        rows, made_with = data["rows"], data["key"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a CCC table checkpoint ({e}); remove it to start again") from None
+    if made_with != key:
+        raise ValueError(f"{path}: a checkpoint of other arguments (model, corruptions, grid, images or seed); "
+                         "remove it to start again, or rerun with its arguments")
+    return rows
+
+
+def _write_checkpoint(path: str | Path, key: dict, rows: dict[str, dict[str, list[float]]]) -> None:
+    """Keep the finished rows, whole or not at all (written to a temporary file, then renamed)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps({"key": key, "rows": rows})))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,11 +152,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if pool is not None:
         images, labels = images[pool], labels[pool]
     overlays = load_frost_overlays(data.frost_dir, CIFAR_PARAMS.frost_scale) if "frost" in corruptions else None  # type: ignore[arg-type]
-    table = measure_table(load_model(spec), images, labels, corruptions, grid, args.per_cell, args.seed, overlays,
-                          args.device, progress=True,
-                          about={"model": spec.name, "indices": args.indices, "grid_step": args.grid_step})
     out = Path(args.out) if args.out else table_path(data, spec)
+    checkpoint = out.with_name(out.name + ".partial.json")
+    try:
+        table = measure_table(load_model(spec), images, labels, corruptions, grid, args.per_cell, args.seed,
+                              overlays, args.device, progress=True, checkpoint=checkpoint,
+                              about={"model": spec.name, "indices": args.indices, "grid_step": args.grid_step})
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     table.save(out)
+    checkpoint.unlink(missing_ok=True)
     print(f"wrote {out}: {len(table.pairs)} pairs x {len(grid)} x {len(grid)} severities", file=sys.stderr)
     return 0
 
