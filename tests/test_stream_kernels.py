@@ -330,6 +330,26 @@ def test_a_bound_commit_refuses_a_stage_that_is_not_one_block_of_its_size() -> N
     assert window.filled == 1 and int(group.counts.sum()) > 0
 
 
+@needs_kernels
+def test_a_bound_scan_of_a_channels_last_batch_maps_it_as_the_contiguous_one() -> None:
+    """Another layout than contiguous is copied before the bound scan: the same map (in the contiguous layout)
+    and the same stage."""
+    native = NativeStreamKernels(LIB)
+    c, k, cells = 4, 11, 8
+    knots = torch.linspace(-2, 2, k).expand(c, k).contiguous()
+    table = StreamTable.empty(c, 8)
+    native.tables(knots, knots * 0.5, table)
+    x = torch.randn(2, c, 3, 5, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for t in (x, x.contiguous(memory_format=torch.channels_last)):
+        bound = native.bind(knots.clone(), knots * 0.5, table, TailWindow.empty(c, 4), PendingGroup.empty(c, cells),
+                            5, cells)
+        outs.append(bound.map_count(t, 2, (torch.ones(c), torch.zeros(c))))
+    (y, stage, finite), (y_cl, stage_cl, finite_cl) = outs
+    assert finite and finite_cl and y_cl.shape == x.shape
+    assert torch.equal(y_cl, y) and torch.equal(stage_cl, stage)
+
+
 @pytest.mark.slow
 @needs_kernels
 def test_stream_fuzz_under_address_and_undefined_behaviour_sanitizers() -> None:

@@ -291,3 +291,20 @@ def test_a_state_is_refused_by_an_aqr_of_other_descriptor_statistics() -> None:
 def test_the_knot_average_estimator_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match="estimator='knot-ema' is not supported"):
         aqr.AQRConfig(target="mixed", estimator="knot-ema")
+
+
+def test_a_starting_cluster_copies_the_shared_states_stream_parts_alone() -> None:
+    """What a cluster loads when it starts: the shared robust state's parts a plain stream state has, the same
+    values as in its whole export, without the class groups."""
+    model, stats = calibrated("bn")
+    adapter = aqr.AQR(model, stats, target="mixed", components=3, compile=False)
+    for seed in range(6):
+        adapter(torch.cat([images(8, seed=seed), shifted(8, 2 * seed + 1)]))
+    layer = next(m.streams[torch.device("cpu")] for m in adapter._maps.values()
+                 if m.streams[torch.device("cpu")].parts)
+    part, whole = layer.shared.export_stream_state(), layer.shared.export_state()
+    assert set(part) == set(layer.parts[0].export_state())
+    assert not any(name.startswith("group_") for name in part) and "group_knots" in whole
+    for name, value in part.items():
+        assert torch.equal(value, whole[name]) if isinstance(value, torch.Tensor) else value == whole[name]
+    layer.parts[0].load_state(part)  # a cluster's state takes it as it is

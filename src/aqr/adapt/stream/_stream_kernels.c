@@ -1991,11 +1991,11 @@ static int stream_idle_rebuild(int64_t C, int64_t K, float *mg, float *kn, const
     STREAM_GROUP_FIELDS(F, ST) STREAM_WINDOW_FIELDS(F, ST)
 /* A batch of N images on a bound layer: x (A, C, B) read as pre_scale * x + pre_shift, mapped into y;
    stage (2 N C + C (GC + 4) floats) takes lo (N, C), hi (N, C) and the counts (C, GC + 4) as int32, in
-   that order, for aqr_stream_bound_commit. rows nonzero: x and y laid out (A, B, C) (STREAM_ROWS). */
+   that order, for aqr_stream_bound_commit. */
 #define STREAM_BOUND_BATCH_FIELDS(F, ST)                                                                \
     F(ST, P, const float *, x) F(ST, P, float *, y) F(ST, I, int64_t, A) F(ST, I, int64_t, B)          \
     F(ST, I, int64_t, N) F(ST, P, const float *, pre_scale) F(ST, P, const float *, pre_shift)        \
-    F(ST, P, float *, stage) F(ST, C, int, rows)
+    F(ST, P, float *, stage)
 /* Its commit: the window's counters before it, the stage of N images, and, where rebuild, the group's
    weight and the tails' weights tail_w (ntail). */
 #define STREAM_BOUND_COMMIT_FIELDS(F, ST)                                                               \
@@ -2105,7 +2105,7 @@ int aqr_stream_bound_scan(const aqr_stream_layer *d, const aqr_stream_bound_batc
     const int64_t C = d->C, N = b->N;
     return stream_scan(b->x, b->y, b->A, C, b->B, N, b->pre_scale, b->pre_shift, d->K, d->kn, d->sq, d->pairs, d->G,
                        d->glo, d->ginv, d->stride, d->GC, (int32_t *)(b->stage + 2 * N * C), b->stage,
-                       b->stage + N * C, STREAM_MAP | STREAM_COUNT | (b->rows ? STREAM_ROWS : 0), nthreads);
+                       b->stage + N * C, STREAM_MAP | STREAM_COUNT, nthreads);
 }
 
 /* stream_commit on the bound layer d of what aqr_stream_bound_scan left in b's stage. */

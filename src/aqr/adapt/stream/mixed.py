@@ -325,8 +325,6 @@ class MixedLayerStream:
         # the router's generation of each cluster when its state here started (an older one starts again)
         self.generations = torch.zeros(clusters, dtype=torch.int64)
         self.source = self.shared.source
-        # the entries of a cluster's exported state: what it copies of the shared one when it starts
-        self._part_names = frozenset(self.parts[0].export_state()) if self.parts else frozenset()
 
     @property
     def knots(self) -> torch.Tensor:
@@ -450,8 +448,7 @@ class MixedLayerStream:
         if staged.of is not None:
             starting = [k for k, (size, starts) in enumerate(zip(cluster_sizes(staged.of, len(self.parts)),
                                                                   staged.starts)) if size and starts]
-            shared = ({name: value for name, value in self.shared.export_state().items() if name in self._part_names}
-                      if starting else None)  # as it was before this batch
+            shared = self.shared.export_stream_state() if starting else None  # as it was before this batch
             for k in starting:
                 self.parts[k].load_state(shared)  # type: ignore[arg-type]
                 self.generations[k] = staged.generations[k]  # type: ignore[index]

@@ -454,8 +454,8 @@ class BoundStream:
 
     def map_count(self, x: torch.Tensor, images: int, pre: Affine) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """:meth:`NativeStreamKernels.scan` of ``x`` with ``MAP | COUNT`` on the bound state: ``x`` a float32
-        CPU tensor ``(A, C, ...)`` of at least one value, contiguous or channels-last (the channels its fastest
-        axis, the others in order: read in place), read as ``(A, C, B)``, and ``pre`` an affine of contiguous
+        CPU tensor ``(A, C, ...)`` of at least one value (another layout than contiguous is copied: at batch 1
+        reading channels-last rows in place was slower than the copy), read as ``(A, C, B)``, and ``pre`` an affine of contiguous
         float32 CPU tensors ``(C,)`` (the caller's to ensure). Returns ``y`` shaped and laid out as ``x``, the
         staged extremes and counts (:meth:`stage_floats`, for :meth:`commit`; the buffer of the last batch
         committed, where it has the size) and whether every value was finite."""
@@ -464,9 +464,7 @@ class BoundStream:
         if shape[1] != c or images < 1 or a % images:
             raise ValueError(f"a layer output {tuple(shape)} for a streaming state of {c} channels and a batch "
                              f"of {images} images (streaming AQR needs the batch dimension first)")
-        rows = 0
-        if not x.is_contiguous():  # a channels-last x read in place (as its rows), another layout copied
-            x, rows = _layout(x.reshape(a, c, -1), self.grid)
+        x = x.contiguous()
         y = torch.empty_like(x)
         stage, floats = self._spare, self.stage_floats(images)
         if stage is not None and stage.numel() == floats:
@@ -474,8 +472,7 @@ class BoundStream:
         else:
             stage = torch.empty(floats)
         batch = self._batch.of(x=x.data_ptr(), y=y.data_ptr(), A=a, B=x.numel() // (a * c), N=images,
-                               pre_scale=pre[0].data_ptr(), pre_shift=pre[1].data_ptr(), stage=stage.data_ptr(),
-                               rows=rows)
+                               pre_scale=pre[0].data_ptr(), pre_shift=pre[1].data_ptr(), stage=stage.data_ptr())
         status = self._scan_fn(self._descriptor, batch, torch.get_num_threads())
         if status < 0:
             _check(status, "bound_scan")

@@ -305,8 +305,18 @@ class LayerStream:
     def export_state(self) -> dict[str, object]:
         """The running state as plain values (tensors cloned, ints, floats, bools, lists of ints), by name:
         what :meth:`load_state` takes back."""
+        return self._export(self._parts(self._exported_table()))
+
+    def export_stream_state(self) -> dict[str, object]:
+        """The parts of the running state a plain :class:`LayerStream` has (a subclass's own left out), as
+        :meth:`export_state` gives them: what a ``"stream"`` state of the same layer loads."""
+        return self._export(LayerStream._parts(self, self._exported_table()))
+
+    @staticmethod
+    def _export(parts: list[tuple[str, object, str]]) -> dict[str, object]:
+        """``parts`` (as :meth:`_parts` gives them) as plain values, by name."""
         values = {}
-        for name, owner, attribute in self._parts(self._exported_table()):
+        for name, owner, attribute in parts:
             value = getattr(owner, attribute)
             values[name] = value.detach().clone() if isinstance(value, torch.Tensor) else \
                 list(value) if isinstance(value, list) else value

@@ -154,10 +154,9 @@ class StreamLayerMap(LayerMap):
             if var is None or mean is None:  # not foldable
                 return super().layer_forward(module, forward, x)
             # another layout (channels_last) is read as one contiguous block: the map's output is one, and so
-            # are the layers' after it (one copy per forward, not one per layer and a general step). The bound
-            # scan could read channels-last rows in place, but the ResNet-20 at batch 1 was slower that way
-            # (x1.67 of the plain forward against x1.54 with the copy, round-robin in one process), though each
-            # layer's scan took only ~5 us more than on contiguous rows
+            # are the layers' after it (one copy per forward, not one per layer and a general step). Reading
+            # channels-last rows in place was slower at batch 1 on the ResNet-20 (x1.67 of the plain forward
+            # against x1.54 with the copy, round-robin in one process), though each layer's scan took ~5 us more
             y, staged = stream.small_step(x.contiguous(), batch.images,
                                           self._affine_of(module, var, mean, weight, bias))
             if staged is None:
