@@ -14,6 +14,14 @@ process doing only that calibration against one doing only the forward pass.
         --dtypes fp32 bf16 --layouts contiguous channels_last --compiled --json gpu.json
     python benchmarks/speed.py --stream --models resnet20-bn --threads 1   # per image at batch 1 and 4
 
+``--channels-last`` times every row twice in each round, per-batch and ``--stream`` alike: once on the images
+as they are (contiguous NCHW) and once made ``torch.channels_last`` (what a permuted NHWC array gives; the
+model itself is left as it is), each layout's ratios against its own plain forward of the same round
+(``--layouts channels_last`` instead converts the model too, and times the layouts in separate rounds):
+
+    python benchmarks/speed.py --models resnet20-bn --batch-sizes 128 --threads 1 --channels-last
+    python benchmarks/speed.py --stream --models resnet20-bn --stream-batch-sizes 1 16 --threads 1 --channels-last
+
 ``--clock cpu`` times with the process's CPU time instead of wall time (CPU only): on a machine shared
 with other jobs the wall time of every method grows with the load, the CPU time much less.
 
@@ -166,16 +174,32 @@ class CompiledAQR:
             return self.compiled(x)
 
 
-def _round_robin(runners: dict, x: torch.Tensor, dtype: str, warmup: int, repeats: int,
-                 timer=time.perf_counter) -> dict[str, list[float]]:
-    for method, runner in runners.items():
+def _round_robin(runners: dict, x: torch.Tensor | dict, dtype: str, warmup: int, repeats: int,
+                 timer=time.perf_counter) -> dict:
+    """Each runner's times over ``repeats`` rounds, every runner once per round; ``x``: the batch, or one per
+    runner's key (``(method, layout)`` with ``--channels-last``)."""
+    def method_of(key) -> str:
+        return key[0] if isinstance(key, tuple) else key
+
+    def batch_of(key) -> torch.Tensor:
+        return x[key] if isinstance(x, dict) else x
+
+    for key, runner in runners.items():
         for _ in range(warmup):  # torch.compile happens here
-            run_once(runner, x, method, dtype)
-    times: dict[str, list[float]] = {method: [] for method in runners}
+            run_once(runner, batch_of(key), method_of(key), dtype)
+    times: dict = {key: [] for key in runners}
     for _ in range(repeats):
-        for method, runner in runners.items():
-            times[method].append(run_once(runner, x, method, dtype, timer))
+        for key, runner in runners.items():
+            times[key].append(run_once(runner, batch_of(key), method_of(key), dtype, timer))
     return times
+
+
+SIDE_BY_SIDE = ("contiguous", "channels_last")  # --channels-last: the images' layouts timed in the same rounds
+
+
+def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x`` (N, C, H, W) in the memory format ``layout``."""
+    return x.contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
 
 
 def _peak_memory(runner, x: torch.Tensor, method: str, dtype: str) -> float | None:
@@ -200,32 +224,37 @@ def per_batch(args: argparse.Namespace) -> list[dict]:
         source = images(args.calib_images if size == 32 and not args.quick else 256 if size == 32 else 64, size=size)
         stats = aqr.calibrate(model, source.split(500 if size == 32 else 32), device=args.device)
         for dtype in args.dtypes:
-            for layout in args.layouts:
+            # --channels-last: one pass whose rounds time both layouts of the images (the model as it is)
+            for layout in (["side by side"] if args.channels_last else args.layouts):
                 if layout == "channels_last" and size == 32 and name.startswith("vit"):
                     continue
-                model = model.to(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+                if layout != "side by side":
+                    model = model.to(memory_format=torch.channels_last if layout == "channels_last"
+                                     else torch.contiguous_format)
+                layouts = SIDE_BY_SIDE if layout == "side by side" else (layout,)
                 for i, batch in enumerate(args.batch_sizes):
                     x = images(batch, seed=1, size=size)
                     x = (x + 0.1 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2))).clamp(0, 1)
-                    x = x.to(args.device)
-                    if layout == "channels_last":
-                        x = x.to(memory_format=torch.channels_last)
-                    runners = {"source": build("source", model, stats, batch)}  # the baseline of every ratio
-                    for method in args.methods:
+                    inputs = {lay: in_layout(x.to(args.device), lay) for lay in layouts}
+                    runners = {}
+                    for method in ["source", *args.methods]:  # the plain forward: the baseline of every ratio
                         if args.device != "cpu" and i > 0 and method in SLOW_METHODS:
                             continue
-                        try:
-                            runners[method] = build(method, model, stats, batch)
-                        except methods.NotApplicable:
-                            rows.append({"model": name, "batch": batch, "method": method, "dtype": dtype, "layout": layout,
-                                         "compiled": False, "seconds": None, "ratio": None})
-                    times = _round_robin(runners, x, dtype, args.warmup, args.repeats, CLOCKS[args.clock])
-                    for method, runner in runners.items():
-                        ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))
-                        seconds = statistics.median(times[method])
-                        row = {"model": name, "batch": batch, "method": method, "dtype": dtype, "layout": layout,
+                        for lay in layouts:
+                            try:
+                                runners[method, lay] = build(method, model, stats, batch)
+                            except methods.NotApplicable:
+                                rows.append({"model": name, "batch": batch, "method": method, "dtype": dtype,
+                                             "layout": lay, "compiled": False, "seconds": None, "ratio": None})
+                    times = _round_robin(runners, {key: inputs[key[1]] for key in runners}, dtype, args.warmup,
+                                         args.repeats, CLOCKS[args.clock])
+                    for (method, lay), runner in runners.items():
+                        base = times["source", lay]
+                        ratio = statistics.median(t / b for t, b in zip(times[method, lay], base))
+                        seconds = statistics.median(times[method, lay])
+                        row = {"model": name, "batch": batch, "method": method, "dtype": dtype, "layout": lay,
                                "compiled": False, "seconds": seconds, "ratio": ratio,
-                               "peak_mib": _peak_memory(runner, x, method, dtype)}
+                               "peak_mib": _peak_memory(runner, inputs[lay], method, dtype)}
                         rows.append(row)
                         _print(row)
                     _flush(args, rows)
@@ -270,31 +299,33 @@ def small_batches(args: argparse.Namespace) -> list[dict]:
         x = (x + 0.1 * torch.randn(total, 3, 32, 32, generator=torch.Generator().manual_seed(2))).clamp(0, 1)
         if args.stream_runs:  # every method sees the images in class runs
             x = x[class_runs(y, args.stream_runs)]
-        x = x.to(args.device)
+        layouts = SIDE_BY_SIDE if args.channels_last else ("contiguous",)
+        inputs = {lay: in_layout(x.to(args.device), lay) for lay in layouts}  # a batch's slice keeps its layout
         for batch in args.stream_batch_sizes:
-            runners = {"source": build("source", model, stats, batch)}
-            for method in args.methods:
-                try:
-                    runners[method] = build(method, model, stats, batch, grouped)
-                except methods.NotApplicable:
-                    continue
+            runners = {}
+            for method in ["source", *args.methods]:
+                for lay in layouts:
+                    try:
+                        runners[method, lay] = build(method, model, stats, batch, grouped)
+                    except methods.NotApplicable:
+                        continue
             feed = lambda runner, part: [runner(part[i : i + batch]) for i in range(0, len(part), batch)]  # noqa: E731
             with torch.no_grad():
-                for runner in runners.values():
-                    feed(runner, x[: args.stream_warmup])
-                times: dict[str, list[float]] = {m: [] for m in runners}
-                part = x[args.stream_warmup :]
+                for (_, lay), runner in runners.items():
+                    feed(runner, inputs[lay][: args.stream_warmup])
+                times: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
                 for _ in range(args.repeats):
-                    for method, runner in runners.items():
+                    for (method, lay), runner in runners.items():
+                        part = inputs[lay][args.stream_warmup :]
                         sync()
                         start = CLOCKS[args.clock]()
                         feed(runner, part)
                         sync()  # a GPU's batches are done when their kernels are
-                        times[method].append((CLOCKS[args.clock]() - start) / len(part))
-            for method in runners:
-                ratio = statistics.median(t / base for t, base in zip(times[method], times["source"]))
-                row = {"model": name, "batch": batch, "method": method, "dtype": "fp32", "layout": "contiguous",
-                       "compiled": False, "seconds": statistics.median(times[method]), "ratio": ratio,
+                        times[method, lay].append((CLOCKS[args.clock]() - start) / len(part))
+            for method, lay in runners:
+                ratio = statistics.median(t / base for t, base in zip(times[method, lay], times["source", lay]))
+                row = {"model": name, "batch": batch, "method": method, "dtype": "fp32", "layout": lay,
+                       "compiled": False, "seconds": statistics.median(times[method, lay]), "ratio": ratio,
                        "per": "image"}
                 rows.append(row)
                 _print(row)
@@ -371,7 +402,7 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| model | batch | dtype | layout | compiled | " + " | ".join(present) + " |",
              "|---|---|---|---|---|" + "---|" * len(present)]
     keys = sorted({(r["model"], r["batch"], r["dtype"], r["layout"], r["compiled"]) for r in rows},
-                  key=lambda k: (list(MODELS).index(k[0]), k[4], k[2], k[3], k[1]))
+                  key=lambda k: (list(MODELS).index(k[0]), k[4], k[2], k[3] != "contiguous", k[3], k[1]))
     for key in keys:
         cells = []
         for method in present:
@@ -404,7 +435,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda; on a GPU the calibration part (peak RSS) is skipped")
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                         help="bf16: the forward under torch.autocast(bfloat16)")
-    parser.add_argument("--layouts", nargs="+", default=["contiguous"], choices=["contiguous", "channels_last"])
+    parser.add_argument("--layouts", nargs="+", default=["contiguous"], choices=["contiguous", "channels_last"],
+                        help="the model and images in each layout, one after the other")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="every row on contiguous and on channels_last images in the same rounds (the model as it is)")
     parser.add_argument("--compile-mode", default=None, choices=[None, "reduce-overhead", "max-autotune"],
                         help="torch.compile's mode for --compiled (reduce-overhead: CUDA graphs, no launch cost)")
     parser.add_argument("--compiled", action="store_true",
