@@ -19,6 +19,7 @@ from aqr.harness.results import Row
 from aqr.methods import RECOMMENDED
 
 SELECTION_DB = Path(__file__).resolve().parents[1] / "docs" / "results" / "field" / "selection.db"
+RECOMMEND_DB = SELECTION_DB.with_name("recommend.db")  # the seed-1 draw of the recommended configuration
 
 
 def row(model: str, variant: str, accuracy: float | None, order: str | None = None, protocol: str = "online",
@@ -178,13 +179,14 @@ def test_recommended_table_holds_one_configuration_in_every_setting_and_batch_si
     assert recommended_table([r for r in rows if r.protocol != REALTIME], {"offline": "aqr"}) is None  # not field rows
 
 
-@pytest.mark.skipif(not SELECTION_DB.is_file(), reason="the selection run's database is not in this checkout")
-def test_recommended_is_the_choice_on_the_committed_selection_draw():
-    """Over the settings the seed-1 draw has today; when the mixed settings' cells land, over them too."""
-    rows = load_rows(SELECTION_DB)
-    present = [s for s in RECOMMENDED_SETTINGS if any(row_setting(r) == s for r in rows)]
-    assert present[:2] == list(RECOMMENDED_SETTINGS[:2])
-    assert choose_recommended(rows, settings=present) == dict(RECOMMENDED)
+@pytest.mark.skipif(not RECOMMEND_DB.is_file(), reason="the recommendation's draw is not in this checkout")
+def test_recommended_is_the_choice_on_the_committed_draw():
+    """The rule over all four settings and three models, each candidate with every cell, each cell from a clean
+    commit."""
+    rows = load_rows(RECOMMEND_DB)
+    assert {row_setting(r) for r in rows} == set(RECOMMENDED_SETTINGS) and {r.seed for r in rows} == {1}
+    assert not any(r.provenance["git_commit"].endswith("-dirty") for r in rows)
+    assert choose_recommended(rows) == dict(RECOMMENDED)
 
 
 def test_batch1_windowed_cells_sit_in_their_methods_row():

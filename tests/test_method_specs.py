@@ -72,7 +72,8 @@ def test_recommended_specs_build_a_method(protocol: str) -> None:
     spec = methods.RECOMMENDED[protocol]
     plan = methods.plan(spec)
     model = bn_cnn()
-    stats = aqr.calibrate(model, [images(32, s) for s in range(2)], point=plan.stats_point or "output")
+    stats = aqr.calibrate(model, [images(32, s) for s in range(2)], point=plan.stats_point or "output",
+                          descriptors=plan.stats_descriptors)
     logits = methods.create(spec, model, stats=stats)(images(8, 3))
     assert logits.shape == (8, 5) and torch.isfinite(logits).all()
     with pytest.raises(TypeError):

@@ -71,15 +71,17 @@ from .rdumb import RDumb, RDumbConfig
 #: The registered methods by name, a read-only view of the registry (:func:`declaration` for what each declares).
 METHODS: Mapping[str, MethodDeclaration] = REGISTRY.view
 
-RECOMMENDED: Mapping[str, str] = MappingProxyType({"offline": "aqr:target=robust", "realtime": "aqr:target=stream"})
+RECOMMENDED: Mapping[str, str] = MappingProxyType({"offline": "aqr+roid:target=robust", "realtime": "aqr:target=mixed"})
 """What to pick when you do not know your stream: one AQR configuration per protocol, as a spec for
 :func:`create` (``"offline"``: every batch adapted on; ``"realtime"``: the stream does not wait for the method).
+Build its statistics as :func:`plan` says: ``aqr.calibrate(model, batches, point=plan(spec).stats_point,
+descriptors=plan(spec).stats_descriptors)``.
 
 Chosen by :func:`aqr.harness.report.field_target.choose_recommended` (the highest mean accuracy over every
-setting and model of the ``field`` preset's seed-1 draw at batch 64) on ``docs/results/field/selection.db``,
-and a test checks it against that database. Until that draw has its ``mixed_domains`` and
-``mixed_domains_correlated`` cells, this is the rule's choice over the two settings it has, ``continual`` and
-``correlated`` (delta 0.1); it follows the database when they come.
+setting and model of the ``field`` preset's seed-1 draw at batch 64: continual, correlated, mixed_domains and
+mixed_domains_correlated on the BN and GN ResNet-20 and the ViT) on ``docs/results/field/recommend.db``, and a
+test checks it against that database. The offline choice trains (ROID on AQR's robust target: a backward pass
+per batch); the best gradient-free one there is ``"aqr:target=mixed"``.
 """
 
 

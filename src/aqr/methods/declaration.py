@@ -198,6 +198,12 @@ class MethodPlan:
         """Where the method's statistics are taken (``None``: it needs none)."""
         return self.declaration.needs.stats
 
+    @property
+    def stats_descriptors(self) -> bool:
+        """Whether the statistics must hold the images' descriptors (``aqr.calibrate(..., descriptors=True)``): an
+        AQR configuration with ``target="mixed"``, which clusters images by them."""
+        return getattr(self.config, "target", None) == "mixed"
+
     def build(self, model: nn.Module, stats: Any = None, source: Any = None) -> TTAMethod:
         """The method around a private copy of ``model``; ``stats`` / ``source`` where it needs them."""
         return self.declaration.cls(model, self.config, self.protocol, stats=stats, source=source)
