@@ -78,3 +78,9 @@ def test_recommended_specs_build_a_method(protocol: str) -> None:
     assert logits.shape == (8, 5) and torch.isfinite(logits).all()
     with pytest.raises(TypeError):
         methods.RECOMMENDED["offline"] = "tent"  # frozen: read-only
+
+
+def test_a_plan_says_when_its_statistics_need_the_images_descriptors() -> None:
+    assert methods.plan("aqr:target=mixed").stats_descriptors
+    assert methods.plan("aqr+roid:target=mixed").stats_descriptors
+    assert not any(methods.plan(spec).stats_descriptors for spec in ("aqr", "aqr:target=robust", "aqr+roid", "tent"))
