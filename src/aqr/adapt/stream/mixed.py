@@ -381,7 +381,7 @@ class MixedLayerStream:
         off the CPU, where reading the members on the host would stall the device."""
         if not host_reads_are_cheap(x.device):
             raise ValueError(f"target='mixed' runs on the CPU only (its clusters are read on the host, which "
-                             f"would stall {x.device}'s queue); use target='stream' there")
+                             f"would stall {x.device}'s queue); use target='robust' there")
         router = self.route.router
         if self.route.describes:
             router.record(self.route.name, image_descriptors(x, images, pre, self.source))
