@@ -161,3 +161,17 @@ def test_an_interrupted_accuracy_table_resumes_with_the_same_values(ccc_grid, tm
     with pytest.raises(ValueError, match="a checkpoint of other arguments"):
         measure_table(model, images[:48], labels[:48], corruptions, severities, per_cell=8, seed=1,
                       checkpoint=checkpoint)
+
+
+def test_an_accuracy_table_measured_by_a_pool_of_workers_is_the_one_measured_alone(ccc_grid) -> None:
+    grid = ccc_grid
+    images, labels = load_npz_arrays(grid.data.clean)
+    model = load_model(grid.models[0])
+    corruptions, severities = ccc_corruptions(BASELINE)[:3], (0.0, 2.5)
+    alone = measure_table(model, images[:48], labels[:48], corruptions, severities, per_cell=8)
+    pooled = measure_table(model, images[:48], labels[:48], corruptions, severities, per_cell=8, workers=2)
+    assert pooled.pairs.keys() == alone.pairs.keys()
+    for pair, values in alone.pairs.items():
+        np.testing.assert_array_equal(pooled.pairs[pair], values)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        measure_table(model, images[:48], labels[:48], corruptions, severities, per_cell=8, workers=0)
