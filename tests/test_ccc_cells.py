@@ -175,3 +175,17 @@ def test_an_accuracy_table_measured_by_a_pool_of_workers_is_the_one_measured_alo
         np.testing.assert_array_equal(pooled.pairs[pair], values)
     with pytest.raises(ValueError, match="workers must be >= 1"):
         measure_table(model, images[:48], labels[:48], corruptions, severities, per_cell=8, workers=0)
+
+
+def test_the_table_command_says_what_is_wrong_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from aqr.harness.ccc_table import main
+
+    monkeypatch.delenv("AQR_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model", "resnet20_trainstats"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no data folder") and "\n" not in err
+    assert main(["--model", "resnet20_trainstats", "--data-dir", str(tmp_path / "nowhere"), "--workers", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err

@@ -155,10 +155,8 @@ def _write_checkpoint(path: str | Path, key: dict, rows: dict[str, dict[str, lis
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m aqr.harness.ccc_table``: measure a model's CCC accuracy table into the data folder."""
-    from aqr.harness.inputs import load_model
-    from aqr.harness.presets import default_data, default_models
-
+    """``python -m aqr.harness.ccc_table``: measure a model's CCC accuracy table into the data folder; bad input is
+    one line on stderr and exit status 2."""
     p = argparse.ArgumentParser(prog="python -m aqr.harness.ccc_table",
                                 description="Measure the source model's accuracy on every ordered pair of CCC's "
                                             "corruptions over a severity grid (what --setting ccc walks on).")
@@ -177,6 +175,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1, help="processes measuring rows at once, one core each (CPU only; "
                                                            "default 1)")
     args = p.parse_args(argv)
+    try:
+        return _measure(args)
+    except (ValueError, OSError) as e:  # no data folder, a missing or unreadable file, a refused checkpoint
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _measure(args: argparse.Namespace) -> int:
+    """The command's work for its parsed ``args``; ``ValueError`` / ``OSError`` on bad input."""
+    from aqr.harness.inputs import load_model
+    from aqr.harness.presets import default_data, default_models
+
     models = default_models(args.data_dir)
     if args.model not in models:
         print(f"error: unknown model {args.model!r}; expected one of {', '.join(models)}", file=sys.stderr)
@@ -199,13 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     overlays = load_frost_overlays(data.frost_dir, CIFAR_PARAMS.frost_scale) if "frost" in corruptions else None  # type: ignore[arg-type]
     out = Path(args.out) if args.out else table_path(data, spec)
     checkpoint = out.with_name(out.name + ".partial.json")
-    try:
-        table = measure_table(load_model(spec), images, labels, corruptions, grid, args.per_cell, args.seed,
-                              overlays, args.device, progress=True, checkpoint=checkpoint, workers=args.workers,
-                              about={"model": spec.name, "indices": args.indices, "grid_step": args.grid_step})
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    table = measure_table(load_model(spec), images, labels, corruptions, grid, args.per_cell, args.seed,
+                          overlays, args.device, progress=True, checkpoint=checkpoint, workers=args.workers,
+                          about={"model": spec.name, "indices": args.indices, "grid_step": args.grid_step})
     table.save(out)
     checkpoint.unlink(missing_ok=True)
     print(f"wrote {out}: {len(table.pairs)} pairs x {len(grid)} x {len(grid)} severities", file=sys.stderr)
