@@ -157,6 +157,7 @@ class Target:
     name: ClassVar[str] = "batch"
     keeps_state: ClassVar[bool] = False  # a running state across batches: AQR serializes its calls, has reset()
     needs_classes: ClassVar[bool] = False  # the state takes each image's predicted class (the model returns logits)
+    needs_descriptors: ClassVar[bool] = False  # the statistics hold the images' descriptors (descriptors=True)
     passes: ClassVar[tuple[int, ...]] = (1,)  # the forward passes per batch it allows
     # Below this many images a batch's own quantiles describe its images more than the shift: per-batch AQR
     # falls below the unadapted model at batch 4 (GN ResNet-20, ViT) and to ~10 % at batch 1, and is level
@@ -272,6 +273,7 @@ class MixedTarget(StreamTarget):
 
     name: ClassVar[str] = "mixed"
     needs_classes: ClassVar[bool] = True
+    needs_descriptors: ClassVar[bool] = True
 
     def check_robust_options(self, config: AQRConfig) -> None:
         """Robust AQR's options are its own, save ``balance < 1``: its clusters map onto the layer's source knots,

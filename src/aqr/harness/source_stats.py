@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aqr.adapt import AQRConfig
+from aqr.adapt.config import TARGET_KINDS
 from aqr.core.calibrate import DEFAULT_MAX_SAMPLES, DEFAULT_NUM_QUANTILES
 from aqr.core.points import OUTPUT
 from aqr.core.tails import DEFAULT_TAIL_UNIT, TAIL_UNITS
@@ -35,7 +36,8 @@ def stats_options(cell: Cell) -> dict[str, Any]:
            "tail_unit": str(opts.get("tail_unit", DEFAULT_TAIL_UNIT))}
     if float(opts.get("balance", 1.0)) < 1:  # class-conditional knots (only then: other cells keep their files)
         out["groups"] = int(opts.get("groups", DEFAULT_GROUPS))
-    if opts.get("target") == "mixed":  # the source spread of the images' descriptors (only then: others keep files)
+    target = TARGET_KINDS.get(str(opts.get("target", "batch")))
+    if target is not None and target.needs_descriptors:  # the descriptors' source spread (only then: others keep files)
         out["descriptors"] = True
     point = stats_point(cell.method)
     if point not in (None, OUTPUT):  # the values before the affine step (only then: other cells keep their files)

@@ -201,8 +201,9 @@ class MethodPlan:
     @property
     def stats_descriptors(self) -> bool:
         """Whether the statistics must hold the images' descriptors (``aqr.calibrate(..., descriptors=True)``): an
-        AQR configuration with ``target="mixed"``, which clusters images by them."""
-        return getattr(self.config, "target", None) == "mixed"
+        AQR configuration whose target clusters images by them (``target="mixed"``)."""
+        aqr_config = getattr(self.config, "aqr_config", None)  # the configs of AQR and its compositions
+        return aqr_config is not None and aqr_config().target_kind.needs_descriptors
 
     def build(self, model: nn.Module, stats: Any = None, source: Any = None) -> TTAMethod:
         """The method around a private copy of ``model``; ``stats`` / ``source`` where it needs them."""

@@ -455,8 +455,8 @@ class BoundStream:
     def map_count(self, x: torch.Tensor, images: int, pre: Affine) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """:meth:`NativeStreamKernels.scan` of ``x`` with ``MAP | COUNT`` on the bound state: ``x`` a float32
         CPU tensor ``(A, C, ...)`` of at least one value (another layout than contiguous is copied: at batch 1
-        reading channels-last rows in place was slower than the copy), read as ``(A, C, B)``, and ``pre`` an affine of contiguous
-        float32 CPU tensors ``(C,)`` (the caller's to ensure). Returns ``y`` shaped and laid out as ``x``, the
+        reading channels-last rows in place was slower than the copy), read as ``(A, C, B)``, and ``pre`` an
+        affine of contiguous float32 CPU tensors ``(C,)`` (the caller's to ensure). Returns ``y`` shaped and laid out as ``x``, the
         staged extremes and counts (:meth:`stage_floats`, for :meth:`commit`; the buffer of the last batch
         committed, where it has the size) and whether every value was finite."""
         shape = x.shape
