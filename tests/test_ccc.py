@@ -1,5 +1,5 @@
 """CCC at CIFAR scale: severities between the generator's levels, the walks on a synthetic accuracy table, the
-seeded steps with their pair transitions, and the stream made on the fly."""
+seeded steps with their pair transitions, and the stream made on the fly or read from its cache."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aqr.data.ccc import (SEVERITY_GRID, AccuracyTable, Step, ccc_corruptions, ccc_steps, ccc_stream, corrupt_pair,
-                          find_walk)
+from aqr.data.ccc import (SEVERITY_GRID, AccuracyTable, CCCImages, Step, ccc_corruptions, ccc_steps, ccc_stream,
+                          corrupt_pair, find_walk)
 from aqr.data.corruption_params import CIFAR_PARAMS
 from aqr.data.corruptions import corrupt
 
@@ -139,3 +139,38 @@ def test_an_accuracy_table_survives_its_file_and_a_wrong_file_is_named(tmp_path:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="bad.json is not a CCC accuracy table"):
         AccuracyTable.load(tmp_path / "bad.json")
+
+
+def test_a_cached_stream_gives_the_images_made_on_the_fly_and_makes_each_shard_once(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (12, 16, 16, 3), dtype=np.uint8)
+    steps = [Step("gaussian_noise", 2.5, "contrast", 1.0, 9), Step("gaussian_noise", 1.0, "contrast", 2.5, 9)]
+    plain = CCCImages(images, steps, seed=5)
+    whole = plain[0:18]
+    cached = CCCImages(images, steps, seed=5, cache=tmp_path / "s", shard=4)
+    # slices across shard boundaries, in any order, come out as made on the fly
+    assert np.array_equal(cached[6:13], whole[6:13]) and cached.made == 12  # shards 1-3, whole
+    assert np.array_equal(cached[0:18], whole) and cached.made == 18  # shards 0 and 4 (2 images)
+    assert sorted(p.name for p in (tmp_path / "s").glob("*.npy")) == [f"{s:06d}.npy" for s in range(5)]
+    again = CCCImages(images, steps, seed=5, cache=tmp_path / "s", shard=4)
+    assert np.array_equal(again[3:18], whole[3:]) and again.made == 0
+    assert again[5:5].shape == (0, 16, 16, 3) and again[17:40].shape == (1, 16, 16, 3)
+    # a shard that is not the stream's (cut short, another dtype) is made again, not read
+    np.save(tmp_path / "s" / "000002.npy", whole[8:10])
+    np.save(tmp_path / "s" / "000003.npy", whole[12:16].astype(np.int16))
+    fresh = CCCImages(images, steps, seed=5, cache=tmp_path / "s", shard=4)
+    assert np.array_equal(fresh[0:18], whole) and fresh.made == 8
+    with pytest.raises(ValueError, match="shard must be an integer >= 1"):
+        CCCImages(images, steps, seed=5, cache=tmp_path / "s", shard=0)
+
+
+def test_readers_of_one_cached_stream_at_once_make_each_shard_once(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    images = np.random.default_rng(2).integers(0, 256, (10, 16, 16, 3), dtype=np.uint8)
+    steps = [Step("shot_noise", 3.0, "contrast", 1.5, 24)]
+    whole = CCCImages(images, steps, seed=1)[0:24]
+    readers = [CCCImages(images, steps, seed=1, cache=tmp_path / "s", shard=8) for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        out = list(pool.map(lambda r: r[0:24], readers))
+    assert all(np.array_equal(o, whole) for o in out) and sum(r.made for r in readers) == 24

@@ -72,8 +72,15 @@ def test_the_bench_runs_ccc_cells_on_the_fly_and_resumes_one_mid_stream(ccc_grid
         assert summary.ran == 3 and summary.errors == 0, summary.error_messages
         rows = {r.variant: r for r in db.rows()}
     assert all(r.n_images == 60 and r.detail["n"] == 60 and r.detail["block_size"] == 10 for r in rows.values())
+    # the first cell of the stream made its images, the others read them from the stream's cache
+    assert sorted(r.detail["images_made"] for r in rows.values()) == [0, 0, 60]
     cell = next(c for c in ccc_grid.cells() if c.method == "tent")
+    folder = ccc.stream_cache(cell)
+    assert folder.parent == Path(ccc_grid.data.root) / "ccc_streams" and list(folder.glob("*.npy"))
+    assert ccc.stream_cache(replace(cell, seed=cell.seed + 1)) != folder
+    assert ccc.stream_cache(replace(cell, method="source", options=())) == folder
     images, labels, steps = ccc.stream_of(cell)
+    assert np.array_equal(images[0:60], ccc.stream_of(cell, cache=False)[0][0:60]) and images.made == 0
     assert len(images) == len(labels) == 60 and sum(s.count for s in steps) == 60
     assert rows["tent"].detail["corruptions"] == ccc.step_names(steps)
     assert images[10:20].shape == (10, 16, 16, 3) and np.array_equal(images[10:20], images[10:20])

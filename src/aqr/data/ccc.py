@@ -15,6 +15,7 @@ each image from its own generator, so any part of a stream is made alone and ide
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -22,6 +23,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 
 from aqr.data.corruptions import corrupt
+from aqr.util.files import atomic_write
 
 #: the severity grid of the walks (CCC: steps of 0.25 on ImageNet; here 0.5, see docs/benchmark.md)
 SEVERITY_GRID: tuple[float, ...] = tuple(float(s) for s in np.arange(0, 5.01, 0.5))
@@ -191,15 +193,30 @@ def ccc_stream(images: np.ndarray, labels: np.ndarray, steps: Sequence[Step], se
         yield stream[lo:hi], np.asarray(labels)[stream.picks[lo:hi]].astype(np.int64)
 
 
+#: images per file of a CCC stream's cache (about 12.6 MB of 32 x 32 RGB images)
+CACHE_SHARD = 4096
+
+
 class CCCImages:
     """The images of a CCC stream, made when sliced (``stream[a:b]``: uint8 NHWC); ``picks``: the pool image at
-    each position (so the labels are ``labels[picks]``, known without making a single image)."""
+    each position (so the labels are ``labels[picks]``, known without making a single image).
+
+    ``cache`` (a folder for this one stream, or ``None``): the images are kept there in shards of ``shard``
+    positions, each made whole the first time a slice touches it and read back afterwards, so the methods
+    run on one stream make its images once. Every image comes out the same whether made or read: each has
+    its own generator. ``made`` counts the images this object made (0 where every shard was there)."""
 
     def __init__(self, images: np.ndarray, steps: Sequence[Step], seed: int,
-                 frost_overlays: Sequence[np.ndarray] | None = None) -> None:
+                 frost_overlays: Sequence[np.ndarray] | None = None, cache: str | Path | None = None,
+                 shard: int = CACHE_SHARD) -> None:
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1:
+            raise ValueError(f"a CCC stream's cache shard must be an integer >= 1, got {shard!r}")
         self.images, self.steps, self.seed, self.frost_overlays = images, list(steps), int(seed), frost_overlays
         self.picks = ccc_picks(len(images), self.steps, self.seed)
         self._step_of = np.repeat(np.arange(len(self.steps)), [s.count for s in self.steps])
+        self.cache = None if cache is None else Path(cache)
+        self.shard = shard
+        self.made = 0
 
     def __len__(self) -> int:
         return len(self.picks)
@@ -207,13 +224,77 @@ class CCCImages:
     def __getitem__(self, where: slice) -> np.ndarray:
         if not isinstance(where, slice) or where.step not in (None, 1):
             raise TypeError("a CCC stream is read in contiguous slices, stream[a:b]")
-        positions = range(*where.indices(len(self)))
-        out = np.empty((len(positions), *self.images.shape[1:]), dtype=np.uint8)
-        for k, position in enumerate(positions):
+        start, stop, _ = where.indices(len(self))
+        stop = max(start, stop)
+        if self.cache is None:
+            return self._make(start, stop)
+        out = np.empty((stop - start, *self.images.shape[1:]), dtype=np.uint8)
+        for s in range(start // self.shard, -(-stop // self.shard)):
+            lo = s * self.shard
+            block = self._shard(s)
+            a, b = max(start, lo), min(stop, lo + len(block))
+            out[a - start:b - start] = block[a - lo:b - lo]
+        return out
+
+    def _make(self, start: int, stop: int) -> np.ndarray:
+        """Images ``start:stop``, each from its own generator (a function of the seed and its position)."""
+        out = np.empty((stop - start, *self.images.shape[1:]), dtype=np.uint8)
+        for k, position in enumerate(range(start, stop)):
             rng = np.random.default_rng(np.random.SeedSequence([self.seed, 2, position]))
             image = self.images[self.picks[position]]
             if rng.random() < 0.5:
                 image = image[:, ::-1]
             out[k] = corrupt_pair(np.ascontiguousarray(image), self.steps[self._step_of[position]], rng,
                                   self.frost_overlays)
+        self.made += stop - start
         return out
+
+    def _shard(self, s: int) -> np.ndarray:
+        """Shard ``s`` of the cache (positions ``s * shard`` on), made first where it is missing or unreadable;
+        processes making one at once take turns on a lock file, so each shard is made once."""
+        assert self.cache is not None
+        lo, hi = s * self.shard, min(len(self), (s + 1) * self.shard)
+        path = self.cache / f"{s:06d}.npy"
+        expected = (hi - lo, *self.images.shape[1:])
+        block = _read_shard(path, expected)
+        if block is not None:
+            return block
+        self.cache.mkdir(parents=True, exist_ok=True)
+        with _locked(self.cache / f"{s:06d}.lock"):
+            block = _read_shard(path, expected)  # made meanwhile by another process
+            if block is None:
+                block = self._make(lo, hi)
+                made = block
+
+                def write(tmp: Path) -> None:
+                    with open(tmp, "wb") as f:
+                        np.save(f, made, allow_pickle=False)
+
+                atomic_write(path, write)
+        return block
+
+
+def _read_shard(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The cached images at ``path`` (memory-mapped), or ``None`` where the file is missing or is not a uint8
+    array of ``shape`` (then it is made again)."""
+    try:
+        block = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    return block if block.dtype == np.uint8 and block.shape == shape else None
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on the file ``path`` for the block (where the platform has ``fcntl``; else none)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on the platforms aqr is tested on
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -4,7 +4,8 @@ the command that measures the source model's accuracy table their walks follow.
 A CCC cell's corruption is ``ccc:baseline=B,speed=S,images=N``: a stream of ``N`` images whose two
 corruptions walk so that the source model scores about ``B`` %, one severity step every ``S`` images
 (:mod:`aqr.data.ccc`). Its images are drawn from the clean test set's ``DataSpec.eval_indices`` (the file
-``DataSpec.clean``) and corrupted on the fly; the walks read the model's accuracy table,
+``DataSpec.clean``) and corrupted on the fly, once per stream (:func:`stream_cache` keeps them for the other
+methods' cells); the walks read the model's accuracy table,
 ``<DataSpec.root>/ccc_accuracy/<model name>.json``, which
 
     python -m aqr.harness.ccc_table --model resnet20_trainstats --baseline 40
@@ -15,6 +16,8 @@ table's content, the clean images and the frost overlays enter the cell's key as
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,7 @@ from aqr.data.corruptions import load_frost_overlays
 from aqr.harness.cells import CCC, Cell, DataSpec, ModelSpec, is_ccc, parse_range
 
 TABLE_FOLDER = "ccc_accuracy"
+STREAM_FOLDER = "ccc_streams"
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,9 @@ def ccc_files(cell: Cell) -> dict[str, Path]:
     return files
 
 
-def stream_of(cell: Cell) -> tuple[CCCImages, np.ndarray, list[Step]]:
-    """A CCC cell's images (made when sliced), their labels and the steps of its walks (seeded by the cell's seed)."""
+def stream_of(cell: Cell, cache: bool = True) -> tuple[CCCImages, np.ndarray, list[Step]]:
+    """A CCC cell's images (made when sliced, and kept in :func:`stream_cache` unless ``cache`` is false), their
+    labels and the steps of its walks (seeded by the cell's seed)."""
     spec = CCCSpec.parse(cell.corruption)
     path = table_path(cell.data, cell.model)
     if not path.is_file():
@@ -100,8 +105,38 @@ def stream_of(cell: Cell) -> tuple[CCCImages, np.ndarray, list[Step]]:
         images, labels = images[pool], labels[pool]
     steps = ccc_steps(table, spec.baseline, spec.speed, spec.images, cell.seed)
     overlays = load_frost_overlays(files["frost"], CIFAR_PARAMS.frost_scale) if "frost" in files else None
-    stream = CCCImages(images, steps, cell.seed, overlays)
+    stream = CCCImages(images, steps, cell.seed, overlays, cache=stream_cache(cell) if cache else None)
     return stream, np.asarray(labels)[stream.picks].astype(np.int64), steps
+
+
+def stream_cache(cell: Cell) -> Path:
+    """The folder that keeps a CCC cell's images once made: ``<DataSpec.root>/ccc_streams/<key>``, the key a
+    hash of everything the images depend on (the files' contents, the pool, the stream, the seed and the
+    generator's code), so the cells of every method on one stream share it and nothing else does."""
+    from aqr.harness.keys import canonical_json
+    from aqr.harness.provenance import fingerprints
+
+    payload = {"files": {role: key for role, key in fingerprints(cell).items() if role in ccc_files(cell)},
+               "pool": cell.data.eval_indices, "stream": cell.corruption, "seed": cell.seed,
+               "code": _generator_code()}
+    return Path(cell.data.root) / STREAM_FOLDER / hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=1)
+def _generator_code() -> str:
+    """A hash of what makes a CCC image: the source of aqr's modules that make it and the versions of the
+    libraries they call (numpy's generators, scipy, Pillow). A change to any makes new images."""
+    import PIL
+    import scipy
+
+    import aqr.data.ccc
+    import aqr.data.corruption_params
+    import aqr.data.corruptions
+
+    digest = hashlib.sha256(f"{np.__version__} {scipy.__version__} {PIL.__version__}".encode())
+    for module in (aqr.data.ccc, aqr.data.corruptions, aqr.data.corruption_params):
+        digest.update(Path(module.__file__ or "").read_bytes())
+    return digest.hexdigest()
 
 
 def step_names(steps: Sequence[Step]) -> list[str]:

@@ -159,8 +159,8 @@ def _run_continual(cell: Cell, method: nn.Module, progress: bool, desc: str, t0:
 
 def _run_ccc(cell: Cell, method: nn.Module, progress: bool, desc: str, t0: float,
              where: dict[str, Any], checkpoint: StreamCheckpoint | None = None) -> CellResult:
-    """A CCC cell: its stream, made on the fly, through ``method`` in batches of the cell's size; the
-    per-image results kept with one block per step of its walks."""
+    """A CCC cell: its stream, made on the fly (or read from its cache), through ``method`` in batches of the
+    cell's size; the per-image results kept with one block per step of its walks."""
     from aqr.harness import ccc
 
     images, labels, steps = ccc.stream_of(cell)
@@ -170,6 +170,7 @@ def _run_ccc(cell: Cell, method: nn.Module, progress: bool, desc: str, t0: float
     if checkpoint is not None:
         checkpoint.remove()
     detail = continual.stream_detail(correct, ccc.step_names(steps), ccc.CCCSpec.parse(cell.corruption).speed)
+    detail["images_made"] = images.made  # 0 where the stream's cache held them all: the wall time is the method's
     if adapted is not None:
         detail.update(_realtime_detail(cell, adapted))
     return CellResult("ok", 100.0 * float(correct.mean()), len(correct), time.perf_counter() - t0, **where,
