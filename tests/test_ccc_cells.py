@@ -102,9 +102,12 @@ def test_the_bench_runs_ccc_cells_on_the_fly_and_resumes_one_mid_stream(ccc_grid
     # the report: a table per stream (whole, first and last tenth, drift against Source) and the figure along it
     result = report(tmp_path / "r.db", tmp_path / "report")
     table = next(t for t in result["tables"] if t["name"].startswith("ccc_tiny_bn_bs8") and t["name"].endswith("_online"))
-    assert table["header"] == ["Method", "stream", "first tenth", "last tenth", "drift vs Source"]
+    assert table["header"] == ["Method", "stream", "first tenth", "last tenth", "drift vs Source", "wall (min)"]
     by_label = {row["label"]: row["cells"] for row in table["rows"]}
     assert by_label["Source (NA)"][3]["mean"] == 0.0 and len(by_label) == 3
+    # the wall time of the cell that made the stream's images says so; the others read them
+    made = {label: cells[4]["text"].endswith("(+images)") for label, cells in by_label.items()}
+    assert sorted(made.values()) == [False, False, True] and all(cells[4]["mean"] > 0 for cells in by_label.values())
     assert by_label["Source (NA)"][0]["mean"] == pytest.approx(rows["source"].accuracy)
     assert not any("ccc:" in str(t["header"]) for t in result["tables"] if not t["name"].startswith("ccc_"))
     assert (tmp_path / "report" / "figures" / "ccc_along_stream.png").is_file()

@@ -2,7 +2,7 @@
 
 * :func:`ccc_table`: per stream (model, batch size, CCC stream), each method's accuracy over the whole
   stream, over its first and last tenth, and the drift: (method - Source) over the last tenth minus the
-  same over the first tenth (a collapse is a large negative drift). Mean over seeds.
+  same over the first tenth (a collapse is a large negative drift), and the cell's wall time. Mean over seeds.
   Rows of the realtime protocol have tables of their own.
 * :func:`plot_ccc`: accuracy along each stream (and protocol), a moving average over ``window`` images per method (one
   seed: the first), the pair transitions marked.
@@ -26,6 +26,7 @@ from aqr.util.plots import axes_row
 from aqr.util.plots import colors as plot_colors
 
 WINDOW = 2000  # images in the moving average along a CCC stream
+MADE_MARK = " (+images)"  # a wall time that includes making the stream's images
 
 
 def is_ccc_row(row: Row) -> bool:
@@ -77,17 +78,30 @@ def ccc_table(rows: Sequence[Row], model: str, batch_size: int, corruption: str,
         drift = [(last - source[r.seed][1]) - (f - source[r.seed][0])
                  for r, (f, last) in zip(runs, first_last) if r.seed in source]
         row.append(summarize(drift, with_std=False) if drift else Entry(""))
+        row.append(_wall(runs))
         entries.append(row)
     entries = flag_incomplete(entries)
     best = bold_best([row[:3] for row in entries])
-    entries = [[*b, row[3]] for b, row in zip(best, entries)]
+    entries = [[*b, *row[3:]] for b, row in zip(best, entries)]
     note = ("Accuracy (%) over the whole CCC stream, its first and its last tenth, and the drift: (method - Source) "
-            "over the last tenth minus the same over the first (negative: falling behind Source); mean over seeds.")
+            "over the last tenth minus the same over the first (negative: falling behind Source); mean over seeds. "
+            f"Wall: the cell's time in minutes, mean over seeds; {MADE_MARK} where it includes making the stream's "
+            "images (the first cell on a stream; the others read them from its cache).")
     name = corruption.replace(":", "_").replace(",", "_").replace("=", "")
     return Table(f"ccc_{model}_bs{batch_size}_{name}_{protocol}", f"{model}: {corruption}, batch size {batch_size}, "
                  f"{protocol}",
-                 ("Method", "stream", "first tenth", "last tenth", "drift vs Source"),
+                 ("Method", "stream", "first tenth", "last tenth", "drift vs Source", "wall (min)"),
                  tuple(method_label(v) for v in variants), tuple(tuple(r) for r in entries), note)
+
+
+def _wall(runs: Sequence[Row]) -> Entry:
+    """The runs' mean wall time in minutes, marked where one of them made the stream's images (not all the method's)."""
+    walls = [r.wall_s for r in runs if r.wall_s is not None]
+    if not walls:
+        return Entry("")
+    entry = summarize([w / 60.0 for w in walls], with_std=False)
+    made = any(r.detail.get("images_made", 0) for r in runs)
+    return Entry(f"{entry.text}{MADE_MARK if made else ''}", entry.mean, entry.std, entry.n, rankable=False)
 
 
 def ccc_tables(rows: Sequence[Row]) -> list[Table]:
