@@ -386,3 +386,21 @@ def test_a_method_as_fast_as_the_plain_model_keeps_up_with_the_stream() -> None:
     plain = nn.Linear(8, 8)
     result = measure_cost(plain, plain, [torch.randn(16, 8) for _ in range(11)], warmup=2, clock="cpu")
     assert result["cost"] == 1.0 or result["total_ratio"] > 1.0 + result["spread"]
+
+
+def test_protocols_keep_only_their_cells_of_every_part() -> None:
+    whole = list(grid_from_args(_args("--preset", "field", "--setting", "continual")).cells())
+    online = grid_from_args(_args("--preset", "field", "--setting", "continual", "--protocols", "online"))
+    realtime = grid_from_args(_args("--preset", "field", "--setting", "continual", "--protocols", "realtime"))
+    assert online.name == realtime.name == "field-continual"
+    assert list(online.cells()) == [c for c in whole if c.protocol == "online"]
+    # the grid's own protocol dropped: a realtime part takes its place, with the costs the grid carries
+    assert list(realtime.cells()) == [c for c in whole if c.protocol == REALTIME] and realtime.protocol == REALTIME
+    both = grid_from_args(_args("--preset", "field", "--setting", "continual", "--protocols", "online,realtime"))
+    assert list(both.cells()) == whole
+    ccc = grid_from_args(_args("--preset", "field", "--models", "resnet20_trainstats", "--setting", "ccc",
+                               "--baseline", "40", "--speed", "1000", "--protocols", "online"))
+    assert {c.protocol for c in ccc.cells()} == {"online"} and len(ccc) == len(FIELD_OFFLINE_METHODS) * 2
+    for bad, message in (("sideways", "unknown protocols"), ("episodic", "has no cells of protocols")):
+        with pytest.raises(UsageError, match=message):
+            grid_from_args(_args("--preset", "field", "--protocols", bad))

@@ -59,6 +59,9 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
                    help="--setting ccc: the source model's accuracy (%%) the stream's corruptions hold it at")
     p.add_argument("--speed", type=count(1), default=None,
                    help="--setting ccc: images per severity step of the corruptions' walks")
+    p.add_argument("--protocols", default=None,
+                   help="comma list of the protocols whose cells to keep (episodic, online, realtime), e.g. "
+                        "'online' for the field preset without its realtime cells")
     add_image_arguments(p, workers=False)
 
 
@@ -121,11 +124,17 @@ def grid_from_args(args: argparse.Namespace):
     if setting == "ccc":
         from aqr.harness.settings import apply_ccc
 
-        return apply_ccc(grid, baseline, speed, args.n_images or CCC_IMAGES)
-    if setting:
+        grid = apply_ccc(grid, baseline, speed, args.n_images or CCC_IMAGES)
+    elif setting:
         from aqr.harness.settings import apply_setting
 
         grid = apply_setting(grid, setting, delta)
+    protocols = getattr(args, "protocols", None)
+    if protocols:
+        try:
+            grid = grid.only_protocols([p.strip() for p in protocols.split(",") if p.strip()])
+        except ValueError as err:
+            raise UsageError(f"--protocols: {err}") from None
     return grid
 
 

@@ -9,7 +9,7 @@ products (``GridSpec.parts``), as a preset of several settings does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from aqr.data.corruption_params import CORRUPTIONS
 from aqr.data.streams import StreamOrder
@@ -163,6 +163,19 @@ class GridSpec:
         yield self
         for part in self.parts:
             yield from part._grids()
+
+    def only_protocols(self, protocols: Sequence[str]) -> "GridSpec":
+        """The grid with only the cells of ``protocols`` (``CELL_PROTOCOLS``): its parts of other protocols dropped,
+        and where the grid's own protocol is not listed, its first kept part in its place (the name and costs kept).
+        ``ValueError`` for an unknown protocol or where no cell is left."""
+        unknown = [p for p in protocols if p not in CELL_PROTOCOLS]
+        if unknown:
+            raise ValueError(f"unknown protocols {unknown}; expected some of {', '.join(CELL_PROTOCOLS)}")
+        kept = [replace(g, parts=()) for g in self._grids() if g.protocol in protocols]
+        if not kept:
+            present = sorted({g.protocol for g in self._grids()})
+            raise ValueError(f"grid {self.name!r} has no cells of protocols {list(protocols)} (it has {present})")
+        return replace(kept[0], name=self.name, costs=self.costs, parts=tuple(kept[1:]))
 
     def check_methods(self) -> None:
         """Raise for a method name or option no cell of the grid could run (:func:`check_method`)."""
