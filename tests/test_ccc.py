@@ -151,17 +151,34 @@ def test_a_cached_stream_gives_the_images_made_on_the_fly_and_makes_each_shard_o
     # slices across shard boundaries, in any order, come out as made on the fly
     assert np.array_equal(cached[6:13], whole[6:13]) and cached.made == 12  # shards 1-3, whole
     assert np.array_equal(cached[0:18], whole) and cached.made == 18  # shards 0 and 4 (2 images)
-    assert sorted(p.name for p in (tmp_path / "s").glob("*.npy")) == [f"{s:06d}.npy" for s in range(5)]
+    assert sorted(p.name for p in (tmp_path / "s").glob("*.npy")) == [f"{s:06d}-4.npy" for s in range(5)]
     again = CCCImages(images, steps, seed=5, cache=tmp_path / "s", shard=4)
     assert np.array_equal(again[3:18], whole[3:]) and again.made == 0
-    assert again[5:5].shape == (0, 16, 16, 3) and again[17:40].shape == (1, 16, 16, 3)
-    # a shard that is not the stream's (cut short, another dtype) is made again, not read
-    np.save(tmp_path / "s" / "000002.npy", whole[8:10])
-    np.save(tmp_path / "s" / "000003.npy", whole[12:16].astype(np.int16))
+    assert again[5:5].shape == (0, 16, 16, 3) and again[17:40].shape == (1, 16, 16, 3) and again.made == 0
+    # another shard size keeps files of its own: the same images, none read from the other size's shards
+    halves = CCCImages(images, steps, seed=5, cache=tmp_path / "s", shard=2)
+    assert np.array_equal(halves[8:10], whole[8:10]) and halves.made == 2
+    # a shard that is not the stream's (cut short, another dtype, empty) is made again, not read
+    np.save(tmp_path / "s" / "000002-4.npy", whole[8:10])
+    np.save(tmp_path / "s" / "000003-4.npy", whole[12:16].astype(np.int16))
+    (tmp_path / "s" / "000004-4.npy").write_bytes(b"")
+    (tmp_path / "s" / ".000001-4.npy.x.tmp").write_bytes(b"left by a writer killed mid-file")
+    (tmp_path / "s" / "000001-4.npy").unlink()
     fresh = CCCImages(images, steps, seed=5, cache=tmp_path / "s", shard=4)
-    assert np.array_equal(fresh[0:18], whole) and fresh.made == 8
+    assert np.array_equal(fresh[0:18], whole) and fresh.made == 14
+    assert not list((tmp_path / "s").glob(".*.tmp"))
     with pytest.raises(ValueError, match="shard must be an integer >= 1"):
         CCCImages(images, steps, seed=5, cache=tmp_path / "s", shard=0)
+
+
+def test_a_cache_that_cannot_be_written_makes_the_images_in_memory_with_one_warning(tmp_path: Path) -> None:
+    images = np.random.default_rng(3).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
+    steps = [Step("contrast", 2.0, "shot_noise", 1.0, 10)]
+    (tmp_path / "file").write_text("not a folder")
+    stream = CCCImages(images, steps, seed=2, cache=tmp_path / "file" / "s", shard=4)
+    with pytest.warns(RuntimeWarning, match="cannot be written"):
+        got = stream[2:10]
+    assert np.array_equal(got, CCCImages(images, steps, seed=2)[2:10]) and stream.cache is None
 
 
 def test_readers_of_one_cached_stream_at_once_make_each_shard_once(tmp_path: Path) -> None:

@@ -401,6 +401,7 @@ def test_protocols_keep_only_their_cells_of_every_part() -> None:
     ccc = grid_from_args(_args("--preset", "field", "--models", "resnet20_trainstats", "--setting", "ccc",
                                "--baseline", "40", "--speed", "1000", "--protocols", "online"))
     assert {c.protocol for c in ccc.cells()} == {"online"} and len(ccc) == len(FIELD_OFFLINE_METHODS) * 2
-    for bad, message in (("sideways", "unknown protocols"), ("episodic", "has no cells of protocols")):
+    for bad, message in (("sideways", "unknown protocols"), ("episodic", "has no cells of protocols"),
+                         ("", "names no protocol"), (" , ", "names no protocol")):
         with pytest.raises(UsageError, match=message):
             grid_from_args(_args("--preset", "field", "--protocols", bad))

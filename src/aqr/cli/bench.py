@@ -130,9 +130,12 @@ def grid_from_args(args: argparse.Namespace):
 
         grid = apply_setting(grid, setting, delta)
     protocols = getattr(args, "protocols", None)
-    if protocols:
+    if protocols is not None:
+        names = [p.strip() for p in protocols.split(",") if p.strip()]
+        if not names:
+            raise UsageError("--protocols names no protocol; give a comma list such as 'online' or 'online,realtime'")
         try:
-            grid = grid.only_protocols([p.strip() for p in protocols.split(",") if p.strip()])
+            grid = grid.only_protocols(names)
         except ValueError as err:
             raise UsageError(f"--protocols: {err}") from None
     return grid

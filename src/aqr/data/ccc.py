@@ -14,7 +14,10 @@ each image from its own generator, so any part of a stream is made alone and ide
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +26,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 
 from aqr.data.corruptions import corrupt
-from aqr.util.files import atomic_write
+from aqr.util.files import WriteTargetError, atomic_write
 
 #: the severity grid of the walks (CCC: steps of 0.25 on ImageNet; here 0.5, see docs/benchmark.md)
 SEVERITY_GRID: tuple[float, ...] = tuple(float(s) for s in np.arange(0, 5.01, 0.5))
@@ -54,8 +57,6 @@ class AccuracyTable:
 
     def save(self, path: str | Path) -> None:
         """Write the table as JSON (atomically)."""
-        from aqr.util.files import atomic_write
-
         data = {"format": "aqr ccc accuracy table", "grid": list(self.grid), "about": dict(self.about),
                 "pairs": {f"{a}+{b}": np.asarray(m).round(4).tolist() for (a, b), m in sorted(self.pairs.items())}}
         atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data)))
@@ -226,12 +227,12 @@ class CCCImages:
             raise TypeError("a CCC stream is read in contiguous slices, stream[a:b]")
         start, stop, _ = where.indices(len(self))
         stop = max(start, stop)
-        if self.cache is None:
+        if self.cache is None or start == stop:
             return self._make(start, stop)
         out = np.empty((stop - start, *self.images.shape[1:]), dtype=np.uint8)
         for s in range(start // self.shard, -(-stop // self.shard)):
             lo = s * self.shard
-            block = self._shard(s)
+            block = self._shard(s) if self.cache is not None else self._make(lo, min(len(self), lo + self.shard))
             a, b = max(start, lo), min(stop, lo + len(block))
             out[a - start:b - start] = block[a - lo:b - lo]
         return out
@@ -251,50 +252,66 @@ class CCCImages:
 
     def _shard(self, s: int) -> np.ndarray:
         """Shard ``s`` of the cache (positions ``s * shard`` on), made first where it is missing or unreadable;
-        processes making one at once take turns on a lock file, so each shard is made once."""
+        processes making one at once take turns on a lock file, so each shard is made once. Where the cache
+        cannot be written (a read-only folder), the images are made in memory, with one warning."""
         assert self.cache is not None
         lo, hi = s * self.shard, min(len(self), (s + 1) * self.shard)
-        path = self.cache / f"{s:06d}.npy"
+        name = f"{s:06d}-{self.shard}"  # the shard size in the name: another size's shards are other files
+        path = self.cache / f"{name}.npy"
         expected = (hi - lo, *self.images.shape[1:])
         block = _read_shard(path, expected)
         if block is not None:
             return block
-        self.cache.mkdir(parents=True, exist_ok=True)
-        with _locked(self.cache / f"{s:06d}.lock"):
-            block = _read_shard(path, expected)  # made meanwhile by another process
-            if block is None:
-                block = self._make(lo, hi)
-                made = block
-
-                def write(tmp: Path) -> None:
-                    with open(tmp, "wb") as f:
-                        np.save(f, made, allow_pickle=False)
-
-                atomic_write(path, write)
+        try:
+            self.cache.mkdir(parents=True, exist_ok=True)
+            with _locked(self.cache / f"{name}.lock"):
+                block = _read_shard(path, expected)  # made meanwhile by another process
+                if block is None:
+                    for stale in self.cache.glob(f".{name}.npy.*"):  # a writer killed mid-file (the lock is ours)
+                        stale.unlink(missing_ok=True)
+                    block = self._make(lo, hi)
+                    atomic_write(path, functools.partial(_write_shard, block))
+        except (OSError, WriteTargetError) as err:
+            warnings.warn(f"CCC stream cache {self.cache} cannot be written ({err}); the stream's images are made "
+                          "in memory instead", RuntimeWarning, stacklevel=3)
+            self.cache = None
+            return block if block is not None else self._make(lo, hi)
         return block
 
 
 def _read_shard(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The cached images at ``path`` (memory-mapped), or ``None`` where the file is missing or is not a uint8
-    array of ``shape`` (then it is made again)."""
+    """The cached images at ``path`` (memory-mapped), or ``None`` where the file is missing, cut short, empty or
+    not a uint8 array of ``shape`` (then it is made again)."""
     try:
         block = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError):
         return None
     return block if block.dtype == np.uint8 and block.shape == shape else None
 
 
+def _write_shard(block: np.ndarray, tmp: Path) -> None:
+    """``block`` saved at ``tmp``, on disk before it is renamed into place (a crash leaves no empty shard)."""
+    with open(tmp, "wb") as f:
+        np.save(f, block, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on the file ``path`` for the block (where the platform has ``fcntl``; else none)."""
+    """An exclusive lock on the file ``path`` for the block (where the platform has ``fcntl``; else none). A lock
+    file another user made is opened for reading: a lock needs no more."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not on the platforms aqr is tested on
         yield
         return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

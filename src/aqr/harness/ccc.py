@@ -117,25 +117,32 @@ def stream_cache(cell: Cell) -> Path:
     from aqr.harness.provenance import fingerprints
 
     payload = {"files": {role: key for role, key in fingerprints(cell).items() if role in ccc_files(cell)},
-               "pool": cell.data.eval_indices, "stream": cell.corruption, "seed": cell.seed,
+               "pool": cell.data.eval_indices, "stream": CCCSpec.parse(cell.corruption).name, "seed": cell.seed,
                "code": _generator_code()}
     return Path(cell.data.root) / STREAM_FOLDER / hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:24]
 
 
 @functools.lru_cache(maxsize=1)
 def _generator_code() -> str:
-    """A hash of what makes a CCC image: the source of aqr's modules that make it and the versions of the
-    libraries they call (numpy's generators, scipy, Pillow). A change to any makes new images."""
+    """A hash of what makes a CCC image: the source of aqr's modules that read the pool, walk the steps and
+    corrupt the images, and the versions of the libraries they call (numpy's generators, scipy, Pillow and its
+    JPEG library). A change to any makes new images."""
     import PIL
     import scipy
+    from PIL import features
 
+    import aqr.data.arrays
     import aqr.data.ccc
     import aqr.data.corruption_params
     import aqr.data.corruptions
+    import aqr.harness.cells
 
-    digest = hashlib.sha256(f"{np.__version__} {scipy.__version__} {PIL.__version__}".encode())
-    for module in (aqr.data.ccc, aqr.data.corruptions, aqr.data.corruption_params):
+    versions = f"{np.__version__} {scipy.__version__} {PIL.__version__} {features.version('jpg')}"
+    digest = hashlib.sha256(versions.encode())
+    for module in (aqr.data.ccc, aqr.data.corruptions, aqr.data.corruption_params, aqr.data.arrays,
+                   aqr.harness.cells):
         digest.update(Path(module.__file__ or "").read_bytes())
+    digest.update(Path(__file__).read_bytes())  # stream_of: the pool, the steps, the frost overlays' scale
     return digest.hexdigest()
 
 

@@ -100,7 +100,7 @@ def _wall(runs: Sequence[Row]) -> Entry:
     if not walls:
         return Entry("")
     entry = summarize([w / 60.0 for w in walls], with_std=False)
-    made = any(r.detail.get("images_made", 0) for r in runs)
+    made = any(r.detail.get("images_made") != 0 for r in runs)  # rows from before the cache made them all
     return Entry(f"{entry.text}{MADE_MARK if made else ''}", entry.mean, entry.std, entry.n, rankable=False)
 
 
