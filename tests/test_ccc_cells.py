@@ -199,3 +199,32 @@ def test_the_table_command_says_what_is_wrong_in_one_line(tmp_path: Path, monkey
     assert main(["--model", "resnet20_trainstats", "--data-dir", str(tmp_path / "nowhere"), "--workers", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+
+
+def test_a_ccc_stream_with_frost_runs_and_keys_its_overlays_by_content(ccc_grid, tmp_path: Path) -> None:
+    """Baselines of 20 % and more draw frost too: its overlays (a flat folder of images) enter the key by content."""
+    from PIL import Image
+
+    from aqr.data.corruptions import FROST_FILES
+    from aqr.harness.provenance import fingerprints
+    from tests.test_ccc import _synthetic_table
+
+    frost = tmp_path / "frost"
+    frost.mkdir()
+    rng = np.random.default_rng(1)
+    for name in FROST_FILES:
+        Image.fromarray(rng.integers(0, 256, (260, 300, 3), dtype=np.uint8)).save(frost / name)
+    names = ccc_corruptions(40.0)
+    assert "frost" in names
+    cell = next(c for c in ccc_grid.cells() if c.method == "source")
+    cell = replace(cell, data=replace(cell.data, frost_dir=str(frost)), corruption=ccc.CCCSpec(40.0, 1, 240).name)
+    _synthetic_table(names).save(ccc.table_path(cell.data, cell.model))
+    key = fingerprints(cell)["frost"]
+    result = run_cell(cell, tmp_path / "cache")
+    assert result.status == "ok", result.message
+    assert result.n_images == 240 and any("frost" in name for name in result.detail["corruptions"])
+    Image.fromarray(rng.integers(0, 256, (260, 300, 3), dtype=np.uint8)).save(frost / FROST_FILES[0])
+    assert fingerprints(cell)["frost"] != key
+    (frost / FROST_FILES[1]).unlink()
+    with pytest.raises(FileNotFoundError, match="frost overlays missing"):
+        fingerprints(cell)

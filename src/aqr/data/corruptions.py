@@ -12,6 +12,7 @@ new uint8 HWC image of the same shape; given the same generator state the output
 
 from __future__ import annotations
 
+import hashlib
 import io
 import zlib
 from pathlib import Path
@@ -215,6 +216,20 @@ def _resize_bilinear(img: np.ndarray, scale: float) -> np.ndarray:
     bottom = f[r1][:, c0] * (1 - fc)[None, :, None] + f[r1][:, c1] * fc[None, :, None]
     out = top * (1 - fr)[:, None, None] + bottom * fr[:, None, None]
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
+def frost_fingerprint(frost_dir: str | Path) -> str:
+    """A key of the frost overlays the corruption reads from ``frost_dir``: each used file's name and sha256.
+    ``FileNotFoundError`` (as :func:`load_frost_overlays`) where one is missing."""
+    from aqr.util.files import sha256_cached
+
+    folder = Path(frost_dir)
+    needed = FROST_FILES[:_FROST_USED]
+    missing = [name for name in needed if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"frost overlays missing in {folder}: {', '.join(missing)} (expected {', '.join(needed)})")
+    listing = "\n".join(f"{name} {sha256_cached(folder / name)}" for name in needed)
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def load_frost_overlays(frost_dir: str | Path, scale: float) -> tuple[np.ndarray, ...]:

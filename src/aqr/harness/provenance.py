@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from aqr._version import __version__
+from aqr.data.corruptions import frost_fingerprint
 from aqr.data.images import is_image_source, listing_fingerprint
 from aqr.harness.ccc import ccc_files
 from aqr.harness.cells import Cell, CellResult, is_ccc, stream_corruptions
@@ -44,6 +45,9 @@ def fingerprints(cell: Cell) -> dict[str, str]:
     """Role -> content key: a file's sha256, or an image folder's or list's listing (paths and sizes)."""
     out = {}
     for role, path in cell_files(cell).items():
+        if role == "frost":  # a CCC stream's overlays: the files the corruption reads, by content
+            out[role] = frost_fingerprint(path)
+            continue
         if path.is_dir() or (role == "source" and is_image_source(path)):
             out[role] = listing_fingerprint(path)
             continue
