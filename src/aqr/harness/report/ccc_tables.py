@@ -85,8 +85,8 @@ def ccc_table(rows: Sequence[Row], model: str, batch_size: int, corruption: str,
     entries = [[*b, *row[3:]] for b, row in zip(best, entries)]
     note = ("Accuracy (%) over the whole CCC stream, its first and its last tenth, and the drift: (method - Source) "
             "over the last tenth minus the same over the first (negative: falling behind Source); mean over seeds. "
-            f"Wall: the cell's time in minutes, mean over seeds; {MADE_MARK} where it includes making the stream's "
-            "images (the first cell on a stream; the others read them from its cache).")
+            f"Wall: the cell's time in minutes, mean over seeds, marked {MADE_MARK.strip()} where it includes making "
+            "the stream's images (the first cell on a stream; the others read them from its cache).")
     name = corruption.replace(":", "_").replace(",", "_").replace("=", "")
     return Table(f"ccc_{model}_bs{batch_size}_{name}_{protocol}", f"{model}: {corruption}, batch size {batch_size}, "
                  f"{protocol}",
