@@ -113,10 +113,13 @@ def stream_cache(cell: Cell) -> Path:
     """The folder that keeps a CCC cell's images once made: ``<DataSpec.root>/ccc_streams/<key>``, the key a
     hash of everything the images depend on (the files' contents, the pool, the stream, the seed and the
     generator's code), so the cells of every method on one stream share it and nothing else does."""
+    from aqr.data.corruptions import frost_fingerprint
     from aqr.harness.keys import canonical_json
-    from aqr.harness.provenance import fingerprints
+    from aqr.util.files import sha256_cached
 
-    payload = {"files": {role: key for role, key in fingerprints(cell).items() if role in ccc_files(cell)},
+    files = {role: frost_fingerprint(path) if role == "frost" else sha256_cached(path)  # as the cell's key has them
+             for role, path in ccc_files(cell).items()}
+    payload = {"files": files,
                "pool": cell.data.eval_indices, "stream": CCCSpec.parse(cell.corruption).name, "seed": cell.seed,
                "code": _generator_code()}
     return Path(cell.data.root) / STREAM_FOLDER / hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:24]
