@@ -224,7 +224,8 @@ def check_against_torch(native: NativeStreamKernels, case: dict) -> None:
 def check_clusters(native: NativeStreamKernels, case: dict, table: StreamTable) -> None:
     """``target="mixed"``'s two calls: the C kernels' one-call cluster scan is, bit for bit, its images scanned one
     by one on their clusters' states (the base form, on the C scan) and, to float rounding, the torch mirror's;
-    the one-call push is the clusters' pushes one by one."""
+    the torch kernels' gathered scan (which never reads the clusters on the host) is the torch base form bit for
+    bit; the one-call push is the clusters' pushes one by one."""
     x, knots, source, images, pre = case["x"], case["knots"], case["source"], case["images"], case["pre"]
     c, cells, stride = x.shape[1], case["cells"], case["stride"]
     rng = np.random.default_rng(case["stride"] * 7 + images)
@@ -235,11 +236,12 @@ def check_clusters(native: NativeStreamKernels, case: dict, table: StreamTable) 
     of = torch.from_numpy(rng.integers(-1, len(states), size=images)).long()
     ref = TorchStreamKernels()
     start = torch.from_numpy(rng.normal(size=tuple(x.shape)).astype(np.float32))
-    ys = [start.clone() for _ in range(3)]
+    ys = [start.clone() for _ in range(4)]
     one = native.cluster_scan(x, images, pre, source, of, states, maps, 0.3, ys[0], stride, cells)
     apart = StreamKernels.cluster_scan(native, x, images, pre, source, of, states, maps, 0.3, ys[1], stride, cells)
     mirror = StreamKernels.cluster_scan(ref, x, images, pre, source, of, states, maps, 0.3, ys[2], stride, cells)
-    assert one.finite == apart.finite == mirror.finite, "cluster scan: finite flags differ"
+    gathered = ref.cluster_scan(x, images, pre, source, of, states, maps, 0.3, ys[3], stride, cells)
+    assert one.finite == apart.finite == mirror.finite == gathered.finite, "cluster scan: finite flags differ"
     if not one.finite:
         return
     bits = lambda t: t.view(torch.int32)  # noqa: E731
@@ -248,6 +250,9 @@ def check_clusters(native: NativeStreamKernels, case: dict, table: StreamTable) 
         torch.equal(bits(one.lo[took]), bits(apart.lo[took])) and torch.equal(bits(one.hi[took]), bits(apart.hi[took])), \
         "cluster scan: one call differs from the images one by one"
     assert torch.equal(one.counts, mirror.counts), "cluster scan: histograms differ from the torch mirror"
+    assert torch.equal(bits(ys[2]), bits(ys[3])) and torch.equal(mirror.counts, gathered.counts) and \
+        torch.equal(bits(mirror.lo[took]), bits(gathered.lo[took])) and \
+        torch.equal(bits(mirror.hi[took]), bits(gathered.hi[took])), "cluster scan: the gathered torch form differs"
     _close(ys[0], ys[2], "cluster scan map")
     assert torch.equal(ys[0][~took.repeat_interleave(x.shape[0] // images)], start[~took.repeat_interleave(
         x.shape[0] // images)]), "cluster scan: an image of no cluster was changed"

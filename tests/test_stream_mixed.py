@@ -235,15 +235,6 @@ def test_a_descriptor_layer_left_out_of_the_recalibrated_ones_is_refused_by_name
         aqr.AQR(model, stats, target="mixed", layers=rest, compile=False)
 
 
-def test_off_the_cpu_it_says_it_runs_on_the_cpu_only() -> None:
-    model, stats = calibrated("bn")
-    adapter = aqr.AQR(model, stats, target="mixed", compile=False, native=False)
-    layer = next(iter(adapter._maps.values()))
-    stream = layer.stream(torch.device("meta"))
-    with pytest.raises(ValueError, match="CPU only"):
-        stream._assignment(torch.zeros(4, 3, 2, device="meta"), 4, None)
-
-
 def test_an_overflowing_descriptor_joins_no_cluster_and_moves_no_centre() -> None:
     r = seeded(2, seed=3)
     before = r.export_state()

@@ -336,12 +336,13 @@ class AQR(nn.Module):
             labels = None
             if self._target.needs_classes and flag is not False and _are_logits(out, batch.images):
                 labels = out.argmax(dim=1)  # type: ignore[union-attr]
-            finite, host_labels = host_outcome(flag, labels)  # the forward's one read on the host
+            # the forward's one read on the host (with what the target commits from: target="mixed"'s clusters)
+            finite, host_labels, host_reads = host_outcome(flag, labels, self._batch.device_reads())  # type: ignore[union-attr]
             if finite:
                 if self._target.needs_classes and labels is None:
                     labels = self._predicted(out, batch.images)  # (raises: not logits)
                 with self._state_lock:
-                    self._batch.commit(labels, host_labels)  # type: ignore[union-attr]
+                    self._batch.commit(labels, host_labels, host_reads)  # type: ignore[union-attr]
                 if self.config.passes == 2:  # the batch again, mapped with the state it just updated
                     self._batch.again()  # type: ignore[union-attr]
                     with torch.no_grad():
@@ -395,7 +396,7 @@ class AQR(nn.Module):
         """:meth:`forward_held` of a running target."""
         with self._stream_batch(x, held=True) as batch:
             out, flag = self._mapped(x, batch)
-            finite, _ = host_outcome(flag)
+            finite = host_outcome(flag).finite
             if not finite and self.config.on_nonfinite == "raise":
                 raise NonFiniteActivationError("the logits are NaN or Inf on this batch; the stream's state is "
                                                "unchanged (on_nonfinite='skip' returns them)")

@@ -81,8 +81,7 @@ Chosen by :func:`aqr.harness.report.field_target.choose_recommended` (the highes
 setting and model of the ``field`` preset's seed-1 draw at batch 64: continual, correlated, mixed_domains and
 mixed_domains_correlated on the BN and GN ResNet-20 and the ViT) on ``docs/results/field/recommend.db``, and a
 test checks it against that database. The offline choice trains (ROID on AQR's robust target: a backward pass
-per batch); the best gradient-free one there is ``"aqr:target=mixed"``. ``target="mixed"`` runs on the CPU only;
-on a GPU the realtime draw's runner-up is ``"aqr:target=robust"``.
+per batch); the best gradient-free one there is ``"aqr:target=mixed"``, which runs on any device.
 """
 
 

@@ -197,19 +197,20 @@ def check_clusters(x: torch.Tensor, images: int, source: torch.Tensor, of: torch
                    states: Sequence[tuple[torch.Tensor, StreamTable]], maps: Sequence[bool], blend: float,
                    y: torch.Tensor) -> None:
     """Raise ``ValueError`` unless :meth:`StreamKernels.cluster_scan`'s arguments fit: ``x`` (A, C, B) of
-    ``images`` images, ``y`` its shape and contiguous, ``of`` ``(images,)`` int64 on the CPU below ``len(states)``,
-    one ``maps`` flag per state, each state fitting ``x`` and ``source`` on one grid, ``blend`` in [0, 1]."""
+    ``images`` images, ``y`` its shape and contiguous, ``of`` ``(images,)`` int64 on the CPU or ``x``'s device below
+    ``len(states)`` (read where that costs nothing), one ``maps`` flag per state, each state fitting ``x`` and
+    ``source`` on one grid, ``blend`` in [0, 1]."""
     a, c, _ = x.shape
     if images < 1 or a % images:
         raise ValueError(f"a layer output of {a} rows cannot hold {images} images")
     if y.shape != x.shape or not y.is_contiguous():
         raise ValueError(f"cluster_scan writes a contiguous map of {tuple(x.shape)}, got {tuple(y.shape)}")
-    if of.shape != (images,) or of.dtype != torch.int64 or of.device.type != "cpu":
-        raise ValueError(f"cluster_scan: the images' clusters must be a CPU int64 tensor ({images},), got "
-                         f"{tuple(of.shape)} {of.dtype} on {of.device}")
+    if of.shape != (images,) or of.dtype != torch.int64 or of.device not in (torch.device("cpu"), x.device):
+        raise ValueError(f"cluster_scan: the images' clusters must be an int64 tensor ({images},) on the CPU or "
+                         f"{x.device}, got {tuple(of.shape)} {of.dtype} on {of.device}")
     if not states or len(maps) != len(states):
         raise ValueError(f"cluster_scan: {len(states)} cluster states and {len(maps)} map flags")
-    if bool((of >= len(states)).any()):
+    if host_reads_are_cheap(of.device) and bool((of >= len(states)).any()):
         raise ValueError(f"cluster_scan: an image's cluster is not below {len(states)}")
     if not 0.0 <= blend <= 1.0:
         raise ValueError(f"cluster_scan: blend must lie in [0, 1], got {blend}")
@@ -287,12 +288,13 @@ class StreamKernels(abc.ABC):
                      of: torch.Tensor, states: Sequence[tuple[torch.Tensor, StreamTable]], maps: Sequence[bool],
                      blend: float, y: torch.Tensor, stride: int, cells: int) -> ClusterScan:
         """``target="mixed"``'s clusters: each image ``n`` of ``x`` (A, C, B) whose cluster ``k = of[n]`` (``of``
-        ``(images,)`` int64 on the CPU; ``-1``: none) is :meth:`scan`-ned alone (``COUNT``, and ``MAP`` where
+        ``(images,)`` int64, on the CPU or ``x``'s device; ``-1``: none) is :meth:`scan`-ned alone (``COUNT``, and ``MAP`` where
         ``maps[k]``) on cluster ``k``'s ``states[k]`` (knots, table): its extremes, its histogram added to
         ``counts[k]`` ``(M, C, cells + 4)``, and, where ``maps[k]``, the rows of ``y`` (the shared state's map of
         ``x``, contiguous, changed in place) moved ``blend`` of the way to its map, ``y + blend * (m - y)`` in
-        float32. ``lo``/``hi`` rows of images of no cluster are meaningless. This form calls :meth:`scan` once
-        per image (the reference the C kernels' single call is held to)."""
+        float32. ``lo``/``hi`` rows of images of no cluster are meaningless. This form reads ``of`` on the host and
+        calls :meth:`scan` once per image (the reference the C kernels' single call and the torch kernels'
+        gathered one are held to)."""
         a, c, _ = x.shape
         check_clusters(x, images, source, of, states, maps, blend, y)
         rows = a // images
@@ -324,7 +326,7 @@ class StreamKernels(abc.ABC):
         sizes = cluster_sizes(of, len(states))
         for k, (size, (window, group)) in enumerate(zip(sizes, states)):
             if size:
-                index = (of == k).nonzero().view(-1).to(lo.device)
+                index = on_device((of == k).nonzero().view(-1), lo.device)
                 self.push(window, group, counts[k], lo.index_select(0, index), hi.index_select(0, index))
         return sizes
 

@@ -10,9 +10,9 @@ every layer's stream one :class:`BatchCommit` (the predicted classes and what is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -126,15 +126,43 @@ class BatchCommit:
         return self._once[key]
 
 
-def host_outcome(finite: bool | torch.Tensor, labels: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None]:
+class HostOutcome(NamedTuple):
+    """What :func:`host_outcome` read: whether the batch was finite, the predicted classes and the ``extra``
+    tensors on the CPU (``None`` and ``()`` where the batch was not finite)."""
+
+    finite: bool
+    labels: torch.Tensor | None
+    extra: tuple[torch.Tensor, ...]
+
+
+def host_outcome(finite: bool | torch.Tensor, labels: torch.Tensor | None = None,
+                 extra: Sequence[torch.Tensor] = ()) -> HostOutcome:
     """The one read a stream's forward pass makes on the host: whether the batch was finite (``finite``, a
-    ``bool`` or a 0-d bool tensor) and, with ``labels`` (the predicted classes, on the logits' device), those
-    classes on the CPU (int64), in one copy; ``None`` where ``labels`` is or the batch was not finite."""
-    if labels is None:
-        return bool(finite), None
+    ``bool`` or a 0-d bool tensor) and, where it was, the predicted classes ``labels`` (on the logits' device;
+    int64 on the CPU) and the ``extra`` tensors a target commits from (``target="mixed"``'s clusters), all in
+    one copy."""
     if finite is False:
-        return False, None
-    if finite is True:
-        return True, labels.long().cpu()
-    both = torch.cat([finite.to(labels.device, torch.long).view(1), labels.long().view(-1)]).cpu()
-    return bool(both[0]), (both[1:] if both[0] else None)
+        return HostOutcome(False, None, ())
+    reads = ([finite.view(1)] if isinstance(finite, torch.Tensor) else []) + \
+        ([labels.long()] if labels is not None else []) + list(extra)
+    host = one_copy(reads)
+    ok = bool(host.pop(0)) if isinstance(finite, torch.Tensor) else True
+    if not ok:
+        return HostOutcome(False, None, ())
+    return HostOutcome(True, host.pop(0) if labels is not None else None, tuple(host))
+
+
+def one_copy(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` on the CPU (their shapes and dtypes), copied off their device in one transfer: their bytes
+    side by side (a transfer makes the host wait for the device's queue; one is the least)."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return [t.detach() for t in tensors]
+    flat = [t.detach().contiguous().view(-1) for t in tensors]
+    raw = torch.cat([f.view(torch.uint8) for f in flat]).cpu()
+    out, at = [], 0
+    for t, f in zip(tensors, flat):
+        size = f.numel() * f.element_size()
+        # a copy of the slice starts its own storage: viewing it as a wider type needs the alignment
+        out.append(raw[at : at + size].clone().view(t.dtype).view(t.shape))
+        at += size
+    return out

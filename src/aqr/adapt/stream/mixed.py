@@ -39,8 +39,12 @@ Why the blend: a domain split into several clusters by its images' content maps 
 source distribution, which costs accuracy on a stream of one domain at a time; the shared part of the map
 keeps it (measured in ``docs/method.md``).
 
-The assignment and the clusters' sizes are read on the host (the kernels' calls take them as CPU tensors), so
-the target runs on the CPU only (off it, a clear ``ValueError``): off the CPU it would stall the device's queue.
+Off the CPU nothing of this is read inside the forward pass: the descriptors, whitened, and the assignment stay on
+the device (the centres are copied there once they move), the clusters' states are gathered per image by the
+assignment on the device (:meth:`aqr.adapt.stream.torch_kernels.TorchStreamKernels.cluster_scan`), and the
+whitened descriptors and the assignment come to the host with the logits, in the forward's one read
+(:meth:`ComponentRouter.device_reads`, :func:`aqr.adapt.stream.batch.host_outcome`), for the commit, where the
+centres move (on the host, in float64) and each cluster's images are pushed.
 
 A batch enters the state only when the whole forward pass was finite (as ``"robust"``: staged, then
 committed with the batch's predicted classes; the router's centres once per batch, at the commit). The
@@ -60,7 +64,7 @@ import torch
 
 from aqr.adapt.config import AQRConfig, check_blend, check_components
 from aqr.adapt.layer_maps import host_reads_are_cheap
-from aqr.adapt.stream.base import ClusterScan, Flag, StreamKernels, all_finite, cluster_sizes
+from aqr.adapt.stream.base import ClusterScan, Flag, StreamKernels, all_finite, cluster_sizes, on_device
 from aqr.adapt.stream.batch import BatchCommit, BatchValues
 from aqr.adapt.stream.robust import RobustLayerStream, RobustSettings, RobustStaged
 from aqr.adapt.stream.running import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings
@@ -106,8 +110,8 @@ def seed_centres(z: torch.Tensor, k: int, generator: torch.Generator) -> torch.T
 
 class ComponentRouter:
     """The clusters of one :class:`aqr.AQR`'s images (see the module docs): which layers give descriptors, the
-    whitening, the k-means centres (float64, CPU) and, for the batch in flight, its descriptors and
-    assignment."""
+    whitening, the k-means centres (float64, CPU; copied to the device of the images where they run) and, for the
+    batch in flight, its descriptors and assignment (on the images' device) and their host copies."""
 
     def __init__(self, descriptors: DescriptorStats, components: int) -> None:
         check_components(components)
@@ -147,6 +151,7 @@ class ComponentRouter:
         self.since = 0  # batches since the last check for stranded centres
         # how often each centre was moved onto a new image: a layer's state of an older generation starts again
         self.generation = torch.zeros(self.components, dtype=torch.int64)
+        self._copies: dict[tuple[str, torch.device], torch.Tensor] = {}  # values copied to a device (moved())
 
     # ---- the batch in flight -----------------------------------------------------------------
     def begin(self) -> None:
@@ -154,25 +159,61 @@ class ComponentRouter:
         self._recorded: dict[str, torch.Tensor] = {}
         self._whitened: torch.Tensor | None = None
         self._assignment: torch.Tensor | None = None
+        self._host: tuple[torch.Tensor, ...] = ()  # device_reads()' tensors, read on the host (took())
 
     def record(self, layer: str, descriptors: torch.Tensor) -> None:
-        """The batch's descriptors ``(N, 2 C)`` at ``layer`` (one of :attr:`layers`)."""
-        self._recorded[layer] = descriptors.detach().to("cpu", torch.float64)
+        """The batch's descriptors ``(N, 2 C)`` at ``layer`` (one of :attr:`layers`), kept on their device."""
+        self._recorded[layer] = descriptors.detach().to(torch.float64)
+
+    def _on(self, name: str, device: torch.device) -> torch.Tensor:
+        """The router's tensor ``name`` (``mean``, ``whitening``, ``centres``) on ``device``, copied once (until the
+        centres move: :meth:`moved`) without waiting for the device's queue."""
+        value = getattr(self, name)
+        if device == value.device:
+            return value
+        key = (name, device)
+        if key not in self._copies:
+            self._copies[key] = on_device(value, device)
+        return self._copies[key]
+
+    def moved(self) -> None:
+        """The centres changed: their copies on devices are stale."""
+        self._copies = {key: t for key, t in self._copies.items() if key[0] != "centres"}
 
     def assignment(self) -> torch.Tensor | None:
-        """The batch's clusters ``(N,)`` (CPU, int64; -1: none, the shared state's map alone), worked out once all
-        of :attr:`layers` recorded; ``None`` before that or before the centres are seeded (every image maps with
-        the shared state)."""
+        """The batch's clusters ``(N,)`` (int64, on the descriptors' device; -1: none, the shared state's map alone),
+        worked out once all of :attr:`layers` recorded; ``None`` before that or before the centres are seeded
+        (every image maps with the shared state)."""
         if self._whitened is None:
             if any(name not in self._recorded for name in self.layers):
                 return None
             joined = torch.cat([self._recorded[name] for name in self.layers], dim=1)
-            self._whitened = (joined - self.mean) @ self.whitening
+            device = joined.device
+            self._whitened = (joined - self._on("mean", device)) @ self._on("whitening", device)
             if self.seeded:
-                of = squared_distances(self._whitened, self.centres).argmin(dim=1)
+                of = squared_distances(self._whitened, self._on("centres", device)).argmin(dim=1)
                 # an image whose descriptor overflowed (finite values of 1e20 have an infinite spread) joins none
                 self._assignment = of.masked_fill(~torch.isfinite(self._whitened).all(dim=1), -1)
         return self._assignment
+
+    def device_reads(self) -> tuple[torch.Tensor, ...]:
+        """What the commit needs on the host and the batch left on a device: its whitened descriptors and, once
+        the centres are seeded, its assignment (``()`` on the CPU, or where no descriptor was recorded)."""
+        self.assignment()
+        if self._whitened is None or host_reads_are_cheap(self._whitened.device):
+            return ()
+        return (self._whitened,) if self._assignment is None else (self._whitened, self._assignment)
+
+    def took(self, host: tuple[torch.Tensor, ...]) -> None:
+        """:meth:`device_reads`' tensors as the forward's one read copied them to the host (``()``: none taken)."""
+        self._host = tuple(host)
+
+    def on_host(self, of: torch.Tensor) -> torch.Tensor:
+        """The batch's assignment ``of`` on the CPU: the host copy :meth:`took` got where ``of`` is off the CPU
+        (else read here: a caller that gave none, as :class:`aqr.adapt.pre_affine.PreAffineAQR`)."""
+        if of.device.type == "cpu":
+            return of
+        return self._host[1] if len(self._host) == 2 else of.cpu()
 
     def commit(self) -> None:
         """A committed batch moves the centres (once per batch: the layers' commits call it through
@@ -181,6 +222,12 @@ class ComponentRouter:
         z = self._whitened
         if z is None:
             return  # a forward pass that skipped a descriptor layer: nothing to learn from
+        z = self._host[0] if self._host else z.cpu()
+        self._commit(z)
+        self.moved()
+
+    def _commit(self, z: torch.Tensor) -> None:
+        """:meth:`commit` of the batch's whitened descriptors ``z`` (float64, CPU)."""
         z = z[torch.isfinite(z).all(dim=1)]  # an overflowed descriptor moves no centre
         if len(z) == 0:
             return
@@ -261,12 +308,18 @@ class ComponentRouter:
         self.seeded = bool(values["seeded"])
         self.batches = int(values["batches"])  # type: ignore[call-overload]
         self.since = int(values["since"])  # type: ignore[call-overload]
+        self.moved()
 
     def __getstate__(self) -> dict[str, object]:
-        # a copy holds the state between two batches: the batch in flight stays behind
+        # a copy holds the state between two batches: the batch in flight stays behind, and the device copies
         state = self.__dict__.copy()
-        state.update(_recorded={}, _whitened=None, _assignment=None)
+        state.update(_recorded={}, _whitened=None, _assignment=None, _host=(), _copies={})
         return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_copies", {})
+        self.__dict__.setdefault("_host", ())
 
 
 @dataclass(frozen=True)
@@ -377,11 +430,8 @@ class MixedLayerStream:
         return self.shared.channels
 
     def _assignment(self, x: torch.Tensor, images: int, pre: Affine | None) -> torch.Tensor | None:
-        """Record the descriptors (a descriptor layer) or read the batch's clusters (a later one); ``ValueError``
-        off the CPU, where reading the members on the host would stall the device."""
-        if not host_reads_are_cheap(x.device):
-            raise ValueError(f"target='mixed' runs on the CPU only (its clusters are read on the host, which "
-                             f"would stall {x.device}'s queue); use target='robust' there")
+        """Record the descriptors (a descriptor layer) or give the batch's clusters (a later one; on ``x``'s
+        device, not read)."""
         router = self.route.router
         if self.route.describes:
             router.record(self.route.name, image_descriptors(x, images, pre, self.source))
@@ -431,7 +481,7 @@ class MixedLayerStream:
         if finite is False or y is None or of is None or blend == 0:  # a share of 0 leaves the shared map as it is
             return y, finite
         maps = [not starts for starts in self._starts()]
-        mapped = torch.tensor(maps + [False])[of]  # of == -1 reads the last flag
+        mapped = on_device(torch.tensor(maps + [False]), of.device)[of]  # of == -1 reads the last flag
         of = torch.where(mapped, of, torch.full_like(of, -1))  # a cluster without a state of its own scans nothing
         y = y.contiguous()
         r = self._clusters(x, images, pre, of, maps, y, blend)
@@ -446,13 +496,14 @@ class MixedLayerStream:
         its knots and table rebuilt when due), the shared state commits with the batch's predicted classes, and
         the router moves its centres (once)."""
         if staged.of is not None:
-            starting = [k for k, (size, starts) in enumerate(zip(cluster_sizes(staged.of, len(self.parts)),
+            of = self.route.router.on_host(staged.of)  # which images each cluster took decides the pushes
+            starting = [k for k, (size, starts) in enumerate(zip(cluster_sizes(of, len(self.parts)),
                                                                   staged.starts)) if size and starts]
             shared = self.shared.export_stream_state() if starting else None  # as it was before this batch
             for k in starting:
-                self.parts[k].load_state(shared)  # type: ignore[arg-type]
+                self.parts[k].take_state(shared)  # type: ignore[arg-type]
                 self.generations[k] = staged.generations[k]  # type: ignore[index]
-            sizes = self.kernels.cluster_push(staged.of, staged.lo, staged.hi, staged.counts,  # type: ignore[arg-type]
+            sizes = self.kernels.cluster_push(of, staged.lo, staged.hi, staged.counts,  # type: ignore[arg-type]
                                               [(part.window, part.group) for part in self.parts])
             for part, size in zip(self.parts, sizes):
                 if size:

@@ -362,6 +362,11 @@ class LayerStream:
         """Take the running state ``values`` (from :meth:`export_state`; checked by :meth:`check_state`
         first): tensors copied in place, so the buffers the kernels were handed stay."""
         self.check_state(values)
+        self.take_state(values)
+
+    def take_state(self, values: Mapping[str, object]) -> None:
+        """:meth:`load_state` of ``values`` known to fit (another state of this layer exported them), unchecked:
+        checking reads the values on the host, which a forward pass on a GPU must not."""
         for name, owner, attribute in self._parts():
             value = values[name]
             if isinstance(value, torch.Tensor):

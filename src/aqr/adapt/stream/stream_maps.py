@@ -79,10 +79,20 @@ class SharedStream:
         finally:
             self.end()
 
-    def commit(self, labels: torch.Tensor | None = None, host_labels: torch.Tensor | None = None) -> None:
+    def device_reads(self) -> tuple[torch.Tensor, ...]:
+        """What the commit of the batch in flight needs on the host and its layers left on a device (the
+        clusters' values, ``target="mixed"``'s): the caller reads them with the logits', in one copy
+        (:func:`aqr.adapt.stream.batch.host_outcome`), and hands them to :meth:`commit`."""
+        return () if self.router is None else self.router.device_reads()
+
+    def commit(self, labels: torch.Tensor | None = None, host_labels: torch.Tensor | None = None,
+               host_reads: tuple[torch.Tensor, ...] = ()) -> None:
         """Apply every update the batch in flight staged (it was finite everywhere); ``labels``: each image's
         predicted class, which class-balanced layers (``target="robust"``) need; ``host_labels``: the same on
-        the CPU where the caller has them (:func:`aqr.adapt.stream.batch.host_outcome`), else read here."""
+        the CPU where the caller has them (:func:`aqr.adapt.stream.batch.host_outcome`), else read here;
+        ``host_reads``: :meth:`device_reads`'s tensors, read on the CPU (else they are read here)."""
+        if self.router is not None:
+            self.router.took(host_reads)
         commit = BatchCommit(labels, self.current.values.runs, host_labels)
         for stream, staged in self.current.take_staged():
             stream.commit_batch(staged, commit)

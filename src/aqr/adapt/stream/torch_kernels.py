@@ -8,13 +8,15 @@ the window differ in order, not in value.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from aqr.adapt.layer_maps import host_reads_are_cheap
 from aqr.backends.base import Affine
-from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, PendingGroup, ScanResult,
-                                   StreamKernels, StreamTable, TailWindow, check_mixture_weights, check_scan,
-                                   on_device, settled)
+from aqr.adapt.stream.base import (COUNT, EDGE_BINS, IMAGE_COUNT, MAP, PAIRED, ClusterScan, PendingGroup,
+                                   ScanResult, StreamKernels, StreamTable, TailWindow, check_clusters,
+                                   check_mixture_weights, check_scan, on_device, settled)
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -132,9 +134,10 @@ def knot_levels(k: int, rows: int, device: torch.device | str) -> torch.Tensor:
 
 def count_bins(values: torch.Tensor, knots: torch.Tensor, cells: int) -> torch.Tensor:
     """Each value's bin (int64) of :meth:`~aqr.adapt.stream.base.StreamKernels.scan`'s histogram on the
-    knots ``(C, K)``: ``values`` ``(..., C, M)``, channel ``c``'s values in row ``c`` of the last two dims."""
-    k = knots.shape[1]
-    k0, k1, kb, kl = (knots[:, j : j + 1] for j in (0, 1, k - 2, k - 1))
+    knots ``(C, K)`` (or one set per leading index, ``(..., C, K)``): ``values`` ``(..., C, M)``, channel ``c``'s
+    values in row ``c`` of the last two dims."""
+    k = knots.shape[-1]
+    k0, k1, kb, kl = (knots[..., j : j + 1] for j in (0, 1, k - 2, k - 1))
     span = kb.double() - k1.double()
     cinv = torch.where(span > 0, saturate(cells / torch.where(span > 0, span, torch.ones_like(span))),
                        torch.zeros_like(k1))
@@ -245,6 +248,68 @@ class TorchStreamKernels(StreamKernels):
                 halves = torch.zeros(2, c, cells + EDGE_BINS, dtype=torch.int32, device=v.device)
                 counts = halves.index_add_(0, torch.arange(images, device=v.device) % 2, counts)
         return ScanResult(None if y is None else y.to(x.dtype), lo, hi, counts, finite)
+
+    def cluster_scan(self, x: torch.Tensor, images: int, pre: Affine | None, source: torch.Tensor,
+                     of: torch.Tensor, states: Sequence[tuple[torch.Tensor, StreamTable]], maps: Sequence[bool],
+                     blend: float, y: torch.Tensor, stride: int, cells: int) -> ClusterScan:
+        # every image at once, each on its cluster's state gathered by ``of`` on the device (the reference,
+        # StreamKernels.cluster_scan, reads ``of`` on the host): the same operations per value, so the same bits
+        check_clusters(x, images, source, of, states, maps, blend, y)
+        a, c, b = x.shape
+        rows = a // images
+        v = x.float()
+        if pre is not None:
+            v = v * pre[0].view(1, c, 1) + pre[1].view(1, c, 1)
+        v = v.reshape(images, rows, c, b)
+        lo, hi = v.amin(dim=(1, 3)), v.amax(dim=(1, 3))
+        member = of >= 0
+        at = of.clamp(min=0)  # an image of no cluster reads cluster 0's state; what it gives is dropped
+        counts = torch.zeros(len(states), c, cells + EDGE_BINS, dtype=torch.int32, device=x.device)
+        finite = settled((torch.isfinite(v).all(dim=(1, 2, 3)) | ~member).all())
+        if finite is False:
+            return ClusterScan(lo, hi, counts, False)
+        knots = torch.stack([k for k, _ in states])[at]  # (N, C, K)
+        values = v.permute(0, 2, 1, 3).reshape(images, c, -1)[:, :, ::stride]
+        bins = count_bins(values, knots, cells)
+        own = torch.zeros(images, c, cells + EDGE_BINS, dtype=torch.int32, device=x.device)
+        own.scatter_add_(2, bins, member.view(-1, 1, 1).to(torch.int32).expand_as(bins))
+        counts.index_add_(0, at, own)
+        if any(maps):
+            self._cluster_map(v, lo, hi, knots, source, [t for _, t in states], at,
+                              member & on_device(torch.tensor(list(maps)), x.device)[at], blend, y, x.dtype)
+        return ClusterScan(lo, hi, counts, finite)
+
+    @staticmethod
+    def _cluster_map(v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, knots: torch.Tensor, source: torch.Tensor,
+                     tables: list[StreamTable], at: torch.Tensor, mapped: torch.Tensor, blend: float,
+                     y: torch.Tensor, dtype: torch.dtype) -> None:
+        """:meth:`cluster_scan`'s maps: each image ``v`` ``(N, rows, C, B)`` mapped by its cluster's table (its
+        edge lines stretched to its own extremes ``lo``/``hi``, as :meth:`scan` of it alone), and the rows of
+        ``y`` of the ``mapped`` images moved ``blend`` of the way to it (the map rounded to ``dtype`` first, the
+        input's, as :meth:`scan` gives it)."""
+        n, _, c, _ = v.shape
+        col = lambda t: t.view(n, 1, c, 1)  # noqa: E731
+        k0, k1, kb, kl = (col(knots[:, :, j]) for j in (0, 1, -2, -1))
+        pairs = torch.stack([t.pairs for t in tables])[at]  # (N, C, G + 2, 2)
+        glo, ginv = torch.stack([t.glo for t in tables])[at], torch.stack([t.ginv for t in tables])[at]
+        g = pairs.shape[2] - 2
+        cell = index_of((v - col(glo)) * col(ginv) + 1.0, g + 1)
+        cell = torch.where(v >= kb, torch.full_like(cell, g + 1), cell)
+        cell = torch.where(v < k1, torch.zeros_like(cell), cell)
+        flat = cell + (torch.arange(n * c, device=v.device) * (g + 2)).view(n, 1, c, 1)
+        m = pairs[..., 0].reshape(-1)[flat] * v + pairs[..., 1].reshape(-1)[flat]
+        d = lambda t: t.double()  # noqa: E731
+        s = source
+        al, bl = line(d(torch.minimum(lo, knots[:, :, 0])), d(s[:, 0]), d(knots[:, :, 1]), d(s[:, 1]), d(s[:, 1]))
+        ah, bh = line(d(knots[:, :, -2]), d(s[:, -2]), d(torch.maximum(hi, knots[:, :, -1])), d(s[:, -1]),
+                      d(s[:, -2]))
+        low = (v < k1) & col(lo < knots[:, :, 0])
+        high = (v >= kb) & ~(v < k1) & col(hi > knots[:, :, -1])
+        m = torch.where(low, col(al) * v + col(bl), m)
+        m = torch.where(high, col(ah) * v + col(bh), m).to(dtype).to(y.dtype)
+        weight = torch.tensor(blend, dtype=torch.float32, device=v.device)
+        shared = y.view(n, -1, c, v.shape[3])
+        shared.copy_(torch.where(mapped.view(n, 1, 1, 1), shared + weight * (m - shared), shared))
 
     def push(self, window: TailWindow, group: PendingGroup | None, counts: torch.Tensor | None,
              lo: torch.Tensor, hi: torch.Tensor) -> None:
