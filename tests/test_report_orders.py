@@ -136,3 +136,13 @@ def test_orders_sit_on_a_log_axis_with_iid_right_of_every_delta_and_mixed_apart(
     assert x["iid"] == 10.0 and x["mixed"] == 100.0 and x["mixed,delta=0.1"] == 1000.0
     assert order_positions(["iid", "delta=0.5"])["iid"] == 1.0 and order_positions(["iid"]) == {"iid": 1.0}
     assert all(math.isfinite(v) and v > 0 for v in x.values())
+
+
+@pytest.mark.parametrize("count", [3, 10, 13, 20])
+def test_a_figures_lines_get_colours_apart_up_to_twenty(count: int) -> None:
+    pytest.importorskip("matplotlib")
+    from aqr.util.plots import colors
+
+    names = [f"method {i}" for i in range(count)]
+    given = colors(names)
+    assert list(given) == names and len({tuple(c) for c in given.values()}) == count

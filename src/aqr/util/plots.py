@@ -73,12 +73,13 @@ def styles(names: Sequence[str]) -> dict[str, Style]:
 
 
 def colors(names: Sequence[str]) -> dict[str, Any]:
-    """One colour of matplotlib's ``tab10`` cycle per name, in order."""
+    """One colour per name, in order: matplotlib's ``tab10`` cycle for up to 10 names, else ``tab20`` (up to 20
+    names apart; past that, colours repeat)."""
     require_matplotlib()
     from matplotlib import colormaps
 
-    cmap = colormaps["tab10"]
-    return {name: cmap(i % 10) for i, name in enumerate(names)}
+    cmap, size = (colormaps["tab10"], 10) if len(names) <= 10 else (colormaps["tab20"], 20)
+    return {name: cmap(i % size) for i, name in enumerate(names)}
 
 
 def save(fig: Any, path: str | Path, formats: Sequence[str] = ("png",), dpi: int = 150,

@@ -111,9 +111,9 @@ def ccc_tables(rows: Sequence[Row]) -> list[Table]:
 
 
 def plot_ccc(rows: Sequence[Row], path: str | Path, window: int = WINDOW) -> list[Path]:
-    """Accuracy along each CCC stream (moving average over ``window`` images, at most a tenth of the stream),
-    one panel per stream (model,
-    batch size, stream), one line per method (the first seed), pair transitions marked; PNG and PDF."""
+    """Accuracy along each CCC stream (moving average over ``window`` images, at most a tenth of the stream, from
+    the first full window on), one panel per stream (model, batch size, stream), one line per method (the first
+    seed), pair transitions marked; PNG and PDF."""
     ok = _ok(rows)
     if not ok:
         raise ValueError("no ok CCC rows to plot")
@@ -125,8 +125,9 @@ def plot_ccc(rows: Sequence[Row], path: str | Path, window: int = WINDOW) -> lis
         seed = min(r.seed for r in group)
         for row in sorted((r for r in group if r.seed == seed), key=lambda r: variant_order(r.variant)):
             shown = min(window, max(1, row.detail["n"] // 10))  # a short stream: a tenth of it
-            curve = along_stream(row.detail, shown)
-            (handles[row.variant],) = ax.plot(np.arange(1, len(curve) + 1), curve, lw=0.9, color=colors[row.variant])
+            curve = along_stream(row.detail, shown)[shown - 1 :]  # from the first full window: fewer images swing
+            (handles[row.variant],) = ax.plot(np.arange(shown, shown + len(curve)), curve, lw=0.9,
+                                              color=colors[row.variant])
         for start, label in _pair_starts(group[0].detail)[1:]:
             ax.axvline(start, color="0.75", lw=0.6)
             ax.text(start, 1.0, label.replace("_", " "), rotation=90, va="top", ha="right", fontsize=6,
