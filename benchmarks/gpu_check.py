@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=540.0,
                         help="seconds for the whole run: a step gets what is left, none starts with under 30 s left")
     parser.add_argument("--stream-models", nargs="+", default=["resnet20-bn", "resnet50"])
-    parser.add_argument("--stream-methods", nargs="+", default=["aqr-stream", "aqr-robust", "aqr"])
+    parser.add_argument("--stream-methods", nargs="+", default=["aqr-stream", "aqr-robust", "aqr-mixed", "aqr"])
     parser.add_argument("--dry-run", action="store_true", help="print the steps' commands and stop")
     args = parser.parse_args(argv)
     plan = steps(args)

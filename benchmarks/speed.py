@@ -26,7 +26,8 @@ model itself is left as it is), each layout's ratios against its own plain forwa
 with other jobs the wall time of every method grows with the load, the CPU time much less.
 
 ``--stream`` measures small batches instead: per image, streaming AQR (``aqr-stream``),
-its class-balanced form (``aqr-robust``; ``aqr-robust-no-own`` with ``own_batch=False``, its cost on
+its class-balanced form (``aqr-robust``; ``aqr-mixed``, ``target="mixed"``, its form for streams that mix
+domains; ``aqr-robust-no-own`` with ``own_batch=False``, its cost on
 a stream of class runs; ``aqr-robust-classes`` with ``balance=0.5`` and statistics calibrated with class
 groups, whose class-conditional map works only on class runs: ``--stream-runs 32`` feeds every method
 the images in runs of 32 of one class), bn-ema, rbn, per-batch AQR and the plain forward at ``--stream-batch-sizes`` (1 and 4): each round feeds
@@ -88,8 +89,9 @@ MODELS.update({"resnet50": _resnet50, "vit-b16": _vit_b16})
 INPUT_SIZE = {"resnet50": 224, "vit-b16": 224}  # the rest take 32 x 32 images
 # aqr-torch: native=False (no C kernels on CPU); aqr-triton: triton=True (aqr's Triton kernels on a GPU)
 METHODS = ["source", "ttn", "aqr", "aqr-torch", "aqr-triton", "aqr-exact", "tent", "sar", "aqr-stream", "aqr-robust",
-           "aqr-robust-no-own", "aqr-robust-classes", "bn-ema", "rbn"]
-STREAM_METHODS = ["aqr-stream", "aqr-robust", "aqr-robust-no-own", "aqr-robust-classes", "bn-ema", "rbn", "aqr"]  # --stream: per image at small batches
+           "aqr-mixed", "aqr-robust-no-own", "aqr-robust-classes", "bn-ema", "rbn"]
+STREAM_METHODS = ["aqr-stream", "aqr-robust", "aqr-mixed", "aqr-robust-no-own", "aqr-robust-classes", "bn-ema", "rbn",
+                  "aqr"]  # --stream: per image at small batches
 SLOW_METHODS = ("aqr-exact", "tent", "sar")  # timed at the first batch size only on a GPU
 
 
@@ -144,6 +146,8 @@ def build(method: str, model: torch.nn.Module, stats: aqr.SourceStats, batch: in
         return methods.create("aqr", model, stats=stats, target="stream", protocol="online")
     if method == "aqr-robust":  # class-balanced streaming AQR (target="robust"), online
         return methods.create("aqr", model, stats=stats, target="robust", protocol="online")
+    if method == "aqr-mixed":  # streaming AQR for streams that mix domains (target="mixed"), online
+        return methods.create("aqr", model, stats=stats, target="mixed", protocol="online")
     if method == "aqr-robust-no-own":  # the same with the own-batch share shut, as on a stream of class runs
         return methods.create("aqr", model, stats=stats, target="robust", protocol="online", own_batch=False)
     if method == "aqr-robust-classes":  # with class-conditional source knots (statistics with groups)
@@ -289,7 +293,8 @@ def small_batches(args: argparse.Namespace) -> list[dict]:
     for name in args.models:
         model = MODELS[name]().eval().to(args.device)
         source, labels = labelled_images(2000)
-        stats = aqr.calibrate(model, source.split(500), device=args.device)
+        # with the images' descriptors, which target="mixed" clusters by (the other methods read none)
+        stats = aqr.calibrate(model, source.split(500), device=args.device, descriptors="aqr-mixed" in args.methods)
         grouped = None
         if "aqr-robust-classes" in args.methods:
             grouped = aqr.calibrate(model, list(zip(source.split(500), labels.split(500))), groups=16,
