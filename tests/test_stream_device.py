@@ -20,6 +20,7 @@ import torch
 import aqr
 import aqr.adapt.model as model_module
 from aqr.adapt.stream import base, mixed, stream_maps, torch_kernels
+from aqr.adapt.stream import batch as batch_module
 from aqr.adapt.stream.batch import HostOutcome, host_outcome
 from aqr.adapt.stream.robust import RobustLayerStream
 from tests import batch_reference
@@ -44,6 +45,44 @@ def calibrated(name: str = "bn") -> tuple[torch.nn.Module, aqr.SourceStats]:
     model = batch_reference.BUILDERS[name]().eval()
     return model, aqr.calibrate(model, [images(64, seed=s) for s in range(2)], num_quantiles=21, compile=False,
                                 descriptors=True)
+
+
+class NoBlockingCopies:
+    """Fails a copy from the host to another device that would wait for the device's queue: ``torch.tensor`` or
+    ``torch.as_tensor`` made on a device, a CPU tensor's ``.to`` a device without ``non_blocking``, or ``copy_``
+    of a CPU tensor into a device's (on a GPU each waits; on ``meta`` none fails by itself)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.on = False
+
+        def off_cpu(device: object) -> bool:
+            return device is not None and torch.device(device).type != "cpu"
+
+        def made(real: object) -> object:
+            def make(*args: object, **kwargs: object) -> torch.Tensor:
+                if self.on and off_cpu(kwargs.get("device")):
+                    raise AssertionError(f"a blocking copy to {kwargs['device']} inside a forward")
+                return real(*args, **kwargs)  # type: ignore[operator]
+            return make
+
+        real_to, real_copy = torch.Tensor.to, torch.Tensor.copy_
+
+        def to(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            out = real_to(t, *args, **kwargs)
+            if (self.on and t.device.type == "cpu" and out.device.type != "cpu"
+                    and not kwargs.get("non_blocking", False)):
+                raise AssertionError(f"a blocking copy to {out.device} inside a forward")
+            return out
+
+        def copy_(t: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+            if self.on and t.device.type != "cpu" and src.device.type == "cpu" and src.ndim and not non_blocking:
+                raise AssertionError(f"a blocking copy to {t.device} inside a forward")
+            return real_copy(t, src, non_blocking)
+
+        monkeypatch.setattr(torch, "tensor", made(torch.tensor))
+        monkeypatch.setattr(torch, "as_tensor", made(torch.as_tensor))
+        monkeypatch.setattr(torch.Tensor, "to", to)
+        monkeypatch.setattr(torch.Tensor, "copy_", copy_)
 
 
 class CountedSteps:
@@ -83,11 +122,17 @@ def test_a_stream_forward_on_the_device_path_reads_back_once(monkeypatch: pytest
     monkeypatch.setattr(model_module, "host_outcome", outcome)
     steps = CountedSteps(monkeypatch)
     adapter = aqr.AQR(copy.deepcopy(model).to("meta"), stats, rebuild_every=4, compile=False, **CASES[case])
-    for i, n in enumerate(SIZES):
-        out = adapter(torch.empty(n, 3, 8, 8, device="meta"))  # any read of a meta tensor raises
+    blocking = NoBlockingCopies(monkeypatch)
+    inputs = [torch.empty(n, 3, 8, 8, device="meta") for n in SIZES]
+    for i, (n, x) in enumerate(zip(SIZES, inputs)):
+        # any read of a meta tensor raises, and after the first batch (which moves the statistics to the device
+        # once, as the GPU test lets it) so does a blocking copy to it
+        blocking.on = i > 0
+        out = adapter(x)
         assert out.device.type == "meta" and out.shape[0] == n
         assert len(reads) == i + 1, "one read per forward pass"
-    adapter.forward_held(torch.empty(3, 3, 8, 8, device="meta"))
+    adapter.forward_held(inputs[1][:1].expand(3, -1, -1, -1))
+    blocking.on = False
     assert len(reads) == len(SIZES) + 1
     streams = [s for m in adapter._maps.values() for s in m.streams.values()]
     assert streams and all(s.started and s.knots.device.type == "meta" for s in streams)
@@ -106,7 +151,7 @@ def run_stream(options: dict[str, object], device_path: bool, monkeypatch: pytes
     """Outputs and final state of a torch-kernel stream over ``batches``, on the device path where asked."""
     with monkeypatch.context() as patch:
         if device_path:
-            for module in (base, torch_kernels, stream_maps, mixed):
+            for module in (base, torch_kernels, stream_maps, mixed, batch_module):
                 patch.setattr(module, "host_reads_are_cheap", lambda device: False)
         steps = CountedSteps(patch)
         model, stats = calibrated()
@@ -153,12 +198,10 @@ def test_host_outcome_reads_the_flag_and_the_classes_in_one_copy() -> None:
 
 
 def test_one_copy_gives_back_every_tensor_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    # off the CPU the tensors travel as one buffer of bytes: made to take that path here by a device check
-    # that says no tensor is on the CPU; bool, int64 and float64 side by side (misaligned offsets included)
-    import aqr.adapt.stream.batch as batch_module
-
+    # off the CPU the tensors travel as one buffer of bytes: made to take that path here by saying that reads
+    # on the CPU are not cheap; bool, int64, float64 and float32 side by side (misaligned offsets included)
     tensors = [torch.tensor([True]), torch.tensor([[3, -1], [7, 2]]), torch.randn(3, 5, dtype=torch.float64),
-               torch.tensor([1.5], dtype=torch.float32)]
+               torch.tensor([1.5], dtype=torch.float32), torch.arange(6.0)[::2]]
     copies: list[torch.Tensor] = []
     real_cat = torch.cat
 
@@ -167,15 +210,14 @@ def test_one_copy_gives_back_every_tensor_whole(monkeypatch: pytest.MonkeyPatch)
         copies.append(joined)
         return joined
 
+    monkeypatch.setattr(batch_module, "host_reads_are_cheap", lambda device: False)
     monkeypatch.setattr(batch_module.torch, "cat", counted_cat)
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("meta")), raising=False)
-    try:
-        out = batch_module.one_copy(tensors)
-    finally:
-        monkeypatch.undo()
+    out = batch_module.one_copy(tensors)
+    monkeypatch.undo()
     assert len(copies) == 1 and copies[0].dtype == torch.uint8
     for a, b in zip(tensors, out):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        assert b.data_ptr() != a.data_ptr()  # a copy, not the tensor itself
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the sync debug mode of a GPU")
@@ -276,4 +318,9 @@ def test_a_stream_moved_to_the_gpu_continues_as_on_the_cpu(target: str) -> None:
     moved.cuda()
     assert all(set(m.streams) == {torch.device("cuda", torch.cuda.current_device())} for m in moved._maps.values())
     for x in batches[5:]:
-        torch.testing.assert_close(moved(x.cuda()).cpu(), reference(x), rtol=1e-4, atol=1e-4)
+        out, expected = moved(x.cuda()).cpu(), reference(x)
+        if target == "mixed":  # an image near two centres may join the other on the GPU's rounding: its map moves
+            agree = (out.argmax(1) == expected.argmax(1)).float().mean().item()
+            assert agree >= 0.9 and (out - expected).abs().median().item() < 1e-3
+        else:
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

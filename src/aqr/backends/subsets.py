@@ -57,7 +57,8 @@ class SubsetCache:
         key = (a, c, b, x.device)
         if key not in self._cache:
             pos = self.draw(a * b, a)
-            self._cache[key] = (pos // b * (c * b) + pos % b).to(x.device)
+            # drawn on the host; copied without waiting for the device's queue (a new batch size mid-stream)
+            self._cache[key] = (pos // b * (c * b) + pos % b).to(x.device, non_blocking=True)
         return self._cache[key]
 
     def strided_positions(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ class SubsetCache:
         key = (a, b, sa, sb, x.device, "strided")
         if key not in self._offsets:
             pos = self.draw(a * b, a)
-            self._offsets[key] = ((pos // b) * sa + (pos % b) * sb).to(x.device)
+            self._offsets[key] = ((pos // b) * sa + (pos % b) * sb).to(x.device, non_blocking=True)
         return self._offsets[key]
 
     def offsets(self, x: torch.Tensor) -> torch.Tensor:

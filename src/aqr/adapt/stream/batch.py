@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from aqr.adapt.layer_maps import host_reads_are_cheap
+
 if TYPE_CHECKING:
     from aqr.adapt.stream.running import LayerStream
 
@@ -154,10 +156,12 @@ def host_outcome(finite: bool | torch.Tensor, labels: torch.Tensor | None = None
 
 def one_copy(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` on the CPU (their shapes and dtypes), copied off their device in one transfer: their bytes
-    side by side (a transfer makes the host wait for the device's queue; one is the least)."""
-    if all(t.device.type == "cpu" for t in tensors):
+    side by side (a transfer makes the host wait for the device's queue; one is the least). Tensors on other
+    devices (the CPU's too: logits a model moved there) join the first one's without waiting."""
+    off = [t.device for t in tensors if not host_reads_are_cheap(t.device)]
+    if not off:
         return [t.detach() for t in tensors]
-    flat = [t.detach().contiguous().view(-1) for t in tensors]
+    flat = [t.detach().contiguous().view(-1).to(off[0], non_blocking=True) for t in tensors]
     raw = torch.cat([f.view(torch.uint8) for f in flat]).cpu()
     out, at = [], 0
     for t, f in zip(tensors, flat):

@@ -65,7 +65,7 @@ import torch
 from aqr.adapt.config import AQRConfig, check_blend, check_components
 from aqr.adapt.layer_maps import host_reads_are_cheap
 from aqr.adapt.stream.base import ClusterScan, Flag, StreamKernels, all_finite, cluster_sizes, on_device
-from aqr.adapt.stream.batch import BatchCommit, BatchValues
+from aqr.adapt.stream.batch import BatchCommit, BatchValues, one_copy
 from aqr.adapt.stream.robust import RobustLayerStream, RobustSettings, RobustStaged
 from aqr.adapt.stream.running import COUNT_CELLS, COUNT_STRIDE, BatchKnots, LayerStream, StreamSettings
 from aqr.backends import Affine
@@ -208,12 +208,22 @@ class ComponentRouter:
         """:meth:`device_reads`' tensors as the forward's one read copied them to the host (``()``: none taken)."""
         self._host = tuple(host)
 
+    def _read(self) -> tuple[torch.Tensor, ...]:
+        """:meth:`device_reads`' tensors on the host: as :meth:`took` got them, else read here once for the batch
+        (a caller that gave none, as :class:`aqr.adapt.pre_affine.PreAffineAQR`)."""
+        if not self._host:
+            self._host = tuple(one_copy(self.device_reads()))
+        return self._host
+
     def on_host(self, of: torch.Tensor) -> torch.Tensor:
-        """The batch's assignment ``of`` on the CPU: the host copy :meth:`took` got where ``of`` is off the CPU
-        (else read here: a caller that gave none, as :class:`aqr.adapt.pre_affine.PreAffineAQR`)."""
-        if of.device.type == "cpu":
+        """The batch's assignment ``of`` on the CPU (its host copy where ``of`` is off it)."""
+        if host_reads_are_cheap(of.device):
             return of
-        return self._host[1] if len(self._host) == 2 else of.cpu()
+        host = self._read()
+        if len(host) != 2 or host[1].shape != of.shape:
+            raise RuntimeError(f"target='mixed': the host copy of the batch's clusters does not fit its {len(of)} "
+                               f"images (the commit was given another batch's)")
+        return host[1]
 
     def commit(self) -> None:
         """A committed batch moves the centres (once per batch: the layers' commits call it through
@@ -222,8 +232,7 @@ class ComponentRouter:
         z = self._whitened
         if z is None:
             return  # a forward pass that skipped a descriptor layer: nothing to learn from
-        z = self._host[0] if self._host else z.cpu()
-        self._commit(z)
+        self._commit(z if host_reads_are_cheap(z.device) else self._read()[0])
         self.moved()
 
     def _commit(self, z: torch.Tensor) -> None:
@@ -445,6 +454,7 @@ class MixedLayerStream:
         map ``y`` moved ``blend`` of the way to its cluster's map (:meth:`StreamKernels.cluster_scan`)."""
         states = [(part.knots, part.current_table()) if mapped else (self.shared.knots, part.table)
                   for part, mapped in zip(self.parts, maps)]
+        of = on_device(of, x.device)  # a model split over devices: the descriptor layers' may be another
         return self.kernels.cluster_scan(x, images, pre, self.source, of, states, maps, blend, y, COUNT_STRIDE,
                                          COUNT_CELLS)
 

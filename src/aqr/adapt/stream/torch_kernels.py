@@ -307,7 +307,7 @@ class TorchStreamKernels(StreamKernels):
         high = (v >= kb) & ~(v < k1) & col(hi > knots[:, :, -1])
         m = torch.where(low, col(al) * v + col(bl), m)
         m = torch.where(high, col(ah) * v + col(bh), m).to(dtype).to(y.dtype)
-        weight = torch.tensor(blend, dtype=torch.float32, device=v.device)
+        weight = torch.full((), blend, dtype=torch.float32, device=v.device)  # filled there: no copy to wait on
         shared = y.view(n, -1, c, v.shape[3])
         shared.copy_(torch.where(mapped.view(n, 1, 1, 1), shared + weight * (m - shared), shared))
 
