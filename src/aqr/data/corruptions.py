@@ -224,19 +224,13 @@ def frost_fingerprint(frost_dir: str | Path) -> str:
     from aqr.util.files import sha256_cached
 
     folder = Path(frost_dir)
-    needed = FROST_FILES[:_FROST_USED]
-    missing = [name for name in needed if not (folder / name).is_file()]
-    if missing:
-        raise FileNotFoundError(f"frost overlays missing in {folder}: {', '.join(missing)} (expected {', '.join(needed)})")
-    listing = "\n".join(f"{name} {sha256_cached(folder / name)}" for name in needed)
+    listing = "\n".join(f"{path.name} {sha256_cached(path)}" for path in frost_overlay_paths(folder))
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
-def load_frost_overlays(frost_dir: str | Path, scale: float) -> tuple[np.ndarray, ...]:
-    """Read the frost overlays frost1.png .. frost5.jpg from ``frost_dir`` as uint8 RGB, resized by ``scale``.
-
-    Raises FileNotFoundError naming the folder and the missing files when any is absent.
-    """
+def frost_overlay_paths(frost_dir: str | Path) -> list[Path]:
+    """The paths of the frost overlays the corruption reads (frost1.png .. frost5.jpg) in ``frost_dir``;
+    ``FileNotFoundError`` naming the folder and the missing files when any is absent."""
     folder = Path(frost_dir)
     needed = FROST_FILES[:_FROST_USED]
     missing = [name for name in needed if not (folder / name).is_file()]
@@ -245,9 +239,17 @@ def load_frost_overlays(frost_dir: str | Path, scale: float) -> tuple[np.ndarray
             f"frost overlays missing in {folder}: {', '.join(missing)} (expected {', '.join(needed)}, "
             "the frost images of hendrycks/robustness ImageNet-C/create_c)"
         )
+    return [folder / name for name in needed]
+
+
+def load_frost_overlays(frost_dir: str | Path, scale: float) -> tuple[np.ndarray, ...]:
+    """Read the frost overlays frost1.png .. frost5.jpg from ``frost_dir`` as uint8 RGB, resized by ``scale``.
+
+    Raises FileNotFoundError naming the folder and the missing files when any is absent.
+    """
     overlays = []
-    for name in needed:
-        with Image.open(folder / name) as im:
+    for path in frost_overlay_paths(frost_dir):
+        with Image.open(path) as im:
             overlays.append(_resize_bilinear(np.asarray(im.convert("RGB")), scale))
     return tuple(overlays)
 

@@ -113,12 +113,10 @@ def stream_cache(cell: Cell) -> Path:
     """The folder that keeps a CCC cell's images once made: ``<DataSpec.root>/ccc_streams/<key>``, the key a
     hash of everything the images depend on (the files' contents, the pool, the stream, the seed and the
     generator's code), so the cells of every method on one stream share it and nothing else does."""
-    from aqr.data.corruptions import frost_fingerprint
+    from aqr.harness.fingerprints import file_fingerprint
     from aqr.harness.keys import canonical_json
-    from aqr.util.files import sha256_cached
 
-    files = {role: frost_fingerprint(path) if role == "frost" else sha256_cached(path)  # as the cell's key has them
-             for role, path in ccc_files(cell).items()}
+    files = {role: file_fingerprint(role, path, "CCC stream") for role, path in ccc_files(cell).items()}  # as the key
     payload = {"files": files,
                "pool": cell.data.eval_indices, "stream": CCCSpec.parse(cell.corruption).name, "seed": cell.seed,
                "code": _generator_code()}

@@ -12,12 +12,10 @@ import numpy as np
 import torch
 
 from aqr._version import __version__
-from aqr.data.corruptions import frost_fingerprint
-from aqr.data.images import is_image_source, listing_fingerprint
 from aqr.harness.ccc import ccc_files
 from aqr.harness.cells import Cell, CellResult, is_ccc, stream_corruptions
+from aqr.harness.fingerprints import file_fingerprint
 from aqr.harness.inputs import model_file, uses_image_folders
-from aqr.util.files import sha256_cached
 
 
 def cell_files(cell: Cell) -> dict[str, Path]:
@@ -43,17 +41,8 @@ def cell_files(cell: Cell) -> dict[str, Path]:
 
 def fingerprints(cell: Cell) -> dict[str, str]:
     """Role -> content key: a file's sha256, or an image folder's or list's listing (paths and sizes)."""
-    out = {}
-    for role, path in cell_files(cell).items():
-        if role == "frost":  # a CCC stream's overlays: the files the corruption reads, by content
-            out[role] = frost_fingerprint(path)
-            continue
-        if path.is_dir() or (role == "source" and is_image_source(path)):
-            out[role] = listing_fingerprint(path)
-            continue
-        if not path.is_file():
-            raise FileNotFoundError(f"{role} file of cell {cell.model.name}/{cell.corruption} not found: {path}")
-        out[role] = sha256_cached(path)
+    owner = f"cell {cell.model.name}/{cell.corruption}"
+    out = {role: file_fingerprint(role, path, owner) for role, path in cell_files(cell).items()}
     if model_file(cell.model) is None:
         out["weights"] = f"pretrained:{cell.model.model}"
     return out
