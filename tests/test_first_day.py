@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 import warnings
@@ -258,7 +259,14 @@ def test_the_report_index_starts_with_a_summary_and_explains_its_models() -> Non
 
     rows = [row("resnet20_trainstats", "source", 50.0), row("resnet20_trainstats", "aqr", 70.0),
             row("resnet20_trainstats", "tent", 60.0), row("mine", "source", 40.0), row("mine", "tent", 45.0)]
+    for speed, accuracies in ((1000, (40.0, 62.0)), (400, (44.0, 58.0))):  # each CCC stream a run of its own
+        for method, accuracy in zip(("source", "eta"), accuracies):
+            ccc = row("resnet20_trainstats", method, accuracy)
+            rows.append(dataclasses.replace(ccc, key=f"{ccc.key}{speed}", protocol="online",
+                                            corruption=f"ccc:baseline=40,speed={speed},images=100000"))
     text = "\n".join(summary_lines(rows))
+    assert "| resnet20_trainstats | ccc:baseline=40,speed=1000,images=100000 | online | 64 | ETA | 62.00 | 40.00 | 2 |" in text
+    assert "| resnet20_trainstats | ccc:baseline=40,speed=400,images=100000 | online | 64 | ETA | 58.00 | 44.00 | 2 |" in text
     assert text.startswith("## Summary")
     assert "| resnet20_trainstats | per corruption | episodic | 64 | AQR | 70.00 | 50.00 | 3 |" in text
     assert "| mine | per corruption | episodic | 64 | TENT | 45.00 | 40.00 | 2 |" in text

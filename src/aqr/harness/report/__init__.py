@@ -188,8 +188,7 @@ def summary_lines(rows: Sequence[Row]) -> list[str]:
     ok = [r for r in rows if r.status == "ok" and r.accuracy is not None]
     runs: dict[tuple[str, str, str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in ok:
-        setting = row_setting(r) if is_continual(r) else "per corruption"
-        runs[(r.model, setting, r.protocol, r.batch_size)][r.variant].append(float(r.accuracy))  # type: ignore[arg-type]
+        runs[(r.model, summary_setting(r), r.protocol, r.batch_size)][r.variant].append(float(r.accuracy))  # type: ignore[arg-type]
     if not runs:
         return []
     lines = ["## Summary", "", "The best method of each run (mean accuracy over the run's cells, %) beside the "
@@ -205,6 +204,14 @@ def summary_lines(rows: Sequence[Row]) -> list[str]:
     if notes:
         lines += ["", "Models:", "", *notes]
     return lines + [""]
+
+
+def summary_setting(row: Row) -> str:
+    """The setting a row's run goes under in the summary: a CCC stream its own (its speed and length make another
+    stream), a continual setting by name, else "per corruption"."""
+    if is_ccc_row(row):
+        return row.corruption
+    return row_setting(row) if is_continual(row) else "per corruption"
 
 
 def index_markdown(result: Mapping[str, Any], tables: Sequence[Table], figure_files: Mapping[str, Sequence[Path]],
