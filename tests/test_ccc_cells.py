@@ -3,6 +3,7 @@ the bench, keyed by the table's content, checkpointed and resumed like other str
 
 from __future__ import annotations
 
+import base64
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from aqr.harness.cell_run import run_cell
 from aqr.harness.grid_driver import keyed_cells, run_grid
 from aqr.harness.inputs import load_model
 from aqr.harness.report import report
-from aqr.harness.results import ResultsDB
+from aqr.harness.results import ResultsDB, Row
 from aqr.harness.settings import SETTINGS, apply_ccc, apply_setting, setting_of
 from aqr.harness.specs import MethodSpec
 from aqr.harness.stream_checkpoint import StreamCheckpoint
@@ -228,3 +229,32 @@ def test_a_ccc_stream_with_frost_runs_and_keys_its_overlays_by_content(ccc_grid,
     (frost / FROST_FILES[1]).unlink()
     with pytest.raises(FileNotFoundError, match="frost overlays missing"):
         fingerprints(cell)
+
+
+def _ccc_row(variant: str, corruption: str, correct: list[int]) -> Row:
+    bits = np.asarray(correct, dtype=bool)
+    detail = {"correct": base64.b64encode(np.packbits(bits)).decode(), "n": len(bits)}
+    return Row(f"{variant}/{corruption}", "m", variant.partition("[")[0], variant, "cifar10-c", corruption, 0, 64, 1,
+               "online", "ok", 100.0 * bits.mean(), len(bits), 1.0, None, {}, {}, 0.0, detail)
+
+
+def test_the_ccc_target_table_sets_the_recommended_configuration_against_the_best_field_method() -> None:
+    from aqr.harness.report.ccc_tables import ccc_target_table
+
+    short, long = "ccc:baseline=40,speed=1000,images=100000", "ccc:baseline=40,speed=1000,images=300000"
+    tenth = lambda first, middle, last: [1] * first + [0] * (10 - first) + middle + [1] * last + [0] * (10 - last)  # noqa: E731
+    rows = [_ccc_row("source", short, tenth(5, [0] * 80, 5)), _ccc_row("eta", short, tenth(6, [1] * 80, 6)),
+            _ccc_row("aqr+roid[target=robust]", short, tenth(6, [1] * 70 + [0] * 10, 6)),
+            _ccc_row("aqr[target=stream]", short, tenth(9, [1] * 80, 9)),  # an AQR configuration: not a rival
+            # the long stream: above every rival, but 3 points behind Source's gap by its last tenth (collapse)
+            _ccc_row("source", long, tenth(5, [0] * 80, 5)), _ccc_row("rdumb", long, tenth(5, [0] * 79 + [1], 5)),
+            _ccc_row("aqr+roid[target=robust]", long, tenth(8, [1] * 80, 5))]
+    table = ccc_target_table(rows, "aqr+roid:target=robust")
+    by_label = {label.split(" · ")[2]: [e.text for e in entries] for label, entries in zip(table.labels, table.entries)}
+    assert by_label["baseline=40,speed=1000,images=100000"] == ["82.0", "ETA 92.0", "-10.0", "+0.0", "no"]
+    assert by_label["baseline=40,speed=1000,images=300000"] == ["93.0", "RDumb 11.0", "+82.0", "-30.0", "no"]
+    # a drift upwards on the long stream is no collapse
+    rows[-1] = _ccc_row("aqr+roid[target=robust]", long, tenth(5, [1] * 80, 8))
+    table = ccc_target_table(rows, "aqr+roid:target=robust")
+    assert [e.text for e in table.entries[1]][-2:] == ["+30.0", "yes"] and "300000" in table.labels[1]
+    assert ccc_target_table(rows[:1], "aqr+roid:target=robust").entries[0][0].text == "not run"

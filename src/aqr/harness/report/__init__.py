@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from aqr.harness.report.ccc_tables import ccc_report, ccc_tables, is_ccc_row, write_ccc_figures
+from aqr.harness.report.ccc_tables import ccc_report, ccc_tables, ccc_target_table, is_ccc_row, write_ccc_figures
 from aqr.harness.report.field_tables import cost_points, plot_costs, row_setting, setting_tables
 from aqr.harness.report.field_target import choose_defaults, recommended_table, target_table
 from aqr.harness.report.figures import (architecture_bars, closest_severity, mean_se, plot_architectures,
@@ -99,7 +99,7 @@ def build_tables(rows: Sequence[Row]) -> list[Table]:
     from aqr.methods import RECOMMENDED
 
     rows_all = rows
-    streams = stream_tables(rows) + ccc_tables(rows)
+    streams = stream_tables(rows) + ccc_tables(rows) + [ccc_target_table(rows, RECOMMENDED["offline"])]
     rows = [r for r in rows if not is_continual(r) and not is_ccc_row(r)]
     models = sorted({r.model for r in rows})
     tables = [summary_table(rows, m) for m in models]
