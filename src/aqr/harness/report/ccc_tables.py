@@ -19,7 +19,7 @@ import numpy as np
 from aqr.harness.ccc import CCCSpec
 from aqr.harness.cells import is_ccc
 from aqr.harness.continual import along_stream, correctness
-from aqr.harness.report.field_target import is_field_method, spec_variant
+from aqr.harness.report.field_target import best_field, spec_variant
 from aqr.harness.report.figures import finish_figure
 from aqr.harness.report.tables import (Entry, Table, bold_best, flag_incomplete, group_by, method_label, summarize,
                                        variant_order, variants_in)
@@ -115,16 +115,15 @@ def ccc_target_table(rows: Sequence[Row], recommended: str) -> Table | None:
     for key in sorted({_stream_of(r) for r in ok}):
         here = [r for r in ok if _stream_of(r) == key]
         means = {v: float(np.mean([r.accuracy for r in here if r.variant == v])) for v in variants_in(here)}
-        field = {v: a for v, a in means.items() if is_field_method(v)}
-        best = max(field, key=field.__getitem__) if field else None
+        best = best_field(means)
         source = {r.seed: tenths(r) for r in here if r.variant == "source"}
         drifts = [(last - source[r.seed][1]) - (first - source[r.seed][0])
                   for r in here if r.variant == chosen and r.seed in source for first, last in [tenths(r)]]
         long = CCCSpec.parse(key[2]).images >= LONG_STREAM
         row = [Entry(f"{means[chosen]:.1f}", means[chosen], None, 1) if chosen in means else Entry("not run"),
-               Entry(f"{method_label(best)} {field[best]:.1f}", field[best], None, 1) if best else Entry("")]
+               Entry(f"{method_label(best)} {means[best]:.1f}", means[best], None, 1) if best else Entry("")]
         if chosen in means and best:
-            gap = means[chosen] - field[best]
+            gap = means[chosen] - means[best]
             drift = float(np.mean(drifts)) if drifts else None
             collapsed = long and (drift is None or drift < -COLLAPSE_POINTS)
             row += [Entry(f"{gap:+.1f}", gap, None, 1),

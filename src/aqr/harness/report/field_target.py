@@ -43,6 +43,13 @@ def is_field_method(variant: str) -> bool:
     return not is_aqr_config(variant) and variant.partition("[")[0] != "moments"
 
 
+def best_field(accuracies: Mapping[str, float]) -> str | None:
+    """The variant of ``accuracies`` (variant -> accuracy) that leads among the field's methods
+    (:func:`is_field_method`); ``None`` where none of them is there."""
+    field = [v for v in accuracies if is_field_method(v)]
+    return max(field, key=accuracies.__getitem__) if field else None
+
+
 def protocol_of(row: Row) -> str:
     """``"offline"`` (every batch adapted on) or ``"realtime"``."""
     return REALTIME if row.protocol == REALTIME else OFFLINE
@@ -152,16 +159,15 @@ def target_table(rows: Sequence[Row], defaults: Mapping[str, Mapping[str, str]],
                 default = protocols.get(protocol)
                 if not here or default is None:
                     continue
-                field = {v: a for v, a in here.items() if is_field_method(v)}
                 ours = {v: a for v, a in here.items() if is_aqr_config(v)}
-                best = max(field, key=field.__getitem__) if field else None
+                best = best_field(here)
                 oracle = max(ours, key=ours.__getitem__) if ours else None
                 row = [Entry(method_label(default)),
                        Entry(f"{here[default]:.{DIGITS}f}", here[default], None, 1) if default in here else Entry(""),
-                       _named(best, field[best]) if best else Entry(""),
+                       _named(best, here[best]) if best else Entry(""),
                        _named(oracle, ours[oracle]) if oracle else Entry("")]
                 if best and default in here:
-                    gap = here[default] - field[best]
+                    gap = here[default] - here[best]
                     row += [Entry(f"{gap:+.{DIGITS}f}", gap, None, 1), Entry("yes" if gap >= 0 else "no")]
                 else:
                     row += [Entry(""), Entry("")]
