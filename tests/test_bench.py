@@ -302,6 +302,8 @@ def test_run_grid_fills_the_database_and_resumes(tiny: GridSpec, tmp_path: Path)
         assert all(100.0 * per_image[r.key].mean() == pytest.approx(r.accuracy) for r in ok)
         prov = ok[0].provenance
         assert prov["torch"] and prov["files"]["eval"] and prov["seed"] == 0 and prov["protocol"] == "episodic"
+        # the vector unit the cell's CPU kernels used: another one gives other bits of the same sums
+        assert prov["cpu"] == torch.backends.cpu.get_cpu_capability() and prov["device"] == "cpu"
         assert len({stats_path(c, tmp_path / "cache") for c in tiny.cells() if c.method == "aqr"}) == 2
         first_created = {r.key: r.created for r in rows}
 

@@ -101,7 +101,8 @@ def run_cell(cell: Cell, cache_dir: str | Path = "cache", progress: bool = False
 
     t0 = time.perf_counter()
     with torch_threads(threads):
-        where = {"node": platform.node(), "threads": torch.get_num_threads(), "device": str(device or "cpu")}
+        where = {"node": platform.node(), "threads": torch.get_num_threads(), "device": str(device or "cpu"),
+                 "cpu": torch.backends.cpu.get_cpu_capability()}
         try:
             torch.manual_seed(cell.seed)
             method = build_method(cell, cache_dir, device, loader_workers, stats_file)

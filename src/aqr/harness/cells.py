@@ -364,8 +364,10 @@ def stream_positions(cell: Cell, labels: Sequence[int]) -> Sequence[int] | None:
 class CellResult:
     """What a cell produced. ``status``: ``"ok"``, ``"n/a"`` (method not applicable) or ``"error"``.
 
-    ``node``, ``threads`` and ``device``: the host that ran the cell, torch's thread count and the
-    device there (``None`` when the cell never ran, e.g. its worker died). ``detail``: what a continual
+    ``node``, ``threads``, ``device`` and ``cpu``: the host that ran the cell, torch's thread count, the
+    device there and the vector unit torch's CPU kernels use there (``torch.backends.cpu.get_cpu_capability()``,
+    e.g. ``"AVX512"``: machines with another give other bits of the same floating-point sums) (``None`` when
+    the cell never ran, e.g. its worker died). ``detail``: what a continual
     cell keeps beyond its accuracy (:func:`aqr.harness.continual.stream_detail`).
     """
 
@@ -377,5 +379,6 @@ class CellResult:
     node: str | None = None
     threads: int | None = None
     device: str | None = None
+    cpu: str | None = None
     detail: dict[str, Any] | None = None
     correct: bytes | None = None  # per image, in evaluation order: aqr.harness.results.pack_correct

@@ -68,8 +68,8 @@ def provenance(cell: Cell, files: dict[str, str], key: str, result: CellResult |
                executor: str = "local", run: str | None = None) -> dict[str, Any]:
     """Everything needed to trust and reproduce a row: versions, commit, hashes, seed, protocol.
 
-    ``host`` is where the grid's driver ran; ``node``, ``threads`` and ``device`` where and how the
-    cell ran (from its ``result``), ``executor`` what ran it and ``run`` which driver.
+    ``host`` is where the grid's driver ran; ``node``, ``threads``, ``device`` and ``cpu`` (torch's CPU
+    capability) where and how the cell ran (from its ``result``), ``executor`` what ran it and ``run`` which driver.
     """
     result = result or CellResult("ok")
     order = "numpy default_rng(seed).permutation(pool)[:n_images]"
@@ -82,7 +82,7 @@ def provenance(cell: Cell, files: dict[str, str], key: str, result: CellResult |
         "aqr": __version__, "torch": torch.__version__, "numpy": np.__version__,
         "python": platform.python_version(), "git_commit": git_commit(), "host": platform.node(),
         "machine": platform.machine(), "executor": executor, "run": run, "node": result.node,
-        "threads": result.threads, "device": result.device, "config_hash": key,
+        "threads": result.threads, "device": result.device, "cpu": result.cpu, "config_hash": key,
         "files": files, "seed": cell.seed, "protocol": cell.protocol,
         "source": {"data": cell.model.source_data, "indices": cell.model.source_indices},
         "eval": {"data": cell.data.root, "pool": cell.data.eval_indices, "n_images": cell.n_images,
