@@ -114,6 +114,10 @@ def test_image_folder_tree_and_lists(folder: Path, tmp_path: Path) -> None:
     listing.write_text(f"{data.samples[0][0]} 7\n{data.samples[1][0]}\n")
     with pytest.raises(ValueError, match="some lines have a label"):
         ImageFolder(listing)
+    binary = tmp_path / "frost1.png"  # an image where a list was expected: named, not a decoding traceback
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
+    with pytest.raises(ValueError, match="frost1.png: not a list of images"):
+        ImageFolder(binary)
     (tmp_path / "flat").mkdir()
     with pytest.raises(FileNotFoundError, match="no class sub-folders"):
         ImageFolder(tmp_path / "flat")

@@ -121,7 +121,12 @@ def read_image_list(path: Path) -> tuple[list[str], list[tuple[Path, int]]]:
     Blank lines and lines starting with ``#`` are skipped.
     """
     entries: list[tuple[Path, int | None]] = []
-    for number, raw in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:  # an image or archive given where a list was expected
+        raise ValueError(f"{path}: not a list of images (a text file, one image a line): byte {err.start} is "
+                         "not UTF-8") from None
+    for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
